@@ -59,7 +59,7 @@ def _add_topology(p: argparse.ArgumentParser) -> None:
         action="append",
         dest="vllm_args",
         metavar="ARG",
-        help="extra vLLM argument (repeatable)",
+        help="extra vLLM argument, e.g. --vllm-arg=--dtype=float32 (repeatable)",
     )
 
 

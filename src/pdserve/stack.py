@@ -7,6 +7,7 @@ its own. Leaving the ``with`` block stops the proxy and every instance, whatever
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -106,8 +107,13 @@ class Stack:
     def start(self) -> None:
         self._say("preparing model ...")
         self.model = resolve_model(self.topology.model, self.engine_python)
+        topology = self.topology
+        if self.model.is_embedded and not any(a.startswith("--dtype") for a in topology.vllm_args):
+            # float32, not vLLM CPU's bf16 default: greedy text must match across CPUs with and without
+            # bf16 support, and the equality oracle holds only when every instance uses one dtype.
+            topology = dataclasses.replace(topology, vllm_args=("--dtype", "float32", *topology.vllm_args))
         specs = plan_instances(
-            self.topology,
+            topology,
             self.model.path,
             self.model.served_model_name,
             sorted(os.sched_getaffinity(0)),

@@ -25,7 +25,11 @@ def test_prefill_instances_come_first_with_consecutive_ports() -> None:
     assert [s.name for s in specs] == ["prefill-0", "prefill-1", "decode-0"]
     assert [s.port for s in specs] == [9200, 9201, 9202]
     assert [s.side_channel_port for s in specs] == [5800, 5801, 5802]
-    assert [s.url for s in specs] == ["http://127.0.0.1:9200", "http://127.0.0.1:9201", "http://127.0.0.1:9202"]
+    assert [s.url for s in specs] == [
+        "http://127.0.0.1:9200",
+        "http://127.0.0.1:9201",
+        "http://127.0.0.1:9202",
+    ]
     for spec in specs:
         assert arg_value(spec, "--port") == str(spec.port)
         assert arg_value(spec, "--host") == "127.0.0.1"
@@ -81,7 +85,12 @@ def test_1p1d_on_two_cores_gets_one_core_each() -> None:
 
 
 def test_2p2d_on_four_cores_gets_one_core_each_and_1p1d_two_each() -> None:
-    assert binds(plan_instances(Topology(num_prefill=2, num_decode=2), "/m", None, range(4))) == ["0", "1", "2", "3"]
+    assert binds(plan_instances(Topology(num_prefill=2, num_decode=2), "/m", None, range(4))) == [
+        "0",
+        "1",
+        "2",
+        "3",
+    ]
     assert binds(plan_instances(Topology(), "/m", None, [3, 2, 1, 0])) == ["0-1", "2-3"]
 
 
@@ -115,7 +124,7 @@ def test_cuda_gives_each_instance_its_own_gpus_and_no_cpu_settings() -> None:
 
 def test_cuda_with_too_few_gpus_is_a_config_error() -> None:
     topology = Topology(num_prefill=2, num_decode=2, device="cuda", gpus_per_instance=2)
-    with pytest.raises(ConfigError, match="needs 8 GPUs .* but 7 are available"):
+    with pytest.raises(ConfigError, match=r"needs 8 GPUs .* but 7 are available"):
         plan_instances(topology, "/m", None, [0, 1], gpu_ids=range(7))
     with pytest.raises(ConfigError, match="needs 2 GPUs"):
         plan_instances(Topology(device="cuda"), "/m", None, [0, 1])

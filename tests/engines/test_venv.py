@@ -12,6 +12,8 @@ from pdserve.engines import venv
 from pdserve.engines.venv import ENGINE_PYTHON_ENV, find_engine_python
 from pdserve.errors import ConfigError
 
+real_repo_root = venv._repo_root
+
 
 @pytest.fixture
 def fake_python(tmp_path: Path) -> str:
@@ -61,7 +63,7 @@ def test_this_python_is_used_when_it_has_vllm(monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_no_engine_python_explains_how_to_get_one() -> None:
-    with pytest.raises(ConfigError, match="make engine-venv.*--engine-python"):
+    with pytest.raises(ConfigError, match=r"make engine-venv.*--engine-python"):
         find_engine_python()
 
 
@@ -74,5 +76,5 @@ def test_missing_or_non_executable_explicit_path_is_a_config_error(fake_python: 
 
 
 def test_repo_root_is_this_checkout() -> None:
-    root = venv._repo_root()
+    root = real_repo_root()
     assert root is not None and (root / "src" / "pdserve" / "engines" / "venv.py").is_file()

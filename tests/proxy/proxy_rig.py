@@ -1,0 +1,37 @@
+"""The real proxy in front of fakes: the Rig the tests get, and a way to start a proxy of one's own."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fake_vllm import FakeVLLM, listening_socket, serve_in_thread
+
+from pdserve.config import ProxyConfig, Timeouts
+from pdserve.proxy.server import make_server
+
+# Short, so fault tests end quickly; every wait in a test is bounded by one of these plus slack.
+TIMEOUTS = Timeouts(connect=1, prefill=2, first_token=2, idle=1, decode=3)
+CLIENT_TIMEOUT = 15.0  # a broken proxy fails the test instead of hanging it
+
+
+@dataclass(frozen=True)
+class Rig:
+    url: str  # the proxy's base URL
+    prefill: FakeVLLM
+    decode: FakeVLLM
+    prefill_url: str
+    decode_url: str
+
+
+@contextmanager
+def running_proxy(prefill_urls: Sequence[str], decode_urls: Sequence[str], **config: Any) -> Iterator[str]:
+    """A real proxy server (``make_server``: uvloop, httptools) on a free port; yields its URL."""
+    sock = listening_socket()
+    proxy_config = ProxyConfig(
+        tuple(prefill_urls), tuple(decode_urls), port=sock.getsockname()[1], timeouts=TIMEOUTS, **config
+    )
+    with serve_in_thread(make_server(proxy_config, log_level="warning"), sock) as url:
+        yield url

@@ -1,0 +1,126 @@
+"""The proxy's routes besides generation: models, health, instances, the request walk-through, limits."""
+
+from __future__ import annotations
+
+import aiohttp
+import openai
+import orjson
+from fake_vllm import MODEL
+from proxy_rig import Rig, running_proxy
+
+
+async def get_json(http: aiohttp.ClientSession, url: str) -> tuple[int, dict]:
+    async with http.get(url) as resp:
+        return resp.status, orjson.loads(await resp.read())
+
+
+async def test_models_is_decodes_answer(rig: Rig, http: aiohttp.ClientSession) -> None:
+    status, through_proxy = await get_json(http, rig.url + "/v1/models")
+    assert status == 200
+    _, direct = await get_json(http, rig.decode_url + "/v1/models")
+    assert through_proxy == direct
+    assert [m["id"] for m in through_proxy["data"]] == [MODEL]
+    assert [r.path for r in rig.decode.requests] == ["/v1/models", "/v1/models"]  # the proxy's, then ours
+    assert rig.prefill.requests == []
+
+
+async def test_models_answers_502_when_no_decode_answers(
+    rig: Rig, http: aiohttp.ClientSession, dead_url: str
+) -> None:
+    with running_proxy([rig.prefill_url], [dead_url]) as url:
+        status, body = await get_json(http, url + "/v1/models")
+    assert status == 502
+    assert dead_url in body["error"]["message"]
+
+
+async def test_health_is_200_when_prefill_and_decode_answer(rig: Rig, http: aiohttp.ClientSession) -> None:
+    status, body = await get_json(http, rig.url + "/health")
+    assert status == 200
+    assert body["status"] == "ok"
+
+
+async def test_health_is_503_naming_the_dead_instance(
+    rig: Rig, http: aiohttp.ClientSession, dead_url: str
+) -> None:
+    with running_proxy([rig.prefill_url], [dead_url]) as url:
+        status, body = await get_json(http, url + "/health")
+    assert status == 503
+    assert body["status"] == "unavailable"
+    [dead] = [i for i in body["instances"] if not i["healthy"]]
+    assert (dead["role"], dead["url"]) == ("decode", dead_url)
+    assert "cannot connect" in dead["error"]
+
+
+async def test_instances_lists_role_url_and_health(rig: Rig, http: aiohttp.ClientSession) -> None:
+    status, body = await get_json(http, rig.url + "/instances")
+    assert status == 200
+    assert body["instances"] == [
+        {"role": "prefill", "url": rig.prefill_url, "healthy": True, "error": None},
+        {"role": "decode", "url": rig.decode_url, "healthy": True, "error": None},
+    ]
+
+
+async def test_requests_shows_the_last_requests_phases(
+    rig: Rig, client: openai.AsyncOpenAI, http: aiohttp.ClientSession
+) -> None:
+    await client.completions.create(
+        model=MODEL, prompt="Hello", max_tokens=3, extra_headers={"X-Request-Id": "walk-through"}
+    )
+    status, body = await get_json(http, rig.url + "/requests")
+    assert status == 200
+    last = body["requests"][-1]
+    assert last["request_id"] == "walk-through"
+    assert (last["endpoint"], last["stream"]) == ("completions", False)
+    assert (last["prefill_url"], last["prefill_status"]) == (rig.prefill_url, 200)
+    assert last["kv_transfer_params"] == rig.prefill.issued_kv_params[0]
+    assert (last["decode_url"], last["decode_status"]) == (rig.decode_url, 200)
+    assert last["local_prefill_reason"] is None
+    assert last["error"] is None
+    assert 0 < last["prefill_ms"] <= last["total_ms"]
+
+
+async def test_requests_records_a_streamed_error_event(
+    rig: Rig, client: openai.AsyncOpenAI, http: aiohttp.ClientSession
+) -> None:
+    rig.decode.fault = "error_event"
+    stream = await client.completions.create(
+        model=MODEL, prompt="Hello", max_tokens=3, stream=True, extra_headers={"X-Request-Id": "failed-pull"}
+    )
+    try:
+        async for _ in stream:
+            pass
+    except openai.APIError:
+        pass
+    _, body = await get_json(http, rig.url + "/requests")
+    last = body["requests"][-1]
+    assert last["request_id"] == "failed-pull"
+    assert last["stream_error_event"] is True
+    assert last["error"] == "decode streamed an error event"
+
+
+async def test_requests_records_why_a_request_was_not_split(
+    rig: Rig, client: openai.AsyncOpenAI, http: aiohttp.ClientSession
+) -> None:
+    await client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, n=2)
+    _, body = await get_json(http, rig.url + "/requests")
+    last = body["requests"][-1]
+    assert last["local_prefill_reason"] == "n > 1"
+    assert last["prefill_url"] is None
+    assert last["kv_transfer_params"] is None
+
+
+async def test_body_over_max_body_bytes_is_rejected_with_413(rig: Rig, http: aiohttp.ClientSession) -> None:
+    limit = 1024
+    at_limit = orjson.dumps({"model": MODEL, "max_tokens": 2, "prompt": ""})
+    at_limit = at_limit.replace(b'"prompt":""', b'"prompt":"' + b"x" * (limit - len(at_limit)) + b'"')
+    assert len(at_limit) == limit
+    over_limit = at_limit.replace(b'"prompt":"', b'"prompt":"x')
+    headers = {"Content-Type": "application/json"}
+    with running_proxy([rig.prefill_url], [rig.decode_url], max_body_bytes=limit) as url:
+        async with http.post(url + "/v1/completions", data=over_limit, headers=headers) as resp:
+            assert resp.status == 413
+            assert orjson.loads(await resp.read())["error"]["code"] == 413
+        assert rig.prefill.requests == []
+        assert rig.decode.requests == []
+        async with http.post(url + "/v1/completions", data=at_limit, headers=headers) as resp:
+            assert resp.status == 200

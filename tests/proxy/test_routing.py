@@ -1,0 +1,37 @@
+"""Routing policies, with plain objects: no HTTP involved."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.errors import ConfigError
+from pdserve.proxy.routing import POLICIES, RoundRobin, make_policy
+
+
+def test_round_robin_takes_each_instance_in_turn() -> None:
+    policy = RoundRobin()
+    assert [policy.choose(["a", "b", "c"]) for _ in range(7)] == ["a", "b", "c", "a", "b", "c", "a"]
+
+
+def test_round_robin_with_one_instance_always_takes_it() -> None:
+    policy = RoundRobin()
+    assert {policy.choose(["only"]) for _ in range(3)} == {"only"}
+
+
+def test_round_robin_with_no_instance_raises() -> None:
+    with pytest.raises(LookupError):
+        RoundRobin().choose([])
+
+
+def test_each_policy_keeps_its_own_turn() -> None:
+    prefill, decode = make_policy("round_robin"), make_policy("round_robin")
+    assert prefill.choose(["p0", "p1"]) == "p0"
+    assert decode.choose(["d0", "d1"]) == "d0"
+    assert prefill.choose(["p0", "p1"]) == "p1"
+
+
+def test_unknown_policy_name_lists_the_valid_ones() -> None:
+    with pytest.raises(ConfigError, match="'fastest'") as caught:
+        make_policy("fastest")
+    for name in POLICIES:
+        assert name in str(caught.value)
