@@ -33,6 +33,7 @@ Fault = Literal[
     "error_event",  # 200, one chunk, vLLM's error event, [DONE]: a failed KV pull, streamed
     "stall",  # stream two chunks, then nothing until the caller hangs up
     "endless",  # a chunk every 50 ms until the caller hangs up
+    "trickle",  # a normal stream whose final "data: [DONE]" goes out one byte at a time
 ]  # the stream faults (drop, error_event, stall, endless) apply to streamed requests only
 
 
@@ -241,7 +242,12 @@ class FakeVLLM:
             usage = {"prompt_tokens": 5, "completion_tokens": num_tokens, "total_tokens": 5 + num_tokens}
             yield b"data: " + orjson.dumps({**base, "choices": [], "usage": usage}) + b"\n\n"
         finished.set()
-        yield b"data: [DONE]\n\n"
+        if fault != "trickle":
+            yield b"data: [DONE]\n\n"
+            return
+        for byte in b"data: [DONE]\n\n":
+            await asyncio.sleep(0.01)  # pacing, so each byte reaches the proxy in its own read
+            yield bytes([byte])
 
 
 def listening_socket() -> socket.socket:

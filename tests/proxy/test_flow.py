@@ -100,6 +100,21 @@ async def test_stream_reaches_the_client_as_sse_ending_with_done(
     assert "".join(orjson.loads(e)["choices"][0]["text"] for e in events[:-1]) == rig.decode.text(5)
 
 
+async def test_stream_whose_done_arrives_in_pieces_ends_normally(
+    rig: Rig, http: aiohttp.ClientSession
+) -> None:
+    rig.decode.fault = "trickle"
+    body = {**COMPLETION, "stream": True}
+    status, _, raw = await post(http, rig.url + "/v1/completions", body, request_id="trickled")
+    assert status == 200
+    events = sse_data(raw)
+    assert events[-1] == b"[DONE]"
+    assert b"error" not in raw
+    async with http.get(rig.url + "/requests") as resp:
+        [trace] = [t for t in (await resp.json())["requests"] if t["request_id"] == "trickled"]
+    assert trace["error"] is None
+
+
 async def test_answer_carries_no_kv_transfer_params(rig: Rig, http: aiohttp.ClientSession) -> None:
     status, _, raw = await post(http, rig.url + "/v1/completions", COMPLETION)
     assert status == 200

@@ -161,7 +161,7 @@ class Flow:
                 log.warning("request %s: decode %s streamed an error event", out.request_id, decode.url)
             if SSE_DONE_MARK in chunk or SSE_DONE_MARK in window:
                 is_done = True
-            tail = chunk[-_MARK_TAIL:]
+            tail = (tail + chunk)[-_MARK_TAIL:]  # a chunk shorter than a marker must not reset the tail
         if not is_done:
             # A stream that stops without [DONE] would look like a short answer to the client.
             raise UpstreamUnavailable("decode", decode.url, "stream ended before it was complete")
