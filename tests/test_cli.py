@@ -21,7 +21,9 @@ def test_up_defaults_are_one_prefill_one_decode_on_port_8000() -> None:
     assert (topology.num_prefill, topology.num_decode, topology.proxy_port) == (1, 1, 8000)
 
 
-def test_bad_topology_is_a_clear_error_not_a_traceback(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_topology_is_a_clear_error_not_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     topo = tmp_path / "t.yaml"
     topo.write_text("prefil: {count: 2}\n")
     assert main(["up", "--config", str(topo)]) == 2

@@ -34,12 +34,6 @@ def test_instance_urls_are_normalised(given: str, expected: str) -> None:
     assert normalize_url(given) == expected
 
 
-# Known gaps in normalize_url (config.py), kept visible: strict xfail turns red once they are fixed.
-_ACCEPTED_BUT_BROKEN = pytest.mark.xfail(
-    strict=True, reason="normalize_url accepts it; the proxy then fails at start-up or mid-request"
-)
-
-
 @pytest.mark.parametrize(
     "given",
     [
@@ -47,10 +41,10 @@ _ACCEPTED_BUT_BROKEN = pytest.mark.xfail(
         "ftp://host:21",
         "http://host:8100/v1",
         "http://:8100",
-        pytest.param("http://", marks=_ACCEPTED_BUT_BROKEN, id="scheme-only-becomes-host-http"),
-        pytest.param("http://host:port", marks=_ACCEPTED_BUT_BROKEN, id="port-not-a-number"),
-        pytest.param("http://host:99999", marks=_ACCEPTED_BUT_BROKEN, id="port-out-of-range"),
-        pytest.param("http://host:8100?x=1", marks=_ACCEPTED_BUT_BROKEN, id="query"),
+        "http://",
+        "http://host:port",
+        "http://host:99999",
+        "http://host:8100?x=1",
     ],
 )
 def test_what_is_not_an_instance_url_is_refused(given: str) -> None:

@@ -255,9 +255,10 @@ def test_error_body_param_defaults_to_null() -> None:
 
 def test_error_event_is_recognised_by_its_marker() -> None:
     event = protocol.sse_event(protocol.error_body("failed", "InternalServerError", 500))
-    assert event.startswith(protocol.SSE_ERROR_MARK)
+    # Markers carry the blank line that ends the previous event (the stream's start counts as one).
+    assert protocol.SSE_ERROR_MARK in b"\n\n" + event
     assert event.endswith(b"\n\n")
-    assert protocol.SSE_DONE.startswith(protocol.SSE_DONE_MARK)
+    assert protocol.SSE_DONE_MARK in b"\n\n" + protocol.SSE_DONE
 
 
 def test_request_ids_are_unique_hex() -> None:

@@ -34,14 +34,21 @@ def _check_port(owner: str, name: str, port: int) -> None:
 
 def normalize_url(url: str) -> str:
     """``host:port`` or ``http://host:port/`` → ``http://host:port``; ConfigError if it is not a URL."""
-    candidate = url.strip().rstrip("/")
+    candidate = url.strip()
+    if candidate.endswith("://"):
+        raise ConfigError(f"not an instance URL: {url!r} (expected http://host:port)")
+    candidate = candidate.rstrip("/")
     if "://" not in candidate:
         candidate = "http://" + candidate
     parts = urlsplit(candidate)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
+    try:
+        port = parts.port  # ValueError for "h:notaport" and "h:99999"
+    except ValueError:
+        port = -1
+    if parts.scheme not in ("http", "https") or not parts.hostname or port == -1:
         raise ConfigError(f"not an instance URL: {url!r} (expected http://host:port)")
-    if parts.path not in ("", "/"):
-        raise ConfigError(f"instance URL {url!r} must not have a path; give http://host:port")
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise ConfigError(f"instance URL {url!r} must be just http://host:port (no path or query)")
     return candidate
 
 

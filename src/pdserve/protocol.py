@@ -177,5 +177,21 @@ def sse_event(payload: bytes) -> bytes:
 
 
 SSE_DONE: Final[bytes] = b"data: [DONE]\n\n"
-SSE_ERROR_MARK: Final[bytes] = b'data: {"error"'
-SSE_DONE_MARK: Final[bytes] = b"data: [DONE]"
+# Event boundaries as they appear in a stream (see proxy/flow.py for why the blank line is included).
+SSE_ERROR_MARK: Final[bytes] = b'\n\ndata: {"error"'
+SSE_DONE_MARK: Final[bytes] = b"\n\ndata: [DONE]"
+
+
+def with_error_origin(payload: bytes, origin: str) -> bytes:
+    """vLLM's error body with ``origin`` prefixed to its message, so a 5xx says which instance failed.
+
+    vLLM's own 500 says only "Internal server error"; a body that is not vLLM's error shape is wrapped.
+    """
+    try:
+        data = orjson.loads(payload)
+        error = data["error"]
+        error["message"] = f"{origin}: {error.get('message', '')}"
+        return orjson.dumps(data)
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        text = payload.decode("utf-8", "replace")[:500]
+        return error_body(f"{origin}: {text}", "InternalServerError", 500)

@@ -12,8 +12,8 @@ from collections.abc import AsyncIterator, Iterator
 import aiohttp
 import openai
 import pytest
-from fake_vllm import FakeVLLM, serve_fake
-from proxy_rig import CLIENT_TIMEOUT, Rig, running_proxy
+from fake_vllm import FakeVLLM
+from proxy_rig import CLIENT_TIMEOUT, Rig, running_proxy, serve_fake
 
 
 @pytest.fixture(scope="session")

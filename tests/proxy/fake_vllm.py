@@ -1,23 +1,20 @@
 """A fake vLLM instance with NixlConnector, close enough for the proxy (shapes from shared/REFERENCE.md).
 
-Each fake serves over a real socket, from uvicorn in its own thread (as a separate process would), and
-records every request it gets. A test sets ``fault`` to make it misbehave the way real instances do.
+A Starlette app that records every request it gets; a test sets ``fault`` to make it misbehave the way
+real instances do. proxy_rig.py serves it over a real socket.
 """
 
 from __future__ import annotations
 
 import asyncio
 import secrets
-import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import orjson
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -248,34 +245,3 @@ class FakeVLLM:
         for byte in b"data: [DONE]\n\n":
             await asyncio.sleep(0.01)  # pacing, so each byte reaches the proxy in its own read
             yield bytes([byte])
-
-
-def listening_socket() -> socket.socket:
-    """A socket bound to a free port on 127.0.0.1 and already listening, so callers may connect at once."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(128)
-    return sock
-
-
-@contextmanager
-def serve_in_thread(server: uvicorn.Server, sock: socket.socket) -> Iterator[str]:
-    """Run ``server`` on ``sock`` in a thread with its own event loop; yields its base URL."""
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
-
-
-@contextmanager
-def serve_fake(fake: FakeVLLM) -> Iterator[str]:
-    config = uvicorn.Config(
-        fake.app, log_config=None, log_level="warning", lifespan="off", timeout_graceful_shutdown=1
-    )
-    with serve_in_thread(uvicorn.Server(config), listening_socket()) as url:
-        yield url

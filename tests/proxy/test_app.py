@@ -5,6 +5,7 @@ from __future__ import annotations
 import aiohttp
 import openai
 import orjson
+import pytest
 from fake_vllm import MODEL
 from proxy_rig import Rig, running_proxy
 
@@ -124,3 +125,19 @@ async def test_body_over_max_body_bytes_is_rejected_with_413(rig: Rig, http: aio
         assert rig.decode.requests == []
         async with http.post(url + "/v1/completions", data=at_limit, headers=headers) as resp:
             assert resp.status == 200
+
+
+async def test_requests_records_an_instances_rejection_as_the_error(
+    rig: Rig, client: openai.AsyncOpenAI, http: aiohttp.ClientSession
+) -> None:
+    with pytest.raises(openai.NotFoundError):
+        await client.completions.create(model="no-such-model", prompt="Hello", max_tokens=3)
+    _, body = await get_json(http, rig.url + "/requests")
+    assert body["requests"][-1]["error"] == "prefill answered 404"
+
+    rig.decode.fault = "fail"
+    for stream in (False, True):
+        with pytest.raises(openai.InternalServerError):
+            await client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, stream=stream)
+        _, body = await get_json(http, rig.url + "/requests")
+        assert body["requests"][-1]["error"] == "decode answered 500"

@@ -5,15 +5,15 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import aiohttp
 import openai
 import orjson
 import pytest
-from fake_vllm import MODEL
-from proxy_rig import TIMEOUTS, Rig, running_proxy
+from fake_vllm import MODEL, FakeVLLM
+from proxy_rig import TIMEOUTS, Rig, running_proxy, serve_fake
 
 from pdserve.protocol import PREFILL_KV_PARAMS
 
@@ -47,7 +47,7 @@ def sse_data(raw: bytes) -> list[bytes]:
     return [event.removeprefix(b"data: ") for event in raw.split(b"\n\n") if event]
 
 
-async def waited(condition: Any, *args: Any) -> bool:
+async def waited(condition: Callable[..., bool], *args: Any) -> bool:
     """Run one of the fakes' blocking, bounded waits without stalling the test's event loop."""
     return bool(await asyncio.to_thread(condition, *args))
 
@@ -121,6 +121,24 @@ async def test_answer_carries_no_kv_transfer_params(rig: Rig, http: aiohttp.Clie
     answer = orjson.loads(raw)
     assert "kv_transfer_params" not in answer
     assert answer["choices"][0]["text"] == rig.decode.text(5)
+
+
+async def test_concurrent_requests_each_get_their_own_answer(rig: Rig, http: aiohttp.ClientSession) -> None:
+    async def one(i: int) -> None:
+        request_id, stream = f"concurrent-{i}", i % 2 == 0
+        body = {**COMPLETION, "stream": stream}
+        status, headers, raw = await post(http, rig.url + "/v1/completions", body, request_id=request_id)
+        assert (status, headers["X-Request-Id"]) == (200, request_id)
+        answers = [orjson.loads(e) for e in sse_data(raw)[:-1]] if stream else [orjson.loads(raw)]
+        assert {a["id"] for a in answers} == {f"cmpl-{request_id}"}
+
+    await asyncio.gather(*(one(i) for i in range(16)))
+    decode_seen = rig.decode.generations()
+    assert len(decode_seen) == 16
+    for seen in decode_seen:
+        assert seen.body is not None
+        remote_request_id = seen.body["kv_transfer_params"]["remote_request_id"]
+        assert remote_request_id.startswith(f"cmpl-{seen.headers['x-request-id']}-0-")
 
 
 # --- What prefill and decode were sent -------------------------------------------------------------
@@ -325,6 +343,9 @@ async def test_hung_prefill_answers_504_naming_prefill_within_its_timeout(
     assert rig.decode.requests == []
     # The proxy hung up on prefill, which makes vLLM abort the request and free its blocks.
     assert await waited(rig.prefill.wait_for_disconnect, "hung-prefill", 1.0)
+    rig.prefill.fault = None
+    status, _, _ = await post(http, rig.url + "/v1/completions", COMPLETION)
+    assert status == 200  # the next request is served as usual
 
 
 async def test_unreachable_prefill_answers_502_naming_prefill_at_once(
@@ -361,7 +382,9 @@ async def test_prefill_500_reaches_the_client_and_decode_is_never_called(
     rig.prefill.fault = "fail"
     status, _, body = await post(http, rig.url + "/v1/completions", COMPLETION)
     assert status == 500
-    assert orjson.loads(body)["error"]["message"] == "Internal server error"
+    # vLLM's own message, prefixed with who failed: vLLM's 500 alone does not say which instance.
+    message = orjson.loads(body)["error"]["message"]
+    assert message == f"prefill instance {rig.prefill_url}: Internal server error"
     assert rig.decode.requests == []
 
 
@@ -382,11 +405,25 @@ async def test_client_hanging_up_during_prefill_aborts_prefill(rig: Rig, http: a
 # --- Decode faults ----------------------------------------------------------------------------------
 
 
+async def test_unreachable_decode_answers_502_naming_decode(
+    rig: Rig, http: aiohttp.ClientSession, dead_url: str
+) -> None:
+    with running_proxy([rig.prefill_url], [dead_url]) as url:
+        status, _, body = await post(http, url + "/v1/completions", COMPLETION)
+    assert status == 502
+    message = orjson.loads(body)["error"]["message"]
+    assert "decode" in message
+    assert dead_url in message
+    assert len(rig.prefill.issued_kv_params) == 1
+
+
 async def test_decode_500_reaches_the_client(rig: Rig, http: aiohttp.ClientSession) -> None:
     rig.decode.fault = "fail"
     status, _, body = await post(http, rig.url + "/v1/completions", COMPLETION)
     assert status == 500
-    assert orjson.loads(body)["error"]["type"] == "InternalServerError"
+    error = orjson.loads(body)["error"]
+    assert error["type"] == "InternalServerError"
+    assert error["message"].startswith(f"decode instance {rig.decode_url}: ")
 
 
 async def test_hung_decode_answers_504_naming_decode_within_its_timeout(
@@ -446,6 +483,9 @@ async def test_dropped_stream_ends_with_an_error_event_then_done(
     assert len(tokens) == 2
     assert orjson.loads(error)["error"]["code"] == 502
     assert done == b"[DONE]"
+    rig.decode.fault = None
+    status, _, raw = await post(http, rig.url + "/v1/completions", {**COMPLETION, "stream": True})
+    assert (status, sse_data(raw)[-1]) == (200, b"[DONE]")  # the next request is served as usual
 
 
 async def test_decode_stalling_mid_stream_makes_the_client_raise_within_idle_timeout(
@@ -473,3 +513,28 @@ async def test_client_hanging_up_mid_stream_cancels_decode(rig: Rig, http: aioht
         assert (await resp.content.readany()).startswith(b"data: ")
         resp.close()
     assert await waited(rig.decode.wait_for_disconnect, "gone-mid-stream", 1.0)
+
+
+# --- Several instances -------------------------------------------------------------------------------
+
+
+async def test_requests_alternate_between_instances_and_decode_pulls_from_the_right_prefill(
+    rig: Rig, http: aiohttp.ClientSession
+) -> None:
+    prefill2, decode2 = FakeVLLM("prefill"), FakeVLLM("decode")
+    with (
+        serve_fake(prefill2) as prefill2_url,
+        serve_fake(decode2) as decode2_url,
+        running_proxy([rig.prefill_url, prefill2_url], [rig.decode_url, decode2_url]) as url,
+    ):
+        for i in range(4):
+            status, _, _ = await post(http, url + "/v1/completions", COMPLETION, request_id=f"turn-{i}")
+            assert status == 200
+    prefills, decodes = (rig.prefill, prefill2), (rig.decode, decode2)
+    assert [len(fake.generations()) for fake in (*prefills, *decodes)] == [2, 2, 2, 2]
+    issued = {p["remote_request_id"]: p for fake in prefills for p in fake.issued_kv_params}
+    for seen in [*rig.decode.generations(), *decode2.generations()]:
+        assert seen.body is not None
+        params = seen.body["kv_transfer_params"]
+        assert params["remote_request_id"].startswith(f"cmpl-{seen.headers['x-request-id']}-0-")
+        assert issued[params["remote_request_id"]] == params

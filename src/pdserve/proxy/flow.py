@@ -115,15 +115,24 @@ class Flow:
         if not trace.stream:
             reply = await decode.post(path, payload, headers, "decode", self._t.decode)
             trace.decode_status = reply.status
-            answer = protocol.without_transfer_metadata(reply.body) if reply.status == 200 else reply.body
-            await out.whole(reply.status, reply.content_type, answer)
+            if reply.status != 200:
+                await _relay_rejection(
+                    "decode", decode, reply.status, reply.content_type, reply.body, trace, out
+                )
+                return
+            await out.whole(200, reply.content_type, protocol.without_transfer_metadata(reply.body))
             return
+        # The first chunk's budget is what the status line left of first_token, not a fresh one.
+        first_chunk_deadline = time.monotonic() + self._t.first_token
         async with decode.open_stream(path, payload, headers, "decode", self._t.first_token) as resp:
             trace.decode_status = resp.status
             if resp.status != 200:
-                await out.whole(resp.status, resp.content_type, await resp.read_all(self._t.idle))
+                rejection = await resp.read_all(self._t.idle)
+                await _relay_rejection(
+                    "decode", decode, resp.status, resp.content_type, rejection, trace, out
+                )
                 return
-            await self._relay(resp, decode, trace, out)
+            await self._relay(resp, decode, max(0.0, first_chunk_deadline - time.monotonic()), trace, out)
 
     async def _prefill(
         self, path: str, body: dict[str, Any], headers: dict[str, str], trace: Trace, out: Responder
@@ -137,7 +146,9 @@ class Flow:
         trace.prefill_ms = (time.perf_counter() - begun) * 1000
         trace.prefill_status = reply.status
         if reply.status != 200:
-            await out.whole(reply.status, reply.content_type, reply.body)
+            await _relay_rejection(
+                "prefill", prefill, reply.status, reply.content_type, reply.body, trace, out
+            )
             return None
         try:
             params = protocol.kv_params_from_prefill(reply.body)
@@ -146,23 +157,36 @@ class Flow:
         trace.kv_transfer_params = params
         return params
 
-    async def _relay(self, resp: StreamReply, decode: Upstream, trace: Trace, out: Responder) -> None:
+    async def _relay(
+        self, resp: StreamReply, decode: Upstream, first_timeout: float, trace: Trace, out: Responder
+    ) -> None:
         """Forward decode's SSE bytes untouched, watching only for vLLM's error event and [DONE]."""
         await out.start_stream(resp.content_type)
-        tail = b""
+        # Markers include the blank line that ends the previous event: JSON strings cannot hold a raw
+        # newline, so a token's text can never fake one. The stream's start counts as an event boundary.
+        tail = b"\n\n"
         is_done = False
-        async for chunk in resp.chunks(self._t.first_token, self._t.idle):
+        async for chunk in resp.chunks(first_timeout, self._t.idle):
             await out.chunk(chunk)
-            # Markers may straddle two chunks: look at the previous chunk's tail joined to this head.
-            window = tail + chunk[:_MARK_TAIL] if tail else b""
-            if SSE_ERROR_MARK in chunk or SSE_ERROR_MARK in window:
+            window = tail + chunk  # markers may straddle chunks
+            if SSE_ERROR_MARK in window and not trace.stream_error_event:
                 trace.stream_error_event = True
                 trace.error = "decode streamed an error event"
                 log.warning("request %s: decode %s streamed an error event", out.request_id, decode.url)
-            if SSE_DONE_MARK in chunk or SSE_DONE_MARK in window:
+            if SSE_DONE_MARK in window:
                 is_done = True
-            tail = (tail + chunk)[-_MARK_TAIL:]  # a chunk shorter than a marker must not reset the tail
+            tail = window[-_MARK_TAIL:]
         if not is_done:
             # A stream that stops without [DONE] would look like a short answer to the client.
             raise UpstreamUnavailable("decode", decode.url, "stream ended before it was complete")
         await out.end()
+
+
+async def _relay_rejection(
+    phase: str, upstream: Upstream, status: int, content_type: str, body: bytes, trace: Trace, out: Responder
+) -> None:
+    """An instance's non-200 answer goes to the client with its status; a 5xx also names who failed."""
+    trace.error = f"{phase} answered {status}"
+    if status >= 500:
+        body = protocol.with_error_origin(body, f"{phase} instance {upstream.url}")
+    await out.whole(status, content_type, body)

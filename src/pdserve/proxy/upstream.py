@@ -80,7 +80,9 @@ class Upstream:
             connector=connector,
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=self._connect_timeout),
             auto_decompress=False,
-            skip_auto_headers=("User-Agent",),
+            # No Accept-Encoding: bodies are relayed as received, and a compressed one would reach
+            # clients without its Content-Encoding.
+            skip_auto_headers=("User-Agent", "Accept-Encoding"),
         )
 
     async def close(self) -> None:
@@ -96,6 +98,8 @@ class Upstream:
 
     def translate(self, phase: str, exc: BaseException, limit: float | None = None) -> UpstreamError:
         """The one place where aiohttp's and asyncio's exceptions become pdserve's."""
+        if isinstance(exc, aiohttp.ConnectionTimeoutError):
+            return UpstreamTimeout(phase, self.url, f"cannot connect within {self._connect_timeout:g} s")
         if isinstance(exc, TimeoutError | aiohttp.ServerTimeoutError):
             return UpstreamTimeout(phase, self.url, f"no answer within {limit or self._connect_timeout:g} s")
         if isinstance(exc, aiohttp.ClientConnectorError):
