@@ -76,6 +76,14 @@ class ProxyConfig:
     max_connections_per_upstream: int = 512  # pooled keep-alive connections to one instance
     prefill_policy: str = "round_robin"  # a name in proxy/routing.py's registry
     decode_policy: str = "round_robin"
+    max_prefill_attempts: int = 2  # tries on distinct prefill instances before giving up
+    max_decode_attempts: int = 2  # tries on distinct decode instances before the first token
+    retry_backoff_s: float = 0.05  # before retry n: retry_backoff_s * 2**(n-1), at most 1 s
+    fallback_to_local_prefill: bool = False  # prefill exhausted → decode computes the prompt itself
+    kv_lease_s: float = 30.0  # prefill's kv_lease_duration: params older than this are not reused
+    health_interval_s: float = 2.0  # active /health + /metrics checks of every instance
+    breaker_threshold: int = 3  # consecutive failures that open an instance's circuit
+    breaker_cooldown_s: float = 10.0  # open circuit → one trial request after this long
     max_body_bytes: int = 32 * 1024 * 1024
 
     def __post_init__(self) -> None:
@@ -90,7 +98,14 @@ class ProxyConfig:
             "proxy",
             max_connections_per_upstream=self.max_connections_per_upstream,
             max_body_bytes=self.max_body_bytes,
+            max_prefill_attempts=self.max_prefill_attempts,
+            max_decode_attempts=self.max_decode_attempts,
+            kv_lease_s=self.kv_lease_s,
+            health_interval_s=self.health_interval_s,
+            breaker_threshold=self.breaker_threshold,
         )
+        if self.retry_backoff_s < 0 or self.breaker_cooldown_s < 0:
+            raise ConfigError("proxy.retry_backoff_s and proxy.breaker_cooldown_s must be >= 0")
 
 
 @dataclass(frozen=True)

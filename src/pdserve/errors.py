@@ -9,9 +9,11 @@ The tree::
     ├── ModelBuildError        the embedded tiny model could not be built
     ├── VerifyError            `pdserve verify` could not run its checks (not: a check failed)
     └── UpstreamError          a call from the proxy to an instance failed; carries phase and URL
-        ├── UpstreamUnavailable    could not connect, or the connection broke
+        ├── UpstreamUnavailable    the connection broke, or the instance answered 5xx
+        │   └── UpstreamConnectError   could not connect: the instance never saw the request
         ├── UpstreamTimeout        a per-phase time limit ran out
-        └── UpstreamProtocolError  the instance answered, but not as the NixlConnector protocol says
+        ├── UpstreamProtocolError  the instance answered, but not as the NixlConnector protocol says
+        └── NoInstanceAvailable    every instance of a role is unhealthy, draining or circuit-open
 
 Errors of the libraries underneath (aiohttp, subprocess, yaml) are translated into these in exactly one
 place each: ``proxy/upstream.py`` for HTTP, ``engines/launcher.py`` for processes, ``config.py`` for YAML.
@@ -66,6 +68,10 @@ class UpstreamUnavailable(UpstreamError):
     error_type = "upstream_unavailable"
 
 
+class UpstreamConnectError(UpstreamUnavailable):
+    """The request never reached the instance, so whatever it carried (e.g. KV params) is still unused."""
+
+
 class UpstreamTimeout(UpstreamError):
     status = 504
     error_type = "upstream_timeout"
@@ -74,3 +80,15 @@ class UpstreamTimeout(UpstreamError):
 class UpstreamProtocolError(UpstreamError):
     status = 502
     error_type = "upstream_protocol_error"
+
+
+class NoInstanceAvailable(UpstreamError):
+    status = 503
+    error_type = "no_instance_available"
+
+    def __init__(self, phase: str, detail: str) -> None:
+        super().__init__(phase, "-", detail)
+        self.args = (f"no {phase} instance available: {detail}",)
+
+    def __str__(self) -> str:
+        return str(self.args[0])

@@ -147,10 +147,9 @@ def wait_for_transfers(
 def verify(proxy_url: str, say: Callable[[str], None] = print) -> Report:
     proxy_url = proxy_url.rstrip("/")
     report = Report()
-    status, listing = http_json(f"{proxy_url}/instances", timeout=10)
-    if status != 200 or not isinstance(listing, dict):
+    status, instances = http_json(f"{proxy_url}/instances", timeout=10)
+    if status != 200 or not isinstance(instances, list):
         raise VerifyError(f"{proxy_url}/instances answered {status}: is this a pdserve proxy?")
-    instances = listing["instances"]
     decode_urls = [i["url"] for i in instances if i["role"] == "decode"]
     for inst in instances:
         report.check(inst["healthy"], f"{inst['role']} instance {inst['url']} is healthy")

@@ -27,11 +27,12 @@ Fault = Literal[
     "hang",  # never answer; only the caller hanging up ends the request
     "no_kv_params",  # 200 without kv_transfer_params: an instance started without NixlConnector
     "drop",  # stream two chunks, then close the connection without ending the response
-    "error_event",  # 200, one chunk, vLLM's error event, [DONE]: a failed KV pull, streamed
+    "error_event",  # 200, one chunk, vLLM's error event, [DONE]: a failure mid-generation, streamed
+    "error_event_first",  # 200, vLLM's error event, [DONE]: a failed KV pull, streamed
     "stall",  # stream two chunks, then nothing until the caller hangs up
     "endless",  # a chunk every 50 ms until the caller hangs up
     "trickle",  # a normal stream whose final "data: [DONE]" goes out one byte at a time
-]  # the stream faults (drop, error_event, stall, endless) apply to streamed requests only
+]  # the stream faults (drop, error_event*, stall, endless) apply to streamed requests only
 
 
 class ConnectionDropped(Exception):
@@ -220,7 +221,7 @@ class FakeVLLM:
                     raise ConnectionDropped(f"fake {self.role} dropped the connection on purpose")
                 await gone.wait()
                 return
-            if fault == "error_event" and i == 1:
+            if (fault == "error_event" and i == 1) or (fault == "error_event_first" and i == 0):
                 error = {"message": "KV transfer failed", "type": "InternalServerError", "param": None}
                 yield b"data: " + orjson.dumps({"error": {**error, "code": 500}}) + b"\n\n"
                 finished.set()

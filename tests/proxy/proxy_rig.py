@@ -65,6 +65,8 @@ def serve_fake(fake: FakeVLLM) -> Iterator[str]:
 def running_proxy(prefill_urls: Sequence[str], decode_urls: Sequence[str], **config: Any) -> Iterator[str]:
     """A real proxy server (``make_server``: uvloop, httptools) on a free port; yields its URL."""
     sock = listening_socket()
+    # Breakers would carry one fault test's failures into the next on a shared rig: off unless asked.
+    config = {"breaker_threshold": 10**6, **config}
     proxy_config = ProxyConfig(
         tuple(prefill_urls), tuple(decode_urls), port=sock.getsockname()[1], timeouts=TIMEOUTS, **config
     )

@@ -55,10 +55,12 @@ async def test_health_is_503_naming_the_dead_instance(
 async def test_instances_lists_role_url_and_health(rig: Rig, http: aiohttp.ClientSession) -> None:
     status, body = await get_json(http, rig.url + "/instances")
     assert status == 200
-    assert body["instances"] == [
-        {"role": "prefill", "url": rig.prefill_url, "healthy": True, "error": None},
-        {"role": "decode", "url": rig.decode_url, "healthy": True, "error": None},
+    keys = ("role", "url", "healthy", "circuit", "error")
+    assert [{k: i[k] for k in keys} for i in body] == [
+        {"role": "prefill", "url": rig.prefill_url, "healthy": True, "circuit": "closed", "error": None},
+        {"role": "decode", "url": rig.decode_url, "healthy": True, "circuit": "closed", "error": None},
     ]
+    assert all(i["in_flight"] == 0 and i["draining"] is False for i in body)
 
 
 async def test_requests_shows_the_last_requests_phases(

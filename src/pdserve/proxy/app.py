@@ -3,8 +3,9 @@
 Routes:
     POST /v1/completions, /v1/chat/completions   the PD flow (proxy/flow.py)
     GET  /v1/models                              a decode instance's answer
-    GET  /health                                 200 when >= 1 prefill and >= 1 decode instance answer
-    GET  /instances                              each instance's role, URL and health
+    GET  /health                                 200 when >= 1 prefill and >= 1 decode instance can serve
+    GET  /instances                              a JSON list: each instance's role, URL, health, circuit,
+                                                 in-flight requests and engine load (checked on the spot)
     GET  /requests                               the last requests' walk-through (phases, params, errors)
 """
 
@@ -14,7 +15,6 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from pdserve import protocol
-from pdserve.config import ProxyConfig
+from pdserve.config import ProxyConfig, Role
 from pdserve.errors import UpstreamError
 from pdserve.protocol import Endpoint
 from pdserve.proxy.asgi import (
@@ -37,6 +37,7 @@ from pdserve.proxy.asgi import (
     run_until_disconnect,
 )
 from pdserve.proxy.flow import Flow
+from pdserve.proxy.pool import CircuitBreaker, Instance, Pool
 from pdserve.proxy.routing import make_policy
 from pdserve.proxy.upstream import Upstream
 
@@ -72,42 +73,49 @@ class GenerationEndpoint:
             await out.error(500, "pdserve internal error; see the proxy log", "InternalServerError")
 
 
-async def _probe(upstream: Upstream) -> dict[str, Any]:
-    try:
-        reply = await upstream.get("/health", "health", _HEALTH_TIMEOUT)
-    except UpstreamError as exc:
-        return {"role": upstream.role, "url": upstream.url, "healthy": False, "error": exc.detail}
-    healthy = reply.status == 200
-    error = None if healthy else f"/health answered {reply.status}"
-    return {"role": upstream.role, "url": upstream.url, "healthy": healthy, "error": error}
+def _pool(role: Role, urls: Sequence[str], config: ProxyConfig) -> Pool:
+    t = config.timeouts
+    return Pool(
+        role,
+        [
+            Instance(
+                Upstream(role, url, t.connect, config.max_connections_per_upstream),
+                CircuitBreaker(config.breaker_threshold, config.breaker_cooldown_s),
+            )
+            for url in urls
+        ],
+    )
 
 
 def create_app(config: ProxyConfig) -> Starlette:
     t = config.timeouts
-    prefill = [
-        Upstream("prefill", u, t.connect, config.max_connections_per_upstream) for u in config.prefill_urls
-    ]
-    decode = [
-        Upstream("decode", u, t.connect, config.max_connections_per_upstream) for u in config.decode_urls
-    ]
-    upstreams: Sequence[Upstream] = (*prefill, *decode)
-    flow = Flow(prefill, decode, make_policy(config.prefill_policy), make_policy(config.decode_policy), t)
+    prefill, decode = (
+        _pool("prefill", config.prefill_urls, config),
+        _pool("decode", config.decode_urls, config),
+    )
+    pools = (prefill, decode)
+    flow = Flow(
+        prefill, decode, make_policy(config.prefill_policy), make_policy(config.decode_policy), config
+    )
+
+    async def check_now() -> list[dict[str, object]]:
+        await asyncio.gather(*(p.check_all(_HEALTH_TIMEOUT) for p in pools))
+        return [i.describe() for p in pools for i in p.instances]
 
     async def instances(_: Request) -> JSONResponse:
-        return JSONResponse({"instances": list(await asyncio.gather(*map(_probe, upstreams)))})
+        return JSONResponse(await check_now())
 
     async def health(_: Request) -> JSONResponse:
-        probes = await asyncio.gather(*map(_probe, upstreams))
-        healthy_roles = {p["role"] for p in probes if p["healthy"]}
-        ok = {"prefill", "decode"} <= healthy_roles
-        body = {"status": "ok" if ok else "unavailable", "instances": probes}
+        described = await check_now()
+        ok = all(p.available() for p in pools)
+        body = {"status": "ok" if ok else "unavailable", "instances": described}
         return JSONResponse(body, status_code=200 if ok else 503)
 
     async def models(_: Request) -> Response:
         errors = []
-        for upstream in decode:
+        for instance in decode.available() or decode.instances:
             try:
-                reply = await upstream.get("/v1/models", "models", t.connect + _HEALTH_TIMEOUT)
+                reply = await instance.upstream.get("/v1/models", "models", t.connect + _HEALTH_TIMEOUT)
             except UpstreamError as exc:
                 errors.append(str(exc))
                 continue
@@ -120,13 +128,22 @@ def create_app(config: ProxyConfig) -> Starlette:
     async def requests(_: Request) -> JSONResponse:
         return JSONResponse({"requests": [trace.as_dict() for trace in flow.traces]})
 
+    async def health_loop() -> None:
+        while True:
+            await asyncio.sleep(config.health_interval_s)
+            await asyncio.gather(*(p.check_all(_HEALTH_TIMEOUT) for p in pools))
+
     @asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        upstreams = [i.upstream for p in pools for i in p.instances]
         for upstream in upstreams:
             await upstream.open()
+        checker = asyncio.create_task(health_loop())
         try:
             yield
         finally:
+            checker.cancel()
+            await asyncio.gather(checker, return_exceptions=True)
             await asyncio.gather(*(u.close() for u in upstreams))
 
     routes = [

@@ -7,10 +7,21 @@
 The KV cache never passes through here: only its address (``kv_transfer_params``) does. Every way a
 call can fail ends the client's request with an error naming the phase and instance; vLLM's own
 rejections (4xx, 5xx) reach the client with vLLM's status and body.
+
+Retries, before the client has received a byte:
+- prefill fails (connect, timeout, 5xx, no params) → another prefill instance, with backoff; when all
+  attempts fail, decode computes the prompt itself if ``fallback_to_local_prefill`` is on.
+- decode fails before its first token → another decode instance. Prefill's params are reused only when
+  the failed decode never received them (connect error) and are younger than the lease: a decode that
+  did receive them may have pulled the blocks, which prefill then frees, and a second pull of freed
+  blocks is not detected by vLLM (observed on 0.32: it "succeeds" and reads whatever is there).
+Once the client has bytes, a failure ends the stream with an error event; nothing is retried.
 """
 
 from __future__ import annotations
 
+import asyncio
+import enum
 import logging
 import time
 from collections import deque
@@ -21,12 +32,19 @@ from typing import Any
 import orjson
 
 from pdserve import protocol
-from pdserve.config import Timeouts
-from pdserve.errors import UpstreamError, UpstreamProtocolError, UpstreamUnavailable
+from pdserve.config import ProxyConfig
+from pdserve.errors import (
+    NoInstanceAvailable,
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamProtocolError,
+    UpstreamUnavailable,
+)
 from pdserve.protocol import SSE_DONE_MARK, SSE_ERROR_MARK, BadRequest, Endpoint
 from pdserve.proxy.asgi import Responder
+from pdserve.proxy.pool import Instance, Pool
 from pdserve.proxy.routing import Policy
-from pdserve.proxy.upstream import StreamReply, Upstream
+from pdserve.proxy.upstream import Reply, StreamReply
 
 log = logging.getLogger("pdserve.proxy")
 
@@ -51,26 +69,46 @@ class Trace:
     total_ms: float | None = None
     error: str | None = None  # the error the client received, if any
     stream_error_event: bool = False  # decode streamed vLLM's own error event
+    retries: list[str] = field(default_factory=list)  # each failed attempt that was retried, and why
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
 
 
+class _Answered(enum.Enum):
+    """The client already has its answer (an instance's own rejection was relayed)."""
+
+    YES = enum.auto()
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """Prefill's kv_transfer_params and when the proxy received them (the lease runs from about then)."""
+
+    params: dict[str, Any]
+    received_at: float
+
+    def is_fresh(self, lease_s: float) -> bool:
+        # Half the lease: the decode that gets them must still start its pull well before expiry.
+        return time.monotonic() - self.received_at < lease_s / 2
+
+
 class Flow:
     def __init__(
         self,
-        prefill: Sequence[Upstream],
-        decode: Sequence[Upstream],
+        prefill: Pool,
+        decode: Pool,
         prefill_policy: Policy,
         decode_policy: Policy,
-        timeouts: Timeouts,
+        config: ProxyConfig,
         num_traces: int = 256,
     ) -> None:
-        self.prefill = tuple(prefill)
-        self.decode = tuple(decode)
+        self.prefill = prefill
+        self.decode = decode
         self._prefill_policy = prefill_policy
         self._decode_policy = decode_policy
-        self._t = timeouts
+        self._config = config
+        self._t = config.timeouts
         self.traces: deque[Trace] = deque(maxlen=num_traces)
 
     async def serve(self, endpoint: Endpoint, raw: bytes, auth: str | None, out: Responder) -> None:
@@ -101,74 +139,179 @@ class Flow:
     ) -> None:
         path = protocol.PATHS[endpoint]
         trace.local_prefill_reason = protocol.needs_local_prefill(body)
-        if trace.local_prefill_reason is None:
-            kv_params = await self._prefill(path, body, headers, trace, out)
-            if kv_params is None:
-                return  # prefill's own error already went to the client
-            body = protocol.decode_body(body, kv_params)
-        else:
-            log.info("request %s served by decode alone: %s", out.request_id, trace.local_prefill_reason)
+        handoff: Handoff | None = None
+        tried: list[Instance] = []
+        for attempt in range(1, self._config.max_decode_attempts + 1):
+            if trace.local_prefill_reason is None and handoff is None:
+                result = await self._prefill(path, body, headers, trace, out)
+                if result is _Answered.YES:
+                    return
+                handoff = result  # None: prefill gave up and decode computes the prompt itself
+            decode = self._pick(self.decode, self._decode_policy, tried, "decode")
+            tried.append(decode)
+            # A retry goes to another instance: none left (or no attempts left) makes this the last.
+            is_last = attempt == self._config.max_decode_attempts or not self.decode.available(tried)
+            request = protocol.decode_body(body, handoff.params) if handoff else body
+            try:
+                failed = await self._decode(path, request, headers, decode, trace, out, is_last)
+            except UpstreamError as exc:
+                if out.started or is_last:
+                    raise
+                failure: UpstreamError | Reply = exc
+            else:
+                if failed is None:
+                    return
+                if is_last:
+                    await _relay_rejection("decode", decode.url, failed, trace, out)
+                    return
+                failure = failed
+            trace.retries.append(f"decode {decode.url}: {_describe(failure)}")
+            is_unused = isinstance(failure, UpstreamConnectError)
+            if not (is_unused and handoff and handoff.is_fresh(self._config.kv_lease_s)):
+                handoff = None
+            await asyncio.sleep(self._backoff(attempt))
 
-        decode = self._decode_policy.choose(self.decode)
-        trace.decode_url = decode.url
-        payload = orjson.dumps(body)
-        if not trace.stream:
-            reply = await decode.post(path, payload, headers, "decode", self._t.decode)
-            trace.decode_status = reply.status
-            if reply.status != 200:
-                await _relay_rejection(
-                    "decode", decode, reply.status, reply.content_type, reply.body, trace, out
-                )
-                return
-            await out.whole(200, reply.content_type, protocol.without_transfer_metadata(reply.body))
-            return
-        # The first chunk's budget is what the status line left of first_token, not a fresh one.
-        first_chunk_deadline = time.monotonic() + self._t.first_token
-        async with decode.open_stream(path, payload, headers, "decode", self._t.first_token) as resp:
-            trace.decode_status = resp.status
-            if resp.status != 200:
-                rejection = await resp.read_all(self._t.idle)
-                await _relay_rejection(
-                    "decode", decode, resp.status, resp.content_type, rejection, trace, out
-                )
-                return
-            await self._relay(resp, decode, max(0.0, first_chunk_deadline - time.monotonic()), trace, out)
+    def _pick(self, pool: Pool, policy: Policy, tried: Sequence[Instance], phase: str) -> Instance:
+        candidates = pool.available(exclude=tried)
+        if not candidates:
+            states = ", ".join(f"{i.url} ({_why_unavailable(i)})" for i in pool.instances)
+            raise NoInstanceAvailable(phase, states or "none configured")
+        return policy.choose(candidates)
+
+    def _backoff(self, attempt: int) -> float:
+        return float(min(1.0, self._config.retry_backoff_s * 2 ** (attempt - 1)))
 
     async def _prefill(
         self, path: str, body: dict[str, Any], headers: dict[str, str], trace: Trace, out: Responder
-    ) -> dict[str, Any] | None:
-        """Run prefill; its ``kv_transfer_params``, or None after relaying vLLM's own rejection."""
-        prefill = self._prefill_policy.choose(self.prefill)
-        trace.prefill_url = prefill.url
-        begun = time.perf_counter()
+    ) -> Handoff | _Answered | None:
+        """Prefill's params; None when every attempt failed and decode should prefill locally."""
         payload = orjson.dumps(protocol.prefill_body(body))
-        reply = await prefill.post(path, payload, headers, "prefill", self._t.prefill)
-        trace.prefill_ms = (time.perf_counter() - begun) * 1000
-        trace.prefill_status = reply.status
-        if reply.status != 200:
-            await _relay_rejection(
-                "prefill", prefill, reply.status, reply.content_type, reply.body, trace, out
-            )
+        tried: list[Instance] = []
+        failure: UpstreamError | Reply | None = None
+        for attempt in range(1, self._config.max_prefill_attempts + 1):
+            if attempt > 1:
+                if not self.prefill.available(tried):
+                    break  # a retry goes to another instance, and there is none
+                await asyncio.sleep(self._backoff(attempt - 1))
+            prefill = self._pick(self.prefill, self._prefill_policy, tried, "prefill")
+            tried.append(prefill)
+            trace.prefill_url = prefill.url
+            begun = time.perf_counter()
+            try:
+                with prefill.dispatched():
+                    reply = await prefill.upstream.post(path, payload, headers, "prefill", self._t.prefill)
+                trace.prefill_ms = (time.perf_counter() - begun) * 1000
+                trace.prefill_status = reply.status
+                if reply.status == 200:
+                    try:
+                        params = protocol.kv_params_from_prefill(reply.body)
+                    except ValueError as exc:
+                        raise UpstreamProtocolError("prefill", prefill.url, str(exc)) from None
+                    prefill.succeeded()
+                    trace.kv_transfer_params = params
+                    return Handoff(params, time.monotonic())
+                if reply.status < 500:  # the client's own mistake: no other instance would differ
+                    prefill.succeeded()
+                    await _relay_rejection("prefill", prefill.url, reply, trace, out)
+                    return _Answered.YES
+                prefill.failed(f"answered {reply.status}")
+                failure = reply
+            except UpstreamError as exc:
+                prefill.failed(exc.detail)
+                failure = exc
+            trace.retries.append(f"prefill {prefill.url}: {_describe(failure)}")
+        if self._config.fallback_to_local_prefill:
+            trace.local_prefill_reason = f"prefill failed ({trace.retries[-1]}); decode computes the prompt"
+            log.warning("request %s: %s", out.request_id, trace.local_prefill_reason)
             return None
-        try:
-            params = protocol.kv_params_from_prefill(reply.body)
-        except ValueError as exc:
-            raise UpstreamProtocolError("prefill", prefill.url, str(exc)) from None
-        trace.kv_transfer_params = params
-        return params
+        if isinstance(failure, Reply):
+            await _relay_rejection("prefill", trace.prefill_url or "-", failure, trace, out)
+            return _Answered.YES
+        assert failure is not None
+        raise failure
+
+    async def _decode(
+        self,
+        path: str,
+        request: dict[str, Any],
+        headers: dict[str, str],
+        decode: Instance,
+        trace: Trace,
+        out: Responder,
+        is_last: bool,
+    ) -> Reply | None:
+        """Serve the client from ``decode``; a 5xx (or a stream that fails first thing) is returned
+        unrelayed while another attempt may still follow."""
+        trace.decode_url = decode.url
+        payload = orjson.dumps(request)
+        upstream = decode.upstream
+        with decode.dispatched():
+            try:
+                if not trace.stream:
+                    reply = await upstream.post(path, payload, headers, "decode", self._t.decode)
+                    trace.decode_status = reply.status
+                    if reply.status >= 500:
+                        decode.failed(f"answered {reply.status}")
+                        return reply
+                    decode.succeeded()
+                    if reply.status != 200:
+                        await _relay_rejection("decode", decode.url, reply, trace, out)
+                    else:
+                        await out.whole(
+                            200, reply.content_type, protocol.without_transfer_metadata(reply.body)
+                        )
+                    return None
+                # The first chunk's budget is what the status line left of first_token, not a fresh one.
+                first_chunk_deadline = time.monotonic() + self._t.first_token
+                async with upstream.open_stream(
+                    path, payload, headers, "decode", self._t.first_token
+                ) as resp:
+                    trace.decode_status = resp.status
+                    if resp.status != 200:
+                        failed = Reply(resp.status, resp.content_type, await resp.read_all(self._t.idle))
+                        if resp.status >= 500:
+                            decode.failed(f"answered {resp.status}")
+                            return failed
+                        decode.succeeded()
+                        await _relay_rejection("decode", decode.url, failed, trace, out)
+                        return None
+                    failed_first = await self._relay(
+                        resp, decode, max(0.0, first_chunk_deadline - time.monotonic()), trace, out, is_last
+                    )
+                    if failed_first is None and not trace.stream_error_event:
+                        decode.succeeded()
+                    else:
+                        decode.failed("streamed an error event")
+                    return failed_first
+            except UpstreamError as exc:
+                decode.failed(exc.detail)
+                raise
 
     async def _relay(
-        self, resp: StreamReply, decode: Upstream, first_timeout: float, trace: Trace, out: Responder
-    ) -> None:
-        """Forward decode's SSE bytes untouched, watching only for vLLM's error event and [DONE]."""
-        await out.start_stream(resp.content_type)
+        self,
+        resp: StreamReply,
+        decode: Instance,
+        first_timeout: float,
+        trace: Trace,
+        out: Responder,
+        is_last: bool,
+    ) -> Reply | None:
+        """Forward decode's SSE bytes untouched, watching only for vLLM's error event and [DONE].
+
+        The client's stream starts with the first chunk, not before: an error event as the very
+        first thing (e.g. the KV pull failed) can still be retried elsewhere unless this is the last try.
+        """
         # Markers include the blank line that ends the previous event: JSON strings cannot hold a raw
         # newline, so a token's text can never fake one. The stream's start counts as an event boundary.
         tail = b"\n\n"
         is_done = False
         async for chunk in resp.chunks(first_timeout, self._t.idle):
-            await out.chunk(chunk)
             window = tail + chunk  # markers may straddle chunks
+            if not out.started:
+                if SSE_ERROR_MARK in window and not is_last:
+                    return Reply(200, resp.content_type, chunk)
+                await out.start_stream(resp.content_type)
+            await out.chunk(chunk)
             if SSE_ERROR_MARK in window and not trace.stream_error_event:
                 trace.stream_error_event = True
                 trace.error = "decode streamed an error event"
@@ -180,13 +323,27 @@ class Flow:
             # A stream that stops without [DONE] would look like a short answer to the client.
             raise UpstreamUnavailable("decode", decode.url, "stream ended before it was complete")
         await out.end()
+        return None
 
 
-async def _relay_rejection(
-    phase: str, upstream: Upstream, status: int, content_type: str, body: bytes, trace: Trace, out: Responder
-) -> None:
+def _describe(failure: UpstreamError | Reply | None) -> str:
+    if isinstance(failure, Reply):
+        return "streamed an error event first" if failure.status == 200 else f"answered {failure.status}"
+    return failure.detail if failure is not None else "-"
+
+
+def _why_unavailable(instance: Instance) -> str:
+    if instance.is_draining:
+        return "draining"
+    if not instance.is_healthy:
+        return f"unhealthy: {instance.last_error}"
+    return f"circuit {instance.breaker.state(time.monotonic())}"
+
+
+async def _relay_rejection(phase: str, url: str, reply: Reply, trace: Trace, out: Responder) -> None:
     """An instance's non-200 answer goes to the client with its status; a 5xx also names who failed."""
-    trace.error = f"{phase} answered {status}"
-    if status >= 500:
-        body = protocol.with_error_origin(body, f"{phase} instance {upstream.url}")
-    await out.whole(status, content_type, body)
+    trace.error = f"{phase} answered {reply.status}"
+    body = reply.body
+    if reply.status >= 500:
+        body = protocol.with_error_origin(body, f"{phase} instance {url}")
+    await out.whole(reply.status, reply.content_type, body)

@@ -1,22 +1,54 @@
 """Choosing an instance: policies behind one small interface, looked up by name in a registry.
 
-Policies know nothing of HTTP: they get the candidates and return one. Richer policies (least loaded,
-prefix-aware) plug in here with the same signature.
+Policies know nothing of HTTP: they get candidates (anything with a URL, an in-flight count and an
+engine load) and return one, so they are unit-tested with plain objects.
 """
 
 from __future__ import annotations
 
 import itertools
+import random
 from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar
 
 from pdserve.errors import ConfigError
 
-T = TypeVar("T")
+
+class Load(Protocol):
+    @property
+    def num_running(self) -> float: ...
+    @property
+    def num_waiting(self) -> float: ...
+    @property
+    def kv_usage(self) -> float: ...
+
+
+class Candidate(Protocol):
+    @property
+    def url(self) -> str: ...
+    @property
+    def num_in_flight(self) -> int: ...
+    @property
+    def load(self) -> Load: ...
+
+
+C = TypeVar("C", bound=Candidate)
 
 
 class Policy(Protocol):
-    def choose(self, candidates: Sequence[T]) -> T: ...
+    def choose(self, candidates: Sequence[C]) -> C: ...
+
+
+def load_score(c: Candidate) -> float:
+    """Requests ahead of a new one here. The proxy's in-flight count reacts at once; the engine's
+    running + waiting (scraped every few seconds) also counts other clients' work. KV usage (0..1)
+    breaks ties toward the instance with more free cache."""
+    return max(float(c.num_in_flight), c.load.num_running + c.load.num_waiting) + c.load.kv_usage
+
+
+def _require(candidates: Sequence[C]) -> None:
+    if not candidates:
+        raise LookupError("no instance to choose from")
 
 
 class RoundRobin:
@@ -25,13 +57,44 @@ class RoundRobin:
     def __init__(self) -> None:
         self._counter = itertools.count()
 
-    def choose(self, candidates: Sequence[T]) -> T:
-        if not candidates:
-            raise LookupError("no instance to choose from")
+    def choose(self, candidates: Sequence[C]) -> C:
+        _require(candidates)
         return candidates[next(self._counter) % len(candidates)]
 
 
-POLICIES: dict[str, Callable[[], Policy]] = {"round_robin": RoundRobin}
+class LeastLoaded:
+    """The candidate with the lowest load score; ties go round robin so equal instances share work."""
+
+    def __init__(self) -> None:
+        self._counter = itertools.count()
+
+    def choose(self, candidates: Sequence[C]) -> C:
+        _require(candidates)
+        start = next(self._counter) % len(candidates)
+        rotated = [*candidates[start:], *candidates[:start]]
+        return min(rotated, key=load_score)
+
+
+class PowerOfTwo:
+    """Two candidates at random, the less loaded of them: near least-loaded balance without herding
+    every proxy onto the same instance between two scrapes."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._rng = random.Random(seed)
+
+    def choose(self, candidates: Sequence[C]) -> C:
+        _require(candidates)
+        if len(candidates) == 1:
+            return candidates[0]
+        a, b = self._rng.sample(range(len(candidates)), 2)
+        return min(candidates[a], candidates[b], key=load_score)
+
+
+POLICIES: dict[str, Callable[[], Policy]] = {
+    "round_robin": RoundRobin,
+    "least_loaded": LeastLoaded,
+    "power_of_two": PowerOfTwo,
+}
 
 
 def make_policy(name: str) -> Policy:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from pdserve.config import Role
-from pdserve.errors import UpstreamError, UpstreamTimeout, UpstreamUnavailable
+from pdserve.errors import UpstreamConnectError, UpstreamError, UpstreamTimeout, UpstreamUnavailable
 
 _JSON_HEADERS = {"Content-Type": "application/json"}
 
@@ -99,11 +99,11 @@ class Upstream:
     def translate(self, phase: str, exc: BaseException, limit: float | None = None) -> UpstreamError:
         """The one place where aiohttp's and asyncio's exceptions become pdserve's."""
         if isinstance(exc, aiohttp.ConnectionTimeoutError):
-            return UpstreamTimeout(phase, self.url, f"cannot connect within {self._connect_timeout:g} s")
+            return UpstreamConnectError(phase, self.url, f"cannot connect within {self._connect_timeout:g} s")
         if isinstance(exc, TimeoutError | aiohttp.ServerTimeoutError):
             return UpstreamTimeout(phase, self.url, f"no answer within {limit or self._connect_timeout:g} s")
         if isinstance(exc, aiohttp.ClientConnectorError):
-            return UpstreamUnavailable(phase, self.url, f"cannot connect ({exc.os_error})")
+            return UpstreamConnectError(phase, self.url, f"cannot connect ({exc.os_error})")
         if isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientPayloadError):
             return UpstreamUnavailable(phase, self.url, "connection closed before the answer was complete")
         return UpstreamUnavailable(phase, self.url, f"{type(exc).__name__}: {exc}")
