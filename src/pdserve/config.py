@@ -84,6 +84,12 @@ class ProxyConfig:
     health_interval_s: float = 2.0  # active /health + /metrics checks of every instance
     breaker_threshold: int = 3  # consecutive failures that open an instance's circuit
     breaker_cooldown_s: float = 10.0  # open circuit → one trial request after this long
+    max_concurrent: int | None = None  # requests in flight at most; None: unbounded
+    max_queued: int = 256  # requests waiting for a slot beyond max_concurrent; more get 429
+    queue_timeout_s: float = 30.0  # a queued request waiting longer gets 503
+    api_key: str | None = None  # clients must send "Authorization: Bearer <api_key>" to /v1/*
+    admin_api_key: str | None = None  # the admin API (/admin/*, /requests) needs this; None: admin off
+    upstream_api_key: str | None = None  # sent to instances started with --api-key
     max_body_bytes: int = 32 * 1024 * 1024
 
     def __post_init__(self) -> None:
@@ -104,6 +110,10 @@ class ProxyConfig:
             health_interval_s=self.health_interval_s,
             breaker_threshold=self.breaker_threshold,
         )
+        if self.max_concurrent is not None and self.max_concurrent < 1:
+            raise ConfigError(f"proxy.max_concurrent must be >= 1 or unset, got {self.max_concurrent}")
+        if self.max_queued < 0 or self.queue_timeout_s <= 0:
+            raise ConfigError("proxy.max_queued must be >= 0 and proxy.queue_timeout_s > 0")
         if self.retry_backoff_s < 0 or self.breaker_cooldown_s < 0:
             raise ConfigError("proxy.retry_backoff_s and proxy.breaker_cooldown_s must be >= 0")
 

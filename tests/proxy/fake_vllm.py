@@ -55,8 +55,9 @@ def error_response(status: int, message: str, err_type: str, param: str | None =
 
 
 class FakeVLLM:
-    def __init__(self, role: str) -> None:
+    def __init__(self, role: str, model: str = MODEL) -> None:
         self.role = role
+        self.model = model
         self.engine_id = f"{role}-{secrets.token_hex(4)}"
         self.fault: Fault | None = None
         self.requests: list[Seen] = []
@@ -128,7 +129,7 @@ class FakeVLLM:
 
     async def _models(self, request: Request) -> Response:
         self._record(request, None)
-        model = {"id": MODEL, "object": "model", "created": 0, "owned_by": "vllm", "root": MODEL}
+        model = {"id": self.model, "object": "model", "created": 0, "owned_by": "vllm", "root": self.model}
         return JSONResponse({"object": "list", "data": [{**model, "parent": None, "max_model_len": 2048}]})
 
     async def _generate(self, request: Request) -> Response:
@@ -145,8 +146,8 @@ class FakeVLLM:
         if fault == "hang":
             await self._watch(request, request_id, asyncio.Event()).wait()
             return Response(status_code=499)  # never delivered: the caller has gone
-        if body.get("model", MODEL) != MODEL:
-            message = f"The model `{body['model']}` does not exist. Valid aliases: {MODEL}"
+        if body.get("model", self.model) != self.model:
+            message = f"The model `{body['model']}` does not exist. Valid aliases: {self.model}"
             return error_response(404, message, "NotFoundError")
         num_tokens = next(
             (body[k] for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None), 4
@@ -162,7 +163,7 @@ class FakeVLLM:
             "id": f"{'chatcmpl' if chat else 'cmpl'}-{request_id}",
             "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()),
-            "model": MODEL,
+            "model": self.model,
         }
         if body.get("stream"):
             finished = asyncio.Event()

@@ -21,8 +21,8 @@ async def test_models_is_decodes_answer(rig: Rig, http: aiohttp.ClientSession) -
     _, direct = await get_json(http, rig.decode_url + "/v1/models")
     assert through_proxy == direct
     assert [m["id"] for m in through_proxy["data"]] == [MODEL]
-    assert [r.path for r in rig.decode.requests] == ["/v1/models", "/v1/models"]  # the proxy's, then ours
-    assert rig.prefill.requests == []
+    # Besides our direct call, the decode saw the proxy's (the fakes also see the proxy's own checks).
+    assert len([r for r in rig.decode.requests if r.path == "/v1/models"]) >= 2
 
 
 async def test_models_answers_502_when_no_decode_answers(
@@ -123,8 +123,8 @@ async def test_body_over_max_body_bytes_is_rejected_with_413(rig: Rig, http: aio
         async with http.post(url + "/v1/completions", data=over_limit, headers=headers) as resp:
             assert resp.status == 413
             assert orjson.loads(await resp.read())["error"]["code"] == 413
-        assert rig.prefill.requests == []
-        assert rig.decode.requests == []
+        assert rig.prefill.generations() == []
+        assert rig.decode.generations() == []
         async with http.post(url + "/v1/completions", data=at_limit, headers=headers) as resp:
             assert resp.status == 200
 

@@ -296,8 +296,8 @@ async def test_invalid_json_is_rejected_without_calling_any_instance(
     assert error["type"] == "BadRequestError"
     assert error["code"] == 400
     assert error["message"]
-    assert rig.prefill.requests == []
-    assert rig.decode.requests == []
+    assert rig.prefill.generations() == []
+    assert rig.decode.generations() == []
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
@@ -321,7 +321,7 @@ async def test_unknown_model_is_rejected_by_prefill_and_decode_is_never_called(
         await client.completions.create(model="no-such-model", prompt="Hello", max_tokens=5)
     assert "The model `no-such-model` does not exist" in caught.value.message
     assert len(rig.prefill.generations()) == 1
-    assert rig.decode.requests == []
+    assert rig.decode.generations() == []
 
 
 # --- Prefill faults ---------------------------------------------------------------------------------
@@ -340,7 +340,7 @@ async def test_hung_prefill_answers_504_naming_prefill_within_its_timeout(
     assert error["code"] == 504
     assert "prefill" in error["message"]
     assert rig.prefill_url in error["message"]
-    assert rig.decode.requests == []
+    assert rig.decode.generations() == []
     # The proxy hung up on prefill, which makes vLLM abort the request and free its blocks.
     assert await waited(rig.prefill.wait_for_disconnect, "hung-prefill", 1.0)
     rig.prefill.fault = None
@@ -360,7 +360,7 @@ async def test_unreachable_prefill_answers_502_naming_prefill_at_once(
     error = orjson.loads(body)["error"]
     assert "prefill" in error["message"]
     assert dead_url in error["message"]
-    assert rig.decode.requests == []
+    assert rig.decode.generations() == []
 
 
 async def test_prefill_without_kv_transfer_params_is_a_502_protocol_error(
@@ -373,7 +373,7 @@ async def test_prefill_without_kv_transfer_params_is_a_502_protocol_error(
     assert error["type"] == "upstream_protocol_error"
     assert "prefill" in error["message"]
     assert "kv_transfer_params" in error["message"]
-    assert rig.decode.requests == []
+    assert rig.decode.generations() == []
 
 
 async def test_prefill_500_reaches_the_client_and_decode_is_never_called(
@@ -385,7 +385,7 @@ async def test_prefill_500_reaches_the_client_and_decode_is_never_called(
     # vLLM's own message, prefixed with who failed: vLLM's 500 alone does not say which instance.
     message = orjson.loads(body)["error"]["message"]
     assert message == f"prefill instance {rig.prefill_url}: Internal server error"
-    assert rig.decode.requests == []
+    assert rig.decode.generations() == []
 
 
 async def test_client_hanging_up_during_prefill_aborts_prefill(rig: Rig, http: aiohttp.ClientSession) -> None:
@@ -399,7 +399,7 @@ async def test_client_hanging_up_during_prefill_aborts_prefill(rig: Rig, http: a
         request.cancel()
     # Well before the proxy's own prefill timeout would close it.
     assert await waited(rig.prefill.wait_for_disconnect, "gone-in-prefill", 1.0)
-    assert rig.decode.requests == []
+    assert rig.decode.generations() == []
 
 
 # --- Decode faults ----------------------------------------------------------------------------------

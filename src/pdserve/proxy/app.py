@@ -1,21 +1,26 @@
-"""The proxy's ASGI application: ``create_app(config)`` wires upstreams, policies and routes.
+"""The proxy's ASGI application: ``create_app(config)`` wires pools, policies, admission and routes.
 
 Routes:
-    POST /v1/completions, /v1/chat/completions   the PD flow (proxy/flow.py)
+    POST /v1/completions, /v1/chat/completions   the PD flow (proxy/flow.py), behind the API key
+                                                 and admission control when configured
     GET  /v1/models                              a decode instance's answer
     GET  /health                                 200 when >= 1 prefill and >= 1 decode instance can serve
     GET  /instances                              a JSON list: each instance's role, URL, health, circuit,
                                                  in-flight requests and engine load (checked on the spot)
-    GET  /requests                               the last requests' walk-through (phases, params, errors)
+    GET  /requests                               the last requests' walk-through (admin key if set)
+    GET  /metrics                                the proxy's Prometheus metrics (proxy/metrics.py)
+    /admin/...                                   pools and KV ledger (proxy/admin.py)
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
+import orjson
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -23,8 +28,10 @@ from starlette.routing import Route
 
 from pdserve import protocol
 from pdserve.config import ProxyConfig, Role
-from pdserve.errors import UpstreamError
+from pdserve.errors import ConfigError, UpstreamError
 from pdserve.protocol import Endpoint
+from pdserve.proxy.admin import admin_routes, is_authorized
+from pdserve.proxy.admission import Admission, Overloaded
 from pdserve.proxy.asgi import (
     BodyTooLarge,
     ClientGone,
@@ -37,6 +44,7 @@ from pdserve.proxy.asgi import (
     run_until_disconnect,
 )
 from pdserve.proxy.flow import Flow
+from pdserve.proxy.metrics import render as render_metrics
 from pdserve.proxy.pool import CircuitBreaker, Instance, Pool
 from pdserve.proxy.routing import make_policy
 from pdserve.proxy.upstream import Upstream
@@ -49,25 +57,42 @@ _HEALTH_TIMEOUT = 2.0
 class GenerationEndpoint:
     """ASGI app for one generation route: reads the body, runs the flow, cancels it on disconnect."""
 
-    def __init__(self, flow: Flow, endpoint: Endpoint, max_body_bytes: int) -> None:
+    def __init__(self, flow: Flow, endpoint: Endpoint, config: ProxyConfig, admission: Admission) -> None:
         self._flow = flow
         self._endpoint = endpoint
-        self._max_body = max_body_bytes
+        self._config = config
+        self._admission = admission
+        self._expected_auth = f"Bearer {config.api_key}".encode() if config.api_key else None
+        self._upstream_auth = f"Bearer {config.upstream_api_key}" if config.upstream_api_key else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         request_id = header(scope, b"x-request-id") or protocol.new_request_id()
         out = Responder(send, request_id)
+        auth = header(scope, b"authorization")
+        if self._expected_auth is not None:
+            if not hmac.compare_digest((auth or "").encode("latin-1"), self._expected_auth):
+                await out.error(
+                    401, "Invalid or missing API key (Authorization: Bearer ...)", "AuthenticationError"
+                )
+                return
+            auth = None  # the proxy's key is not the instances' key
+        auth = self._upstream_auth or auth
+        max_body = self._config.max_body_bytes
         try:
-            raw = await read_body(receive, self._max_body)
+            raw = await read_body(receive, max_body)
         except BodyTooLarge:
-            await out.error(413, f"Request body exceeds {self._max_body} bytes", "BadRequestError")
+            await out.error(413, f"Request body exceeds {max_body} bytes", "BadRequestError")
             return
         except ClientGone:
             return
-        work = self._flow.serve(self._endpoint, raw, header(scope, b"authorization"), out)
         try:
-            if await run_until_disconnect(work, receive, out):
-                log.info("request %s: client disconnected; upstream calls cancelled", request_id)
+            async with self._admission.slot():
+                work = self._flow.serve(self._endpoint, raw, auth, out)
+                if await run_until_disconnect(work, receive, out):
+                    log.info("request %s: client disconnected; upstream calls cancelled", request_id)
+        except Overloaded as exc:
+            retry_after = [(b"retry-after", str(exc.retry_after_s).encode())]
+            await out.error(exc.status, exc.message, "overloaded", extra=retry_after)
         except Exception:
             log.exception("request %s: internal error", request_id)
             await out.error(500, "pdserve internal error; see the proxy log", "InternalServerError")
@@ -125,8 +150,29 @@ def create_app(config: ProxyConfig) -> Starlette:
             protocol.error_body(message, "upstream_unavailable", 502), 502, media_type="application/json"
         )
 
-    async def requests(_: Request) -> JSONResponse:
+    async def requests(request: Request) -> Response:
+        if not is_authorized(request, config.admin_api_key):
+            return Response(protocol.error_body("missing or wrong admin API key", "AuthenticationError", 401),
+                            401, media_type="application/json")  # fmt: skip
         return JSONResponse({"requests": [trace.as_dict() for trace in flow.traces]})
+
+    async def metrics(_: Request) -> Response:
+        return Response(render_metrics(flow, pools, admission), media_type="text/plain; version=0.0.4")
+
+    async def model_ids(instance: Instance) -> set[str]:
+        try:
+            reply = await instance.upstream.get("/v1/models", "models", t.connect + _HEALTH_TIMEOUT)
+            return {m["id"] for m in orjson.loads(reply.body)["data"]} if reply.status == 200 else set()
+        except (UpstreamError, orjson.JSONDecodeError, KeyError, TypeError):
+            return set()
+
+    async def check_models_match() -> None:
+        """Prefill and decode must serve the same model; a mismatch is refused at start."""
+        served = {i.url: await model_ids(i) for p in pools for i in p.instances}
+        by_role = {p.role: set().union(*(served[i.url] for i in p.instances)) for p in pools}
+        if by_role["prefill"] and by_role["decode"] and not by_role["prefill"] & by_role["decode"]:
+            detail = "; ".join(f"{url} serves {sorted(ids)}" for url, ids in served.items() if ids)
+            raise ConfigError(f"prefill and decode instances serve different models: {detail}")
 
     async def health_loop() -> None:
         while True:
@@ -135,30 +181,29 @@ def create_app(config: ProxyConfig) -> Starlette:
 
     @asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
-        upstreams = [i.upstream for p in pools for i in p.instances]
-        for upstream in upstreams:
-            await upstream.open()
+        for instance in (i for p in pools for i in p.instances):
+            await instance.upstream.open()
         checker = asyncio.create_task(health_loop())
         try:
+            await check_models_match()
             yield
         finally:
             checker.cancel()
             await asyncio.gather(checker, return_exceptions=True)
-            await asyncio.gather(*(u.close() for u in upstreams))
+            await asyncio.gather(*(i.upstream.close() for p in pools for i in p.instances))
 
+    admission = Admission(config.max_concurrent, config.max_queued, config.queue_timeout_s)
     routes = [
         Route(
-            "/v1/completions",
-            GenerationEndpoint(flow, "completions", config.max_body_bytes),
-            methods=["POST"],
+            "/v1/completions", GenerationEndpoint(flow, "completions", config, admission), methods=["POST"]
         ),
-        Route(
-            "/v1/chat/completions", GenerationEndpoint(flow, "chat", config.max_body_bytes), methods=["POST"]
-        ),
+        Route("/v1/chat/completions", GenerationEndpoint(flow, "chat", config, admission), methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/instances", instances, methods=["GET"]),
         Route("/requests", requests, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        *admin_routes(config, flow, {"prefill": prefill, "decode": decode}, model_ids),
     ]
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.flow = flow

@@ -62,29 +62,40 @@ class Responder:
         self._request_id = request_id.encode("latin-1")
         self.started = False
         self.finished = False
+        self.status: int | None = None  # what the client was answered
 
     def _headers(self, content_type: str) -> list[tuple[bytes, bytes]]:
         return [(b"content-type", content_type.encode("latin-1")), (b"x-request-id", self._request_id)]
 
-    async def whole(self, status: int, content_type: str, body: bytes) -> None:
+    async def whole(
+        self, status: int, content_type: str, body: bytes, extra: list[tuple[bytes, bytes]] | None = None
+    ) -> None:
         self.started = True
-        await self._send(
-            {"type": "http.response.start", "status": status, "headers": self._headers(content_type)}
-        )
+        self.status = status
+        headers = self._headers(content_type) + (extra or [])
+        await self._send({"type": "http.response.start", "status": status, "headers": headers})
         await self._send({"type": "http.response.body", "body": body})
         self.finished = True
 
-    async def error(self, status: int, message: str, err_type: str, param: str | None = None) -> None:
+    async def error(
+        self,
+        status: int,
+        message: str,
+        err_type: str,
+        param: str | None = None,
+        extra: list[tuple[bytes, bytes]] | None = None,
+    ) -> None:
         """An OpenAI-style error: a JSON response, or an SSE error event if a stream already began."""
         payload = error_body(message, err_type, status, param)
         if not self.started:
-            await self.whole(status, "application/json", payload)
+            await self.whole(status, "application/json", payload, extra)
         elif not self.finished:
             await self.chunk(sse_event(payload) + SSE_DONE)
             await self.end()
 
     async def start_stream(self, content_type: str) -> None:
         self.started = True
+        self.status = 200
         headers = [*self._headers(content_type), (b"cache-control", b"no-cache")]
         await self._send({"type": "http.response.start", "status": 200, "headers": headers})
 

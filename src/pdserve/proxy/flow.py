@@ -24,7 +24,7 @@ import asyncio
 import enum
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +42,7 @@ from pdserve.errors import (
 )
 from pdserve.protocol import SSE_DONE_MARK, SSE_ERROR_MARK, BadRequest, Endpoint
 from pdserve.proxy.asgi import Responder
+from pdserve.proxy.ledger import Handoff, Ledger
 from pdserve.proxy.pool import Instance, Pool
 from pdserve.proxy.routing import Policy
 from pdserve.proxy.upstream import Reply, StreamReply
@@ -70,27 +71,16 @@ class Trace:
     error: str | None = None  # the error the client received, if any
     stream_error_event: bool = False  # decode streamed vLLM's own error event
     retries: list[str] = field(default_factory=list)  # each failed attempt that was retried, and why
+    handoff: Handoff | None = None  # the KV handoff in play, if any (see ledger.py)
 
     def as_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        return {k: v for k, v in self.__dict__.items() if k != "handoff"}
 
 
 class _Answered(enum.Enum):
     """The client already has its answer (an instance's own rejection was relayed)."""
 
     YES = enum.auto()
-
-
-@dataclass(frozen=True)
-class Handoff:
-    """Prefill's kv_transfer_params and when the proxy received them (the lease runs from about then)."""
-
-    params: dict[str, Any]
-    received_at: float
-
-    def is_fresh(self, lease_s: float) -> bool:
-        # Half the lease: the decode that gets them must still start its pull well before expiry.
-        return time.monotonic() - self.received_at < lease_s / 2
 
 
 class Flow:
@@ -110,6 +100,9 @@ class Flow:
         self._config = config
         self._t = config.timeouts
         self.traces: deque[Trace] = deque(maxlen=num_traces)
+        self.ledger = Ledger(config.kv_lease_s)
+        self.outcomes: Counter[tuple[str, str]] = Counter()  # (endpoint, outcome) → requests
+        self.retries: Counter[str] = Counter()  # phase → retried attempts
 
     async def serve(self, endpoint: Endpoint, raw: bytes, auth: str | None, out: Responder) -> None:
         try:
@@ -133,20 +126,26 @@ class Flow:
             trace.total_ms = (time.perf_counter() - begun) * 1000
             if not out.finished and trace.error is None:
                 trace.error = "client disconnected"
+            self.outcomes[(endpoint, _outcome(trace, out))] += 1
+            for retry in trace.retries:
+                self.retries[retry.split(" ", 1)[0]] += 1
+            if trace.handoff is not None:  # still open: decode never started answering
+                kind = "client_gone" if trace.error == "client disconnected" else "failed"
+                self.ledger.abandon(trace.handoff, trace.error or "request ended", kind)
 
     async def _serve(
         self, endpoint: Endpoint, body: dict[str, Any], headers: dict[str, str], trace: Trace, out: Responder
     ) -> None:
         path = protocol.PATHS[endpoint]
         trace.local_prefill_reason = protocol.needs_local_prefill(body)
-        handoff: Handoff | None = None
         tried: list[Instance] = []
         for attempt in range(1, self._config.max_decode_attempts + 1):
-            if trace.local_prefill_reason is None and handoff is None:
+            if trace.local_prefill_reason is None and trace.handoff is None:
                 result = await self._prefill(path, body, headers, trace, out)
                 if result is _Answered.YES:
                     return
-                handoff = result  # None: prefill gave up and decode computes the prompt itself
+                trace.handoff = result  # None: prefill gave up and decode computes the prompt itself
+            handoff = trace.handoff
             decode = self._pick(self.decode, self._decode_policy, tried, "decode")
             tried.append(decode)
             # A retry goes to another instance: none left (or no attempts left) makes this the last.
@@ -167,8 +166,9 @@ class Flow:
                 failure = failed
             trace.retries.append(f"decode {decode.url}: {_describe(failure)}")
             is_unused = isinstance(failure, UpstreamConnectError)
-            if not (is_unused and handoff and handoff.is_fresh(self._config.kv_lease_s)):
-                handoff = None
+            if handoff is not None and not (is_unused and handoff.is_fresh()):
+                self.ledger.abandon(handoff, f"decode {decode.url}: {_describe(failure)}", "decode_failed")
+                trace.handoff = None  # decode may have pulled, and prefill freed, those blocks: prefill again
             await asyncio.sleep(self._backoff(attempt))
 
     def _pick(self, pool: Pool, policy: Policy, tried: Sequence[Instance], phase: str) -> Instance:
@@ -209,7 +209,7 @@ class Flow:
                         raise UpstreamProtocolError("prefill", prefill.url, str(exc)) from None
                     prefill.succeeded()
                     trace.kv_transfer_params = params
-                    return Handoff(params, time.monotonic())
+                    return self.ledger.open(out.request_id, prefill.url, params)
                 if reply.status < 500:  # the client's own mistake: no other instance would differ
                     prefill.succeeded()
                     await _relay_rejection("prefill", prefill.url, reply, trace, out)
@@ -254,6 +254,7 @@ class Flow:
                         decode.failed(f"answered {reply.status}")
                         return reply
                     decode.succeeded()
+                    self._close_handoff(trace, decode, reply.status)
                     if reply.status != 200:
                         await _relay_rejection("decode", decode.url, reply, trace, out)
                     else:
@@ -273,6 +274,7 @@ class Flow:
                             decode.failed(f"answered {resp.status}")
                             return failed
                         decode.succeeded()
+                        self._close_handoff(trace, decode, resp.status)
                         await _relay_rejection("decode", decode.url, failed, trace, out)
                         return None
                     failed_first = await self._relay(
@@ -311,6 +313,7 @@ class Flow:
                 if SSE_ERROR_MARK in window and not is_last:
                     return Reply(200, resp.content_type, chunk)
                 await out.start_stream(resp.content_type)
+                self._close_handoff(trace, decode, 200)
             await out.chunk(chunk)
             if SSE_ERROR_MARK in window and not trace.stream_error_event:
                 trace.stream_error_event = True
@@ -324,6 +327,26 @@ class Flow:
             raise UpstreamUnavailable("decode", decode.url, "stream ended before it was complete")
         await out.end()
         return None
+
+    def _close_handoff(self, trace: Trace, decode: Instance, status: int) -> None:
+        """Decode answered: its first bytes mean it has the KV; a 4xx means vLLM refused the request,
+        and vLLM then tells prefill to free the blocks itself (its serving layer's rejection cleanup)."""
+        if trace.handoff is None:
+            return
+        if status == 200:
+            self.ledger.delivered(trace.handoff, decode.url)
+        else:
+            self.ledger.abandon(trace.handoff, f"decode {decode.url} answered {status}", "decode_rejected")
+        trace.handoff = None
+
+
+def _outcome(trace: Trace, out: Responder) -> str:
+    if trace.error == "client disconnected":
+        return "client_disconnected"
+    if trace.stream_error_event or (out.status == 200 and trace.error is not None):
+        return "stream_error"
+    status = out.status or 0
+    return "ok" if status == 200 else "client_error" if status < 500 else "error"
 
 
 def _describe(failure: UpstreamError | Reply | None) -> str:

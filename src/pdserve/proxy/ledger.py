@@ -1,0 +1,117 @@
+"""The KV lifecycle ledger: every handoff from prefill's answer until decode starts answering, or not.
+
+A handoff opens when prefill returns ``kv_transfer_params`` (its blocks are now pinned under a lease)
+and closes as *delivered* once decode's answer begins, or as *abandoned* (client gone, decode refused,
+retries exhausted). Abandoned handoffs are released early where vLLM allows it (see flow.py), else
+they run out their lease on prefill. Open handoffs past their lease are the ones to worry about.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+from dataclasses import dataclass
+from typing import Any, Literal
+
+HandoffState = Literal["open", "delivered", "abandoned"]
+
+
+@dataclass
+class Handoff:
+    request_id: str  # the client's X-Request-Id
+    prefill_url: str
+    params: dict[str, Any]  # prefill's kv_transfer_params, verbatim
+    received_at: float  # monotonic: the lease on prefill started about then
+    lease_s: float
+    state: HandoffState = "open"
+    decode_url: str | None = None
+    reason: str | None = None  # why it was abandoned
+    release: str | None = None  # how its blocks were (or were not) released early
+
+    @property
+    def num_blocks(self) -> int:
+        groups = self.params.get("remote_block_ids") or []
+        return sum(len(g) for g in groups if isinstance(g, list))
+
+    def age_s(self) -> float:
+        return time.monotonic() - self.received_at
+
+    def is_fresh(self) -> bool:
+        """Young enough to hand to another decode: half the lease leaves it time to start its pull."""
+        return self.age_s() < self.lease_s / 2
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "request_id": self.request_id,
+            "state": self.state,
+            "prefill_url": self.prefill_url,
+            "remote_engine_id": self.params.get("remote_engine_id"),
+            "remote_request_id": self.params.get("remote_request_id"),
+            "num_blocks": self.num_blocks,
+            "age_s": round(self.age_s(), 3),
+            "lease_s": self.lease_s,
+            "decode_url": self.decode_url,
+            "reason": self.reason,
+            "release": self.release,
+        }
+
+
+class Ledger:
+    def __init__(self, lease_s: float, num_recent: int = 256) -> None:
+        self.lease_s = lease_s
+        self._open: dict[int, Handoff] = {}
+        self.recent: deque[Handoff] = deque(maxlen=num_recent)  # closed ones, newest last
+        self.num_issued = 0
+        self.num_delivered = 0
+        self.abandoned: Counter[str] = Counter()  # by short reason
+        self.releases: Counter[str] = Counter()  # by outcome
+
+    def open(self, request_id: str, prefill_url: str, params: dict[str, Any]) -> Handoff:
+        handoff = Handoff(request_id, prefill_url, params, time.monotonic(), self.lease_s)
+        self._open[id(handoff)] = handoff
+        self.num_issued += 1
+        return handoff
+
+    def delivered(self, handoff: Handoff, decode_url: str) -> None:
+        if self._close(handoff, "delivered"):
+            handoff.decode_url = decode_url
+            self.num_delivered += 1
+
+    def abandon(self, handoff: Handoff, reason: str, kind: str) -> bool:
+        """Close as abandoned; False if it was already closed. ``kind`` is the short label counted."""
+        if not self._close(handoff, "abandoned"):
+            return False
+        handoff.reason = reason
+        self.abandoned[kind] += 1
+        return True
+
+    def released(self, handoff: Handoff, outcome: str) -> None:
+        handoff.release = outcome
+        self.releases[outcome] += 1
+
+    def _close(self, handoff: Handoff, state: HandoffState) -> bool:
+        if self._open.pop(id(handoff), None) is None:
+            return False
+        handoff.state = state
+        self.recent.append(handoff)
+        return True
+
+    @property
+    def open_handoffs(self) -> list[Handoff]:
+        return list(self._open.values())
+
+    def num_overdue(self) -> int:
+        """Open handoffs older than the lease: prefill has (or soon will) let their blocks go."""
+        return sum(1 for h in self._open.values() if h.age_s() > h.lease_s)
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "lease_s": self.lease_s,
+            "issued": self.num_issued,
+            "delivered": self.num_delivered,
+            "abandoned": dict(self.abandoned),
+            "releases": dict(self.releases),
+            "open": [h.describe() for h in self._open.values()],
+            "overdue": self.num_overdue(),
+            "recent": [h.describe() for h in reversed(self.recent)],
+        }

@@ -1,0 +1,69 @@
+"""The proxy's own Prometheus ``/metrics``, rendered from live state when scraped.
+
+Nothing here runs per token: the flow bumps two counters per request; everything else (pools,
+breakers, queue, KV ledger) is read at scrape time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping
+
+from pdserve.proxy.admission import Admission
+from pdserve.proxy.flow import Flow
+from pdserve.proxy.pool import Instance, Pool
+
+
+def _labels(labels: Mapping[str, str]) -> str:
+    if not labels:
+        return ""
+    inner = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    return "{" + inner + "}"
+
+
+class _Text:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def metric(
+        self, name: str, kind: str, help_text: str, samples: Iterable[tuple[Mapping[str, str], float]]
+    ) -> None:
+        self.lines.append(f"# HELP {name} {help_text}")
+        self.lines.append(f"# TYPE {name} {kind}")
+        for labels, value in samples:
+            self.lines.append(f"{name}{_labels(labels)} {value:g}")
+
+
+def render(flow: Flow, pools: Iterable[Pool], admission: Admission) -> str:
+    t = _Text()
+    t.metric("pdserve_requests_total", "counter", "Requests answered, by endpoint and outcome.",
+             (({"endpoint": e, "outcome": o}, n) for (e, o), n in sorted(flow.outcomes.items())))  # fmt: skip
+    t.metric("pdserve_retries_total", "counter", "Attempts retried on another instance, by phase.",
+             (({"phase": p}, n) for p, n in sorted(flow.retries.items())))  # fmt: skip
+    t.metric("pdserve_requests_running", "gauge", "Requests holding an admission slot.",
+             [({}, admission.num_running)])  # fmt: skip
+    t.metric("pdserve_requests_queued", "gauge", "Requests waiting for an admission slot.",
+             [({}, admission.num_queued)])  # fmt: skip
+    t.metric("pdserve_requests_rejected_total", "counter", "Requests refused for overload (429/503).",
+             [({}, admission.num_rejected)])  # fmt: skip
+    instances = [i for p in pools for i in p.instances]
+    now = time.monotonic()
+
+    def per_instance(value: Callable[[Instance], float]) -> list[tuple[Mapping[str, str], float]]:
+        return [({"role": i.role, "url": i.url}, float(value(i))) for i in instances]
+
+    t.metric("pdserve_instance_healthy", "gauge", "1 if the last active health check passed.",
+             per_instance(lambda i: i.is_healthy))  # fmt: skip
+    t.metric("pdserve_instance_available", "gauge", "1 if the instance takes new requests now.",
+             per_instance(lambda i: i.is_available(now)))  # fmt: skip
+    t.metric("pdserve_instance_in_flight", "gauge", "Requests the proxy has in flight at the instance.",
+             per_instance(lambda i: i.num_in_flight))  # fmt: skip
+    ledger = flow.ledger
+    t.metric("pdserve_kv_handoffs_total", "counter", "KV handoffs (prefill params issued), by how they ended.",
+             [({"state": "issued"}, ledger.num_issued), ({"state": "delivered"}, ledger.num_delivered),
+              *(({"state": "abandoned", "reason": k}, n) for k, n in sorted(ledger.abandoned.items()))])  # fmt: skip
+    t.metric("pdserve_kv_handoffs_open", "gauge", "Handoffs whose KV prefill still holds for a decode.",
+             [({}, len(ledger.open_handoffs))])  # fmt: skip
+    t.metric("pdserve_kv_handoffs_overdue", "gauge", "Open handoffs older than the KV lease.",
+             [({}, ledger.num_overdue())])  # fmt: skip
+    return "\n".join(t.lines) + "\n"

@@ -1,0 +1,74 @@
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pdserve.proxy.admission import Admission, Overloaded
+
+
+async def test_requests_beyond_the_limit_wait_in_order_and_run_when_a_slot_frees() -> None:
+    admission = Admission(max_concurrent=1, max_queued=2, queue_timeout_s=5)
+    order: list[str] = []
+    release_first = asyncio.Event()
+
+    async def request(name: str, hold: asyncio.Event | None = None) -> None:
+        async with admission.slot():
+            order.append(name)
+            if hold:
+                await hold.wait()
+
+    first = asyncio.create_task(request("a", release_first))
+    await asyncio.sleep(0)
+    queued = [asyncio.create_task(request(n)) for n in ("b", "c")]
+    await asyncio.sleep(0)
+    assert (admission.num_running, admission.num_queued) == (1, 2)
+    release_first.set()
+    await asyncio.gather(first, *queued)
+    assert order == ["a", "b", "c"]
+    assert (admission.num_running, admission.num_queued) == (0, 0)
+
+
+async def test_a_full_queue_refuses_at_once_with_429_and_retry_after() -> None:
+    admission = Admission(max_concurrent=1, max_queued=0, queue_timeout_s=5)
+    async with admission.slot():
+        with pytest.raises(Overloaded) as info:
+            async with admission.slot():
+                pass
+    assert info.value.status == 429 and info.value.retry_after_s >= 1
+
+
+async def test_waiting_past_the_queue_timeout_is_a_503_and_frees_the_queue_place() -> None:
+    admission = Admission(max_concurrent=1, max_queued=1, queue_timeout_s=0.05)
+    async with admission.slot():
+        with pytest.raises(Overloaded) as info:
+            async with admission.slot():
+                pass
+        assert admission.num_queued == 0
+    assert info.value.status == 503
+    assert admission.num_running == 0
+
+
+async def test_a_cancelled_waiter_does_not_leak_a_slot() -> None:
+    admission = Admission(max_concurrent=1, max_queued=1, queue_timeout_s=5)
+    hold = asyncio.Event()
+
+    async def holder() -> None:
+        async with admission.slot():
+            await hold.wait()
+
+    running = asyncio.create_task(holder())
+    await asyncio.sleep(0)
+    waiting = asyncio.create_task(holder())
+    await asyncio.sleep(0)
+    waiting.cancel()
+    hold.set()
+    await running
+    await asyncio.gather(waiting, return_exceptions=True)
+    assert (admission.num_running, admission.num_queued) == (0, 0)
+
+
+async def test_no_limit_means_no_queueing() -> None:
+    admission = Admission(max_concurrent=None, max_queued=0, queue_timeout_s=1)
+    async with admission.slot(), admission.slot():
+        assert admission.num_running == 2
