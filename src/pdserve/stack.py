@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import threading
 import time
 import urllib.request
@@ -19,14 +20,16 @@ from types import TracebackType
 import uvloop
 
 from pdserve.config import ProxyConfig, Timeouts, Topology
-from pdserve.engines.launcher import EngineGroup
+from pdserve.engines.launcher import DEFAULT_ENTRYPOINT, EngineGroup
 from pdserve.engines.model import ResolvedModel, resolve_model
-from pdserve.engines.plan import InstanceSpec, plan_instances
+from pdserve.engines.plan import InstanceSpec, plan_instances, plan_sim_instances
 from pdserve.engines.venv import find_engine_python
 from pdserve.errors import EngineError
 from pdserve.proxy.server import make_server
+from pdserve.sim.profile import load_profile
 
 _EMBEDDED_MAX_MODEL_LEN = 2048
+SIM_ENTRYPOINT = ("-m", "pdserve.sim")
 _PROXY_START_TIMEOUT = 15.0
 
 
@@ -84,7 +87,10 @@ class Stack:
         self._say = say
         self._timeouts = timeouts or Timeouts()
         self._proxy_log_level = proxy_log_level
-        self.engine_python = find_engine_python(topology.engine_python)
+        # The simulator is part of pdserve: it runs on this very interpreter, no vLLM venv needed.
+        self.engine_python = (
+            sys.executable if topology.engine == "sim" else find_engine_python(topology.engine_python)
+        )
         self.run_dir = Path(topology.run_dir) if topology.run_dir else new_run_dir()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.model: ResolvedModel | None = None
@@ -105,6 +111,12 @@ class Stack:
         return self.proxy.url
 
     def start(self) -> None:
+        if self.topology.engine == "sim":
+            specs = plan_sim_instances(self.topology)
+            self.model = ResolvedModel(load_profile(self.topology.sim_profile).served_model_name, None, False)
+            self._say(f"simulator, profile {self.topology.sim_profile}; logs in {self.run_dir}/")
+            self._start(specs, SIM_ENTRYPOINT)
+            return
         self._say("preparing model ...")
         self.model = resolve_model(self.topology.model, self.engine_python)
         topology = self.topology
@@ -121,8 +133,16 @@ class Stack:
             gpu_ids=_visible_gpus(),
         )
         self._say(f"model {self.model.served_model_name or self.model.path}; logs in {self.run_dir}/")
+        self._start(specs, DEFAULT_ENTRYPOINT)
+
+    def _start(self, specs: tuple[InstanceSpec, ...], entrypoint: tuple[str, ...]) -> None:
         self.group = EngineGroup(
-            specs, self.engine_python, self.run_dir, self.topology.startup_timeout, on_progress=self._say
+            specs,
+            self.engine_python,
+            self.run_dir,
+            self.topology.startup_timeout,
+            on_progress=self._say,
+            entrypoint=entrypoint,
         )
         self.group.start()
         config = ProxyConfig(

@@ -94,6 +94,34 @@ def plan_instances(
     return tuple(specs)
 
 
+def plan_sim_instances(topology: Topology) -> tuple[InstanceSpec, ...]:
+    """One simulator process per instance (``python -m pdserve.sim``), so losing one behaves like
+    losing a real instance; decode pulls KV from prefill over HTTP, as across hosts."""
+    specs = []
+    roles: list[Role] = [r for r in ROLES for _ in range(_count(topology, r))]
+    for i, role in enumerate(roles):
+        index = sum(1 for earlier in roles[:i] if earlier == role)
+        port = topology.first_port + i
+        counts = (
+            ["--prefill", "1", "--decode", "0"] if role == "prefill" else ["--prefill", "0", "--decode", "1"]
+        )
+        args = (
+            *counts,
+            "--host",
+            topology.host,
+            "--first-port",
+            str(port),
+            "--profile",
+            topology.sim_profile,
+        )
+        args += (*topology.vllm_args, *(topology.prefill_args if role == "prefill" else topology.decode_args))
+        env = (("PYTHONUNBUFFERED", "1"),)
+        specs.append(
+            InstanceSpec(role, index, topology.host, port, topology.first_side_channel_port + i, args, env)
+        )
+    return tuple(specs)
+
+
 def kv_transfer_config(role: Role, device: str) -> str:
     """The ``--kv-transfer-config`` JSON: prefill produces KV blocks, decode pulls them."""
     return json.dumps(
