@@ -8,6 +8,7 @@ The tree::
     │   └── EngineStartError   an instance died or never became healthy while starting
     ├── ModelBuildError        the embedded tiny model could not be built
     ├── VerifyError            `pdserve verify` could not run its checks (not: a check failed)
+    ├── CalibrationError       `pdserve sim calibrate` could not measure or fit the instance
     └── UpstreamError          a call from the proxy to an instance failed; carries phase and URL
         ├── UpstreamUnavailable    the connection broke, or the instance answered 5xx
         │   └── UpstreamConnectError   could not connect: the instance never saw the request
@@ -45,6 +46,10 @@ class ModelBuildError(PDServeError):
 
 class VerifyError(PDServeError):
     """`pdserve verify` could not run (proxy unreachable, no instances listed)."""
+
+
+class CalibrationError(PDServeError):
+    """Calibration could not run: the server is unreachable, answered unexpectedly, or the data cannot be fitted."""
 
 
 class UpstreamError(PDServeError):

@@ -1,0 +1,88 @@
+"""One simulated vLLM instance: its engine, role, identity, faults and metrics, as the HTTP layer sees it.
+
+``host`` and ``port`` are what the instance advertises in ``kv_transfer_params`` (``remote_host``,
+``remote_port``): where a decoder in another process can reach ``/sim/kv/pull``. The port is known
+before the instance is built because the server binds its socket first.
+"""
+
+from __future__ import annotations
+
+import uuid
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pdserve.sim.engine import SimEngine
+from pdserve.sim.faults import Faults, FaultSpec
+from pdserve.sim.metrics import SimMetrics
+from pdserve.sim.profile import Profile
+from pdserve.sim.transfer import KVRegistry, PullSource
+from pdserve.sim.types import HeldKV, KVPullError, KVSource, SimRole
+
+# The vLLM release whose HTTP behaviour the sim reproduces (see ../shared/REFERENCE.md).
+VLLM_VERSION = "0.32.0"
+
+EngineFactory = Callable[[Profile, SimRole, str, KVSource], SimEngine]
+
+
+def _default_engine(profile: Profile, role: SimRole, engine_id: str, kv_source: KVSource) -> SimEngine:
+    return SimEngine(profile, role, engine_id, kv_source=kv_source)
+
+
+@dataclass(eq=False)
+class SimInstance:
+    role: SimRole
+    engine_id: str
+    host: str  # advertised as remote_host
+    port: int  # advertised as remote_port: this instance's HTTP port
+    profile: Profile
+    engine: SimEngine
+    faults: Faults
+    metrics: SimMetrics
+    registry: KVRegistry
+
+    @classmethod
+    def create(
+        cls,
+        profile: Profile,
+        role: SimRole,
+        host: str,
+        port: int,
+        registry: KVRegistry,
+        faults: FaultSpec | None = None,
+        engine_id: str | None = None,
+        engine_factory: EngineFactory = _default_engine,
+    ) -> SimInstance:
+        engine_id = engine_id or str(uuid.uuid4())
+        fault_state = Faults(faults)
+        metrics = SimMetrics(profile.served_model_name)
+        source = PullSource(registry, fault_state, metrics, profile)
+        engine = engine_factory(profile, role, engine_id, source)
+        return cls(role, engine_id, host, port, profile, engine, fault_state, metrics, registry)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def model_name(self) -> str:
+        return self.profile.served_model_name
+
+    @property
+    def system_fingerprint(self) -> str:
+        # vLLM's shape (``vllm-<version>-<8 hex>``); the hex names the profile rather than a build.
+        return f"vllm-{VLLM_VERSION}-{zlib.crc32(f'pdserve-sim:{self.profile.name}'.encode()):08x}"
+
+    def serve_pull(self, request_id: str) -> HeldKV:
+        """A decoder reads held KV; an instance that is "down" is unreachable, so the read fails."""
+        if self.faults.is_down:
+            raise KVPullError(f"KV holder {self.engine_id} is down")
+        return self.engine.serve_pull(request_id)
+
+    async def start(self) -> None:
+        await self.engine.start()
+        self.registry.register(self.engine_id, self)
+
+    async def stop(self) -> None:
+        self.registry.unregister(self.engine_id)
+        await self.engine.stop()

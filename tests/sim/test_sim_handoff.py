@@ -1,0 +1,176 @@
+"""The NixlConnector handoff between sim instances, as vLLM does it: prefill's kv_transfer_params,
+decode's pull (in-process and over HTTP), held blocks, leases, and failed pulls."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import re
+from collections.abc import Iterator
+
+import aiohttp
+import orjson
+import pytest
+from sim_rig import (
+    INTERNAL_ERROR,
+    PREFILL_PARAMS,
+    PROFILE,
+    PROMPT,
+    STREAM_ERROR,
+    Sims,
+    completion,
+    events,
+    metric,
+    post,
+    prefill,
+    stats,
+)
+
+from pdserve.sim.server import SimInstanceSpec, sim_in_thread
+
+KV_PARAMS_KEYS = ["do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_engine_id",
+                  "remote_request_id", "remote_host", "remote_port", "tp_size", "dcp_size", "pp_size",
+                  "remote_num_tokens", "remote_blocks_expiry_time", "transfer_mode",
+                  "remote_prefill_cached_tokens"]  # fmt: skip
+
+
+async def test_prefill_then_decode_hands_the_kv_over(sims: Sims, http: aiohttp.ClientSession) -> None:
+    pulls_before = await metric(http, sims.decode, "vllm:nixl_xfer_time_seconds_count")
+    answer = await prefill(http, sims.prefill, "pd1")
+    params = answer["kv_transfer_params"]
+    assert list(params) == KV_PARAMS_KEYS
+    prefill_port = int(sims.prefill.rsplit(":", 1)[1])
+    assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
+    assert params["remote_host"] == "127.0.0.1" and params["remote_port"] == prefill_port
+    assert (params["tp_size"], params["dcp_size"], params["pp_size"]) == (1, 1, 1)
+    assert params["transfer_mode"] == "pull" and params["remote_blocks_expiry_time"] is None
+    assert re.fullmatch(r"cmpl-pd1-0-[0-9a-f]{8}", params["remote_request_id"])
+    assert params["remote_num_tokens"] == answer["usage"]["prompt_tokens"]
+    assert len(params["remote_block_ids"]) == 1 and params["remote_block_ids"][0]
+    held = await stats(http, sims.prefill)
+    assert held["num_held"] >= 1 and held["kv_usage"] > 0  # prefill holds the blocks until decode pulls
+
+    decoded = await completion(http, sims.decode, max_tokens=8, kv_transfer_params=params)
+    direct = await completion(http, sims.both, max_tokens=8)
+    assert decoded["choices"][0]["text"] == direct["choices"][0]["text"]  # greedy P→D == one instance
+    assert decoded["choices"][0]["text"].startswith(answer["choices"][0]["text"])
+    assert decoded["kv_transfer_params"] is None
+    assert await metric(http, sims.decode, "vllm:nixl_xfer_time_seconds_count") == pulls_before + 1
+    assert (await stats(http, sims.prefill))["num_held"] == held["num_held"] - 1
+
+
+async def test_chat_prefill_names_its_request_like_vllm(sims: Sims, http: aiohttp.ClientSession) -> None:
+    req = {
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": 1,
+        "kv_transfer_params": PREFILL_PARAMS,
+    }
+    status, payload = await post(http, f"{sims.prefill}/v1/chat/completions", req, **{"X-Request-Id": "pre2"})
+    params = orjson.loads(payload)["kv_transfer_params"]
+    assert status == 200 and re.fullmatch(r"chatcmpl-pre2-[0-9a-f]{8}", params["remote_request_id"])
+    stream = {**req, "max_tokens": 4, "stream": True, "kv_transfer_params": params}
+    status, payload = await post(http, f"{sims.decode}/v1/chat/completions", stream)
+    _role, *chunks, done = events(payload)
+    assert status == 200 and len(chunks) == 4 and done == b"[DONE]"
+
+
+async def test_prefill_ending_on_a_stop_string_hands_nothing_over(
+    sims: Sims, http: aiohttp.ClientSession
+) -> None:
+    first_word = (await completion(http, sims.both, max_tokens=1))["choices"][0]["text"]
+    held = (await stats(http, sims.prefill))["num_held"]
+    answer = await prefill(http, sims.prefill, "stopped", stop=[first_word])
+    assert answer["choices"][0]["finish_reason"] == "stop"
+    assert answer["kv_transfer_params"] is None  # vLLM hands KV over only for length-finished prefills
+    assert (await stats(http, sims.prefill))["num_held"] == held
+
+
+async def test_a_second_pull_of_the_same_kv_fails_like_vllm(sims: Sims, http: aiohttp.ClientSession) -> None:
+    params = (await prefill(http, sims.prefill, "twice"))["kv_transfer_params"]
+    await completion(http, sims.decode, max_tokens=2, kv_transfer_params=params)
+    failed_before = await metric(http, sims.decode, "vllm:nixl_num_failed_transfers_total")
+    body = {"prompt": PROMPT, "max_tokens": 2, "kv_transfer_params": params}
+    status, payload = await post(http, f"{sims.decode}/v1/completions", body)
+    assert status == 500 and orjson.loads(payload) == INTERNAL_ERROR
+    status, payload = await post(http, f"{sims.decode}/v1/completions", {**body, "stream": True})
+    assert status == 200 and payload == b"data: " + STREAM_ERROR + b"\n\ndata: [DONE]\n\n"
+    assert await metric(http, sims.decode, "vllm:nixl_num_failed_transfers_total") == failed_before + 2
+
+
+async def test_chat_stream_failing_its_pull_sends_the_role_chunk_first(
+    sims: Sims, http: aiohttp.ClientSession
+) -> None:
+    params = {
+        **(await prefill(http, sims.prefill, "gone"))["kv_transfer_params"],
+        "remote_request_id": "cmpl-nope-0-0",
+    }
+    body = {"messages": [{"role": "user", "content": "hi"}], "stream": True, "kv_transfer_params": params}
+    status, payload = await post(http, f"{sims.decode}/v1/chat/completions", body)
+    role, error, done = events(payload)
+    assert status == 200 and role["choices"][0]["delta"]["role"] == "assistant"
+    assert error == orjson.loads(STREAM_ERROR) and done == b"[DONE]"
+
+
+@pytest.fixture(scope="module")
+def short_lease() -> Iterator[list[str]]:
+    """A prefill and a decode whose leases run out after 0.3 s."""
+    profile = dataclasses.replace(PROFILE, kv_lease_s=0.3)
+    with sim_in_thread([SimInstanceSpec("prefill"), SimInstanceSpec("decode")], profile) as cluster:
+        yield cluster.urls
+
+
+async def test_expired_lease_fails_decode_and_counts_on_prefill(
+    short_lease: list[str], http: aiohttp.ClientSession
+) -> None:
+    prefill_url, decode_url = short_lease
+    first = (await prefill(http, prefill_url, "late1"))["kv_transfer_params"]
+    second = (await prefill(http, prefill_url, "late2"))["kv_transfer_params"]
+    assert (await stats(http, prefill_url))["num_held"] == 2
+    await asyncio.sleep(0.6)
+    status, payload = await post(
+        http, f"{decode_url}/v1/completions", {"prompt": PROMPT, "kv_transfer_params": first}
+    )
+    assert status == 500 and orjson.loads(payload) == INTERNAL_ERROR
+    body = {"prompt": PROMPT, "stream": True, "kv_transfer_params": second}
+    status, payload = await post(http, f"{decode_url}/v1/completions", body)
+    assert status == 200 and events(payload) == [orjson.loads(STREAM_ERROR), b"[DONE]"]
+    assert await metric(http, prefill_url, "vllm:nixl_num_kv_expired_reqs_total") == 2
+    assert await metric(http, prefill_url, "vllm:kv_cache_usage_perc") == 0
+    assert await metric(http, decode_url, "vllm:nixl_num_failed_transfers_total") == 2
+
+
+@pytest.fixture(scope="module")
+def other_process() -> Iterator[str]:
+    """A decode in a cluster of its own: its pulls from the session's prefill go over HTTP."""
+    with sim_in_thread([SimInstanceSpec("decode")], PROFILE) as cluster:
+        yield cluster.urls[0]
+
+
+async def test_decode_in_another_process_pulls_over_http(
+    sims: Sims, other_process: str, http: aiohttp.ClientSession
+) -> None:
+    params = (await prefill(http, sims.prefill, "remote1"))["kv_transfer_params"]
+    held = (await stats(http, sims.prefill))["num_held"]
+    decoded = await completion(http, other_process, max_tokens=5, kv_transfer_params=params)
+    assert (
+        decoded["choices"][0]["text"]
+        == (await completion(http, sims.both, max_tokens=5))["choices"][0]["text"]
+    )
+    assert (await stats(http, sims.prefill))["num_held"] == held - 1
+    assert await metric(http, other_process, "vllm:nixl_xfer_time_seconds_count") >= 1
+    assert await metric(http, other_process, "vllm:nixl_bytes_transferred_sum") > 0
+
+
+async def test_kv_pull_endpoint(sims: Sims, http: aiohttp.ClientSession) -> None:
+    params = (await prefill(http, sims.prefill, "direct"))["kv_transfer_params"]
+    pull = {"remote_engine_id": params["remote_engine_id"], "remote_request_id": params["remote_request_id"]}
+    status, payload = await post(http, f"{sims.prefill}/sim/kv/pull", pull)
+    held = orjson.loads(payload)
+    assert status == 200 and held["block_ids"] == params["remote_block_ids"][0]
+    assert held["num_tokens"] == params["remote_num_tokens"]
+    status, payload = await post(http, f"{sims.prefill}/sim/kv/pull", pull)  # released by the first read
+    assert status == 404 and orjson.loads(payload)["error"]["type"] == "NotFoundError"
+    status, _ = await post(http, f"{sims.prefill}/sim/kv/pull", {**pull, "remote_engine_id": "other"})
+    assert status == 404
+    status, _ = await post(http, f"{sims.prefill}/sim/kv/pull", b"{}")
+    assert status == 400
