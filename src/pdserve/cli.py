@@ -33,6 +33,34 @@ def _add_timeouts(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_routing(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("routing")
+    g.add_argument(
+        "--prefill-policy",
+        default="round_robin",
+        help="round_robin, least_loaded, power_of_two, prefix_aware",
+    )
+    g.add_argument("--decode-policy", default="round_robin", help="as --prefill-policy")
+    g.add_argument("--skip-prefill-below", type=int, default=0, metavar="TOKENS",
+                   help="uncached prompts shorter than this go straight to decode (needs a tokenizer); 0: never")  # fmt: skip
+    g.add_argument(
+        "--max-concurrent", type=int, help="requests in flight at most; more queue (default: unbounded)"
+    )
+    g.add_argument("--api-key", help="clients must send Authorization: Bearer KEY")
+    g.add_argument("--admin-api-key", help="enables the admin API (/admin/...) with this key")
+
+
+def _routing(a: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "prefill_policy": a.prefill_policy,
+        "decode_policy": a.decode_policy,
+        "skip_prefill_below_tokens": a.skip_prefill_below,
+        "max_concurrent": a.max_concurrent,
+        "api_key": a.api_key,
+        "admin_api_key": a.admin_api_key,
+    }
+
+
 def _timeouts(a: argparse.Namespace) -> Timeouts:
     return Timeouts(
         a.connect_timeout, a.prefill_timeout, a.first_token_timeout, a.idle_timeout, a.decode_timeout
@@ -88,7 +116,10 @@ def cmd_up(a: argparse.Namespace) -> int:
     from pdserve.stack import Stack
 
     _raise_on_sigterm()
-    with Stack(_topology(a), timeouts=_timeouts(a), proxy_log_level=a.log_level) as stack:
+    stack_ = Stack(
+        _topology(a), timeouts=_timeouts(a), proxy_log_level=a.log_level, proxy_options=_routing(a)
+    )
+    with stack_ as stack:
         print("\npdserve is up:")
         for line in stack.describe():
             print("  " + line)
@@ -107,8 +138,9 @@ def cmd_proxy(a: argparse.Namespace) -> int:
         host=a.host,
         port=a.port,
         timeouts=_timeouts(a),
-        prefill_policy=a.prefill_policy,
-        decode_policy=a.decode_policy,
+        tokenizer=a.tokenizer,
+        prefix_block_size=a.block_size,
+        **_routing(a),
     )
     serve(config, a.log_level)
     return 0
@@ -159,6 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", help="start N prefill + M decode vLLM instances and the proxy")
     _add_topology(up)
+    _add_routing(up)
     _add_timeouts(up)
     up.set_defaults(func=cmd_up)
 
@@ -171,8 +204,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     proxy.add_argument("--port", type=int, default=8000)
     proxy.add_argument("--host", default="127.0.0.1")
-    proxy.add_argument("--prefill-policy", default="round_robin")
-    proxy.add_argument("--decode-policy", default="round_robin")
+    proxy.add_argument(
+        "--tokenizer", metavar="DIR", help="model dir with tokenizer.json, for prompt-aware routing"
+    )
+    proxy.add_argument(
+        "--block-size", type=int, default=16, help="the engines' KV block size (vLLM --block-size)"
+    )
+    _add_routing(proxy)
     _add_timeouts(proxy)
     proxy.set_defaults(func=cmd_proxy)
 

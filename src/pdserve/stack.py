@@ -16,6 +16,7 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import uvloop
 
@@ -30,6 +31,7 @@ from pdserve.sim.profile import load_profile
 
 _EMBEDDED_MAX_MODEL_LEN = 2048
 SIM_ENTRYPOINT = ("-m", "pdserve.sim")
+_VLLM_BLOCK_SIZE = {"cpu": 128, "cuda": 16}  # vLLM's default --block-size per device
 _PROXY_START_TIMEOUT = 15.0
 
 
@@ -82,11 +84,13 @@ class Stack:
         say: Callable[[str], None] = print,
         timeouts: Timeouts | None = None,
         proxy_log_level: str = "warning",
+        proxy_options: dict[str, Any] | None = None,
     ) -> None:
         self.topology = topology
         self._say = say
         self._timeouts = timeouts or Timeouts()
         self._proxy_log_level = proxy_log_level
+        self._proxy_options = dict(proxy_options or {})
         # The simulator is part of pdserve: it runs on this very interpreter, no vLLM venv needed.
         self.engine_python = (
             sys.executable if topology.engine == "sim" else find_engine_python(topology.engine_python)
@@ -113,7 +117,9 @@ class Stack:
     def start(self) -> None:
         if self.topology.engine == "sim":
             specs = plan_sim_instances(self.topology)
-            self.model = ResolvedModel(load_profile(self.topology.sim_profile).served_model_name, None, False)
+            profile = load_profile(self.topology.sim_profile)
+            self.model = ResolvedModel(profile.served_model_name, None, False)
+            self._proxy_options.setdefault("prefix_block_size", profile.block_size)
             self._say(f"simulator, profile {self.topology.sim_profile}; logs in {self.run_dir}/")
             self._start(specs, SIM_ENTRYPOINT)
             return
@@ -133,6 +139,11 @@ class Stack:
             gpu_ids=_visible_gpus(),
         )
         self._say(f"model {self.model.served_model_name or self.model.path}; logs in {self.run_dir}/")
+        # The proxy counts prompt tokens with the model's own tokenizer (a hub name has none locally).
+        self._proxy_options.setdefault(
+            "tokenizer", self.model.path if os.path.isdir(self.model.path) else None
+        )
+        self._proxy_options.setdefault("prefix_block_size", _VLLM_BLOCK_SIZE[self.topology.device])
         self._start(specs, DEFAULT_ENTRYPOINT)
 
     def _start(self, specs: tuple[InstanceSpec, ...], entrypoint: tuple[str, ...]) -> None:
@@ -151,6 +162,7 @@ class Stack:
             host=self.topology.host,
             port=self.topology.proxy_port,
             timeouts=self._timeouts,
+            **self._proxy_options,
         )
         self.proxy = ProxyThread(config, self._proxy_log_level)
         self.proxy.start()

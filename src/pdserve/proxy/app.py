@@ -46,7 +46,8 @@ from pdserve.proxy.asgi import (
 from pdserve.proxy.flow import Flow
 from pdserve.proxy.metrics import render as render_metrics
 from pdserve.proxy.pool import CircuitBreaker, Instance, Pool
-from pdserve.proxy.routing import make_policy
+from pdserve.proxy.routing import PolicyOptions, make_policy
+from pdserve.proxy.tokens import PromptTokenizer
 from pdserve.proxy.upstream import Upstream
 
 log = logging.getLogger("pdserve.proxy")
@@ -119,8 +120,17 @@ def create_app(config: ProxyConfig) -> Starlette:
         _pool("decode", config.decode_urls, config),
     )
     pools = (prefill, decode)
+    options = PolicyOptions(config.prefix_block_size, config.prefix_load_cost_tokens)
+    tokenizer = PromptTokenizer.from_model_dir(config.tokenizer) if config.tokenizer else None
+    if config.tokenizer and tokenizer is None:
+        log.warning("no tokenizer.json in %s: prompt-aware routing falls back to load only", config.tokenizer)
     flow = Flow(
-        prefill, decode, make_policy(config.prefill_policy), make_policy(config.decode_policy), config
+        prefill,
+        decode,
+        make_policy(config.prefill_policy, options),
+        make_policy(config.decode_policy, options),
+        config,
+        tokenizer,
     )
 
     async def check_now() -> list[dict[str, object]]:

@@ -44,7 +44,9 @@ from pdserve.protocol import SSE_DONE_MARK, SSE_ERROR_MARK, BadRequest, Endpoint
 from pdserve.proxy.asgi import Responder
 from pdserve.proxy.ledger import Handoff, Ledger
 from pdserve.proxy.pool import Instance, Pool
+from pdserve.proxy.prefix import block_hashes, should_skip_prefill, wants_prompt_tokens
 from pdserve.proxy.routing import Policy
+from pdserve.proxy.tokens import PromptTokenizer
 from pdserve.proxy.upstream import Reply, StreamReply
 
 log = logging.getLogger("pdserve.proxy")
@@ -83,6 +85,14 @@ class _Answered(enum.Enum):
     YES = enum.auto()
 
 
+@dataclass(frozen=True)
+class Prompt:
+    """What the proxy knows of a request's prompt, for prompt-aware routing and the skip rule."""
+
+    num_tokens: int
+    hashes: list[int]  # chained hashes of its full KV blocks (prefix.py)
+
+
 class Flow:
     def __init__(
         self,
@@ -91,6 +101,7 @@ class Flow:
         prefill_policy: Policy,
         decode_policy: Policy,
         config: ProxyConfig,
+        tokenizer: PromptTokenizer | None = None,
         num_traces: int = 256,
     ) -> None:
         self.prefill = prefill
@@ -98,6 +109,7 @@ class Flow:
         self._prefill_policy = prefill_policy
         self._decode_policy = decode_policy
         self._config = config
+        self._tokenizer = tokenizer
         self._t = config.timeouts
         self.traces: deque[Trace] = deque(maxlen=num_traces)
         self.ledger = Ledger(config.kv_lease_s)
@@ -138,16 +150,23 @@ class Flow:
     ) -> None:
         path = protocol.PATHS[endpoint]
         trace.local_prefill_reason = protocol.needs_local_prefill(body)
+        prompt = self._prompt(body)
         tried: list[Instance] = []
         for attempt in range(1, self._config.max_decode_attempts + 1):
+            # Decode is chosen first: what it already caches decides whether prefill is worth a hop.
+            decode, num_cached = self._pick_decode(tried, prompt)
+            tried.append(decode)
+            if attempt == 1 and trace.local_prefill_reason is None and prompt is not None:
+                threshold = self._config.skip_prefill_below_tokens
+                if should_skip_prefill(prompt.num_tokens, num_cached, threshold):
+                    uncached = prompt.num_tokens - num_cached
+                    trace.local_prefill_reason = f"{uncached} uncached prompt tokens < {threshold}"
             if trace.local_prefill_reason is None and trace.handoff is None:
-                result = await self._prefill(path, body, headers, trace, out)
+                result = await self._prefill(path, body, headers, trace, out, prompt)
                 if result is _Answered.YES:
                     return
                 trace.handoff = result  # None: prefill gave up and decode computes the prompt itself
             handoff = trace.handoff
-            decode = self._pick(self.decode, self._decode_policy, tried, "decode")
-            tried.append(decode)
             # A retry goes to another instance: none left (or no attempts left) makes this the last.
             is_last = attempt == self._config.max_decode_attempts or not self.decode.available(tried)
             request = protocol.decode_body(body, handoff.params) if handoff else body
@@ -171,18 +190,51 @@ class Flow:
                 trace.handoff = None  # decode may have pulled, and prefill freed, those blocks: prefill again
             await asyncio.sleep(self._backoff(attempt))
 
-    def _pick(self, pool: Pool, policy: Policy, tried: Sequence[Instance], phase: str) -> Instance:
+    def _prompt(self, body: dict[str, Any]) -> Prompt | None:
+        """The prompt's tokens and block hashes, when a policy or the skip rule needs them."""
+        wants = wants_prompt_tokens(self._prefill_policy) or wants_prompt_tokens(self._decode_policy)
+        if self._tokenizer is None or not (wants or self._config.skip_prefill_below_tokens):
+            return None
+        ids = self._tokenizer.token_ids(body)
+        if ids is None:
+            return None
+        salt = body.get("cache_salt")
+        hashes = block_hashes(ids, self._config.prefix_block_size, salt if isinstance(salt, str) else None)
+        return Prompt(len(ids), hashes)
+
+    def _candidates(self, pool: Pool, tried: Sequence[Instance], phase: str) -> list[Instance]:
         candidates = pool.available(exclude=tried)
         if not candidates:
             states = ", ".join(f"{i.url} ({_why_unavailable(i)})" for i in pool.instances)
             raise NoInstanceAvailable(phase, states or "none configured")
+        return candidates
+
+    def _pick_prefill(self, tried: Sequence[Instance], prompt: Prompt | None) -> Instance:
+        candidates = self._candidates(self.prefill, tried, "prefill")
+        policy = self._prefill_policy
+        if prompt is not None and wants_prompt_tokens(policy):
+            return policy.choose_for(candidates, prompt.hashes)
         return policy.choose(candidates)
+
+    def _pick_decode(self, tried: Sequence[Instance], prompt: Prompt | None) -> tuple[Instance, int]:
+        """A decode instance and how many of the prompt's tokens it likely holds in its prefix cache."""
+        candidates = self._candidates(self.decode, tried, "decode")
+        policy = self._decode_policy
+        if prompt is not None and wants_prompt_tokens(policy):
+            return policy.choose_with_hit(candidates, prompt.hashes)
+        return policy.choose(candidates), 0
 
     def _backoff(self, attempt: int) -> float:
         return float(min(1.0, self._config.retry_backoff_s * 2 ** (attempt - 1)))
 
     async def _prefill(
-        self, path: str, body: dict[str, Any], headers: dict[str, str], trace: Trace, out: Responder
+        self,
+        path: str,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        trace: Trace,
+        out: Responder,
+        prompt: Prompt | None,
     ) -> Handoff | _Answered | None:
         """Prefill's params; None when every attempt failed and decode should prefill locally."""
         payload = orjson.dumps(protocol.prefill_body(body))
@@ -193,7 +245,7 @@ class Flow:
                 if not self.prefill.available(tried):
                     break  # a retry goes to another instance, and there is none
                 await asyncio.sleep(self._backoff(attempt - 1))
-            prefill = self._pick(self.prefill, self._prefill_policy, tried, "prefill")
+            prefill = self._pick_prefill(tried, prompt)
             tried.append(prefill)
             trace.prefill_url = prefill.url
             begun = time.perf_counter()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import random
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 from pdserve.errors import ConfigError
@@ -90,16 +91,29 @@ class PowerOfTwo:
         return min(candidates[a], candidates[b], key=load_score)
 
 
-POLICIES: dict[str, Callable[[], Policy]] = {
-    "round_robin": RoundRobin,
-    "least_loaded": LeastLoaded,
-    "power_of_two": PowerOfTwo,
+@dataclass(frozen=True)
+class PolicyOptions:
+    block_size: int = 16  # the engines' KV block size, for prompt-aware policies
+    load_cost_tokens: float = 256.0  # prefix_aware: cached tokens worth one more request ahead
+
+
+def _prefix_aware(options: PolicyOptions) -> Policy:
+    from pdserve.proxy.prefix import PrefixAware  # prefix.py builds on this module
+
+    return PrefixAware(options.block_size, options.load_cost_tokens)
+
+
+POLICIES: dict[str, Callable[[PolicyOptions], Policy]] = {
+    "round_robin": lambda _: RoundRobin(),
+    "least_loaded": lambda _: LeastLoaded(),
+    "power_of_two": lambda _: PowerOfTwo(),
+    "prefix_aware": _prefix_aware,
 }
 
 
-def make_policy(name: str) -> Policy:
+def make_policy(name: str, options: PolicyOptions | None = None) -> Policy:
     try:
         factory = POLICIES[name]
     except KeyError:
         raise ConfigError(f"unknown routing policy {name!r}; valid: {', '.join(sorted(POLICIES))}") from None
-    return factory()
+    return factory(options or PolicyOptions())
