@@ -82,7 +82,9 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_answers_have_vllms_fields_and_stream_shape(stack: Stack, sim_urls: dict[str, str], case: str) -> None:
+def test_answers_have_vllms_fields_and_stream_shape(
+    stack: Stack, sim_urls: dict[str, str], case: str
+) -> None:
     path, body = CASES[case]
     real_status, real = send(stack.urls("decode")[0], path, body)
     sim_status, sim = send(sim_urls["decode"], path, body)
