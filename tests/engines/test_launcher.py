@@ -194,6 +194,23 @@ def test_check_alive_names_an_instance_that_died_after_start(make_group: MakeGro
     group.check_alive()  # exits after stop() are expected, not errors
 
 
+def test_restart_brings_back_a_killed_instance_on_its_port_and_keeps_its_log(make_group: MakeGroup) -> None:
+    prefill, decode = fake_spec("prefill", 0), fake_spec("decode", 0)
+    group = make_group(prefill, decode)
+    group.start()
+    old_pid = group.pid(decode)
+    assert old_pid is not None
+    os.killpg(old_pid, signal.SIGKILL)
+    group.restart(decode)
+    new_pid = group.pid(decode)
+    assert new_pid is not None and new_pid != old_pid
+    with urllib.request.urlopen(f"{decode.url}/health", timeout=2) as resp:
+        assert resp.status == 200
+    group.check_alive()  # the replacement counts as alive; the old exit is forgotten
+    assert group.log_path(decode).read_text().count("# pdserve:") == 2
+    group.stop()
+
+
 def test_missing_engine_python_is_a_start_error(tmp_path: Path) -> None:
     group = EngineGroup([fake_spec()], str(tmp_path / "no-python"), tmp_path, entrypoint=(FAKE_ENGINE,))
     with pytest.raises(EngineStartError, match="prefill-0: cannot run"):

@@ -128,9 +128,9 @@ class EngineGroup:
     ) -> None:
         self.stop()
 
-    def _spawn(self, spec: InstanceSpec) -> None:
+    def _spawn(self, spec: InstanceSpec, mode: str = "wb") -> None:
         command = [self._engine_python, *self._entrypoint, *spec.args]
-        with open(self.log_path(spec), "wb") as log:
+        with open(self.log_path(spec), mode) as log:
             log.write(f"# pdserve: {' '.join(command)}\n# env: {dict(spec.env)}\n".encode())
             log.flush()
             try:
@@ -146,25 +146,41 @@ class EngineGroup:
             except OSError as exc:
                 raise EngineStartError(f"{spec.name}: cannot run {self._engine_python}: {exc}") from exc
 
-    def _wait_healthy(self, started: float) -> None:
+    def restart(self, spec: InstanceSpec, timeout: float = 20.0) -> None:
+        """Stop one instance (whatever state it is in) and start it again; returns once it is healthy.
+
+        Its log is appended to, so what happened before the restart stays readable.
+        """
+        proc = self._procs.get(spec.name)
+        if proc is not None and _group_alive(proc):
+            _signal_group(proc.pid, signal.SIGKILL)
+            deadline = time.monotonic() + timeout
+            while _group_alive(proc) and time.monotonic() < deadline:
+                time.sleep(_POLL_INTERVAL / 5)
+        _check_ports_free([spec])
+        self._spawn(spec, mode="ab")
+        self._wait_healthy(time.monotonic(), [spec])
+
+    def _wait_healthy(self, started: float, specs: Sequence[InstanceSpec] | None = None) -> None:
+        specs = self._specs if specs is None else tuple(specs)
         healthy: set[str] = set()
         next_heartbeat = started + _HEARTBEAT_INTERVAL
         while True:
             if self._is_stopping:  # stop() came from elsewhere, e.g. a signal handler
                 raise EngineStartError("start-up interrupted: the instances were stopped")
-            for spec in self._specs:
+            for spec in specs:
                 if _has_exited(self._procs[spec.name]):
                     raise EngineStartError(self._describe_exit(spec, during_start=True))
                 if spec.name not in healthy and _is_healthy(spec.url):
                     healthy.add(spec.name)
                     self._on_progress(
                         f"{spec.name} up after {time.monotonic() - started:.0f} s "
-                        f"({len(healthy)}/{len(self._specs)} healthy)"
+                        f"({len(healthy)}/{len(specs)} healthy)"
                     )
-            if len(healthy) == len(self._specs):
+            if len(healthy) == len(specs):
                 return
             now = time.monotonic()
-            waiting = [spec for spec in self._specs if spec.name not in healthy]
+            waiting = [spec for spec in specs if spec.name not in healthy]
             if now - started > self._startup_timeout:
                 names = ", ".join(s.name for s in waiting)
                 raise EngineStartError(
