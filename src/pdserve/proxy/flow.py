@@ -26,7 +26,7 @@ import logging
 import time
 from collections import Counter, deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -47,36 +47,12 @@ from pdserve.proxy.pool import Instance, Pool
 from pdserve.proxy.prefix import block_hashes, should_skip_prefill, wants_prompt_tokens
 from pdserve.proxy.routing import Policy
 from pdserve.proxy.tokens import PromptTokenizer
+from pdserve.proxy.trace import Trace, outcome
 from pdserve.proxy.upstream import Reply, StreamReply
 
 log = logging.getLogger("pdserve.proxy")
 
 _MARK_TAIL = max(len(SSE_DONE_MARK), len(SSE_ERROR_MARK))
-
-
-@dataclass
-class Trace:
-    """What happened to one request: the walk-through `pdserve demo` prints and /requests serves."""
-
-    request_id: str
-    endpoint: Endpoint
-    stream: bool
-    started: float = field(default_factory=time.time)
-    prefill_url: str | None = None
-    prefill_status: int | None = None
-    prefill_ms: float | None = None
-    kv_transfer_params: dict[str, Any] | None = None
-    local_prefill_reason: str | None = None  # set when the request was not split, and why
-    decode_url: str | None = None
-    decode_status: int | None = None
-    total_ms: float | None = None
-    error: str | None = None  # the error the client received, if any
-    stream_error_event: bool = False  # decode streamed vLLM's own error event
-    retries: list[str] = field(default_factory=list)  # each failed attempt that was retried, and why
-    handoff: Handoff | None = None  # the KV handoff in play, if any (see ledger.py)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k != "handoff"}
 
 
 class _Answered(enum.Enum):
@@ -138,7 +114,7 @@ class Flow:
             trace.total_ms = (time.perf_counter() - begun) * 1000
             if not out.finished and trace.error is None:
                 trace.error = "client disconnected"
-            self.outcomes[(endpoint, _outcome(trace, out))] += 1
+            self.outcomes[(endpoint, outcome(trace, out.status))] += 1
             for retry in trace.retries:
                 self.retries[retry.split(" ", 1)[0]] += 1
             if trace.handoff is not None:  # still open: decode never started answering
@@ -390,15 +366,6 @@ class Flow:
         else:
             self.ledger.abandon(trace.handoff, f"decode {decode.url} answered {status}", "decode_rejected")
         trace.handoff = None
-
-
-def _outcome(trace: Trace, out: Responder) -> str:
-    if trace.error == "client disconnected":
-        return "client_disconnected"
-    if trace.stream_error_event or (out.status == 200 and trace.error is not None):
-        return "stream_error"
-    status = out.status or 0
-    return "ok" if status == 200 else "client_error" if status < 500 else "error"
 
 
 def _describe(failure: UpstreamError | Reply | None) -> str:
