@@ -46,6 +46,14 @@ def _add_routing(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--max-concurrent", type=int, help="requests in flight at most; more queue (default: unbounded)"
     )
+    g.add_argument(
+        "--max-queued", type=int, default=256, help="requests waiting beyond --max-concurrent; more get 429"
+    )
+    g.add_argument(
+        "--queue-timeout", type=float, default=30.0, help="seconds a queued request may wait (then 503)"
+    )
+    g.add_argument("--fallback-to-local-prefill", action="store_true",
+                   help="when every prefill attempt fails, let decode compute the prompt itself")  # fmt: skip
     g.add_argument("--api-key", help="clients must send Authorization: Bearer KEY")
     g.add_argument("--admin-api-key", help="enables the admin API (/admin/...) with this key")
 
@@ -56,6 +64,9 @@ def _routing(a: argparse.Namespace) -> dict[str, Any]:
         "decode_policy": a.decode_policy,
         "skip_prefill_below_tokens": a.skip_prefill_below,
         "max_concurrent": a.max_concurrent,
+        "max_queued": a.max_queued,
+        "queue_timeout_s": a.queue_timeout,
+        "fallback_to_local_prefill": a.fallback_to_local_prefill,
         "api_key": a.api_key,
         "admin_api_key": a.admin_api_key,
     }
