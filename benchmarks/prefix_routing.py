@@ -29,20 +29,14 @@ from pathlib import Path
 from pdserve.bench.load import Job, run_load
 from pdserve.engines.metrics import parse_prometheus
 from pdserve.sim.profile import load_profile
+from pdserve.stack import wait_http_ok
 
 HOST = "127.0.0.1"
 
 
 def wait_ok(url: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=1) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.1)
-    raise RuntimeError(f"{url} not healthy within {timeout} s")
+    if not wait_http_ok(url, timeout):
+        raise RuntimeError(f"{url} not healthy within {timeout} s")
 
 
 def workload(tenants: int, per_tenant: int, prefix_len: int, suffix_len: int, max_tokens: int, seed: int,
@@ -110,7 +104,9 @@ def run_policy(policy: str, args: argparse.Namespace, tokenizer: str) -> dict[st
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--profile", default="llama3-8b-a100")
     parser.add_argument("--tenants", type=int, default=8)
     parser.add_argument("--per-tenant", type=int, default=24)
@@ -131,7 +127,9 @@ def main() -> int:
     print(f"\nsimulated 4P4D, profile {args.profile}; {args.tenants} tenants x {args.per_tenant} requests, "
           f"{args.prefix_tokens}-token shared prefix + {args.suffix_tokens} unique, {args.max_tokens} out, "
           f"concurrency {args.concurrency}; {time.strftime('%Y-%m-%d')}")  # fmt: skip
-    print(f"{'prefill policy':15} {'ok':>4} {'failed':>6} {'prefix hit rate':>16} {'TTFT mean':>10} {'TTFT p50':>9} {'TTFT p90':>9}")
+    print(
+        f"{'prefill policy':15} {'ok':>4} {'failed':>6} {'prefix hit rate':>16} {'TTFT mean':>10} {'TTFT p50':>9} {'TTFT p90':>9}"
+    )
     for policy, r in results.items():
         print(f"{policy:15} {r['ok']:4.0f} {r['failed']:6.0f} {r['hit_rate']:15.1%} {r['ttft_mean_ms']:8.1f}ms "
               f"{r['ttft_p50_ms']:7.1f}ms {r['ttft_p90_ms']:7.1f}ms")  # fmt: skip

@@ -21,26 +21,19 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from pdserve.bench.load import Job, Summary, run_load
+from pdserve.stack import wait_http_ok
 
 HOST = "127.0.0.1"
 
 
 def wait_ok(url: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=1) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.1)
-    raise RuntimeError(f"{url} not healthy within {timeout} s")
+    if not wait_http_ok(url, timeout):
+        raise RuntimeError(f"{url} not healthy within {timeout} s")
 
 
 @contextmanager

@@ -11,6 +11,7 @@ import openai
 import orjson
 
 from pdserve.engines.metrics import parse_prometheus
+from pdserve.protocol import PREFILL_KV_PARAMS
 from pdserve.sim.profile import Profile
 from pdserve.sim.server import SimCluster
 
@@ -18,15 +19,8 @@ MODEL = "sim-model"
 MAX_MODEL_LEN = 256
 PROFILE = Profile(served_model_name=MODEL, max_model_len=MAX_MODEL_LEN, num_blocks=512)
 CLIENT_TIMEOUT = 15.0
-# What a proxy sends prefill (pdserve.protocol.PREFILL_KV_PARAMS).
-PREFILL_PARAMS = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
+# What a proxy sends prefill.
+PREFILL_PARAMS = PREFILL_KV_PARAMS
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
+from typing import Any, Protocol
 
 from pdserve.protocol import SSE_DONE, error_body, sse_event
 
@@ -107,14 +107,28 @@ class Responder:
         self.finished = True
 
 
-async def run_until_disconnect(work: Awaitable[None], receive: Receive, responder: Responder) -> bool:
+class Finishing(Protocol):
+    @property
+    def finished(self) -> bool: ...
+
+
+async def run_until_disconnect(
+    work: Awaitable[None],
+    receive: Receive,
+    responder: Finishing,
+    await_close: Callable[[], bool] | None = None,
+    close_wait_s: float = 1.0,
+) -> bool:
     """Run ``work``; if the client disconnects first, cancel it. True when the client went away.
 
     ASGI servers also report ``http.disconnect`` once the response is complete, so a disconnect after
-    ``responder.finished`` lets the work finish its bookkeeping instead of cancelling it.
+    ``responder.finished`` lets the work finish its bookkeeping instead of cancelling it. When
+    ``await_close()`` says so after the work (it dropped the connection on purpose), the server's own
+    disconnect notice is awaited, at most ``close_wait_s``, so the app never returns before the server
+    knows the connection is gone.
     """
     work_task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
+    watcher = asyncio.ensure_future(wait_for_disconnect(receive))
     try:
         await asyncio.wait((work_task, watcher), return_when=asyncio.FIRST_COMPLETED)
         if not work_task.done() and not responder.finished:
@@ -122,6 +136,9 @@ async def run_until_disconnect(work: Awaitable[None], receive: Receive, responde
         # Cancelled work still runs its cleanup (closing upstream connections) before we return.
         with contextlib.suppress(asyncio.CancelledError):
             await work_task
+        if await_close is not None and await_close():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(watcher), close_wait_s)
     finally:
         watcher.cancel()
         if not work_task.done():
@@ -132,6 +149,6 @@ async def run_until_disconnect(work: Awaitable[None], receive: Receive, responde
     return False
 
 
-async def _wait_for_disconnect(receive: Receive) -> None:
+async def wait_for_disconnect(receive: Receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass

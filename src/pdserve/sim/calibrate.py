@@ -308,6 +308,9 @@ def profile_yaml(m: Measurement, sets: dict[str, Any], command: str, today: str)
     base, per_seq, per_ctx = decode_fit.coefficients
     fitted = {"step_base_s": base, "prefill_per_token_s": per_token}
     fitted |= {"decode_per_seq_s": per_seq, "decode_per_ctx_token_s": per_ctx}
+    # What the TTFT intercept holds beyond one engine step and the HTTP round trip: vLLM's per-request
+    # work outside the engine (API server, tokenization, IPC). The sim adds it before admission.
+    fitted["request_overhead_s"] = overhead - base - m.http_rtt_s
     model = m.found.get("served_model_name", "?")
     prefill_q = f"prefill R²={prefill_fit.r_squared:.3f} rmse={prefill_fit.rmse * 1e3:.2f}ms"
     decode_q = f"decode R²={decode_fit.r_squared:.3f} rmse={decode_fit.rmse * 1e3:.3f}ms"

@@ -194,6 +194,10 @@ class SimEngine:
         self.check_request(req)
         loop = asyncio.get_running_loop()
         request_id = req.request_id
+        if self.profile.request_overhead_s:
+            # vLLM's API server and engine IPC, before the scheduler sees the request: it delays this
+            # request's first token but, being another process's work, not other requests' steps.
+            await self.clock.sleep(self.profile.request_overhead_s)
         self.scheduler.add_request(req)
         stream = self._streams[request_id] = _Stream()
         self._wake.set()

@@ -22,14 +22,23 @@ from typing import Final
 import orjson
 
 from pdserve.protocol import Endpoint, error_body
-from pdserve.proxy.asgi import BodyTooLarge, ClientGone, Receive, Scope, Send, header, read_body
+from pdserve.proxy.asgi import (
+    BodyTooLarge,
+    ClientGone,
+    Receive,
+    Scope,
+    Send,
+    header,
+    read_body,
+    run_until_disconnect,
+)
 from pdserve.sim import render, tokenizer
 from pdserve.sim.engine import EngineStoppedError
 from pdserve.sim.faults import RequestFault
 from pdserve.sim.instance import SimInstance
 from pdserve.sim.request import GenerationRequest, RequestError, parse_request
 from pdserve.sim.types import KVPullError, SimRequest, TokenEvent
-from pdserve.sim.wire import ConnectionDropped, Writer, run_until_disconnect
+from pdserve.sim.wire import DISCONNECT_WAIT_S, ConnectionDropped, Writer
 
 log = logging.getLogger("pdserve.sim")
 
@@ -113,7 +122,7 @@ class GenerationEndpoint:
         response_id, engine_request_id = request_ids(self._endpoint, header(scope, b"x-request-id"))
         work = self._serve(req, response_id, engine_request_id, out, arrival)
         try:
-            await run_until_disconnect(work, receive, out)
+            await run_until_disconnect(work, receive, out, lambda: out.dropped, DISCONNECT_WAIT_S)
         except ConnectionDropped:
             raise  # the server closes the connection: an injected fault, not a failure
         except Exception:

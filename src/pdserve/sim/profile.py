@@ -36,6 +36,9 @@ class Profile:
     prefill_per_token_s: float = 0.0
     decode_per_seq_s: float = 0.0
     decode_per_ctx_token_s: float = 0.0
+    # Fixed latency before a request reaches the scheduler (API server, tokenization, engine IPC):
+    # part of every TTFT, but spent outside the engine's steps, so it does not slow other requests.
+    request_overhead_s: float = 0.0
     # NIXL pull of prefill's KV by decode (seconds).
     kv_pull_base_s: float = 0.0
     kv_pull_per_block_s: float = 0.0
@@ -62,7 +65,7 @@ class Profile:
     def is_zero_cost(self) -> bool:
         return not any(
             (self.step_base_s, self.prefill_per_token_s, self.decode_per_seq_s, self.decode_per_ctx_token_s,
-             self.kv_pull_base_s, self.kv_pull_per_block_s)
+             self.kv_pull_base_s, self.kv_pull_per_block_s, self.request_overhead_s)
         )  # fmt: skip
 
     def step_seconds(self, prefill_tokens: int, decode_seqs: int, decode_ctx_tokens: int) -> float:

@@ -12,14 +12,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable
 from typing import Final
 
-from pdserve.proxy.asgi import Message, Receive, Send
+from pdserve.proxy.asgi import Receive, Send, wait_for_disconnect
 
 JSON: Final = b"application/json"
 EVENT_STREAM: Final = b"text/event-stream; charset=utf-8"
-_DISCONNECT_WAIT_S: Final = 2.0
+DISCONNECT_WAIT_S: Final = 2.0
 
 
 class ConnectionDropped(Exception):
@@ -82,42 +81,8 @@ class Writer:
         transport.close()
 
 
-async def wait_for_disconnect(receive: Receive) -> None:
-    message: Message = await receive()
-    while message["type"] != "http.disconnect":
-        message = await receive()
-
-
 async def drop_unanswered(send: Send, receive: Receive) -> None:
     """Close the connection without an answer and return once the server has seen it close."""
     Writer(send).drop()
     with contextlib.suppress(asyncio.TimeoutError):
-        await asyncio.wait_for(wait_for_disconnect(receive), _DISCONNECT_WAIT_S)
-
-
-async def run_until_disconnect(work: Awaitable[None], receive: Receive, out: Writer) -> bool:
-    """Run ``work``; cancel it if the client disconnects first. True when the client went away.
-
-    Servers also report ``http.disconnect`` once the response is complete, so a disconnect after
-    ``out.finished`` lets the work finish its bookkeeping. After ``out.drop()`` the server's own
-    disconnect notice is awaited, so the app never returns before the server knows the connection is gone.
-    """
-    work_task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(wait_for_disconnect(receive))
-    try:
-        await asyncio.wait((work_task, watcher), return_when=asyncio.FIRST_COMPLETED)
-        if not work_task.done() and not out.finished:
-            work_task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await work_task
-        if out.dropped:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(asyncio.shield(watcher), _DISCONNECT_WAIT_S)
-    finally:
-        watcher.cancel()
-        if not work_task.done():
-            work_task.cancel()
-    if work_task.cancelled():
-        return True
-    work_task.result()
-    return False
+        await asyncio.wait_for(wait_for_disconnect(receive), DISCONNECT_WAIT_S)
