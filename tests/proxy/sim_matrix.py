@@ -178,7 +178,10 @@ def _judge_whole(endpoint: Endpoint, status: int, payload: bytes, max_tokens: in
         return ("error", message, 0) if message else ("truncated", f"{status} without an error message", 0)
     if status != 200:
         return "truncated", f"unexpected status {status}", 0
-    choice = data["choices"][0]
+    choices = data.get("choices") if isinstance(data, dict) else None
+    if not choices:
+        return "truncated", f"200 without choices: {payload[:120]!r}", 0
+    choice = choices[0]
     num_tokens = len(_text(endpoint, choice, stream=False).split())
     usage = data.get("usage") or {}
     if (num_tokens, usage.get("completion_tokens"), choice.get("finish_reason")) != (
@@ -218,7 +221,11 @@ class _Stream:
         if data == b"[DONE]":
             self.is_done = True
             return
-        event = orjson.loads(data)
+        try:
+            event = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            self.problem = self.problem or f"event is not JSON: {data[:80]!r}"
+            return
         message = _error_message(event)
         if message is not None and self.error is None:
             self.error = message
@@ -287,6 +294,13 @@ async def ask(
         return answer("truncated", f"connection closed mid-answer: {exc}", len(seen.text.split()))
     kind, detail, num_tokens = seen.judge(max_tokens, buffer)
     return answer(kind, detail, num_tokens, seen.error_gap_s)
+
+
+async def proxy_ready(http: aiohttp.ClientSession, url: str) -> None:
+    """Return once the proxy serves (its start checks every instance's model), so a request's time
+    is the request's own."""
+    async with http.get(url + "/metrics") as resp:
+        assert resp.status == 200, await resp.text()
 
 
 async def proxy_json(http: aiohttp.ClientSession, url: str, admin_key: str | None = None) -> Any:

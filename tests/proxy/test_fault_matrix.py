@@ -8,8 +8,9 @@ What every case asserts, for every request:
 - afterwards no prefill instance holds KV and no engine runs a request (abandoned handoffs expire
   within the lease), and the proxy's ledger has no handoff left open.
 
-Faults are set over the sims' HTTP API (``POST /sim/faults``) on a fresh proxy per case, so health
-checks, round-robin counters and the ledger of one case do not leak into the next.
+Faults are set over the sims' HTTP API (``POST /sim/faults``). Each request gets a fresh proxy, so
+health checks, round-robin counters and the ledger of one request do not leak into the next, and every
+request goes first to instance 0, where the single-instance faults are.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import aiohttp
 import orjson
@@ -34,6 +35,7 @@ from sim_matrix import (
     ask,
     clear_faults,
     proxy_json,
+    proxy_ready,
     request_body,
     set_faults,
     settled,
@@ -45,7 +47,7 @@ from sim_matrix import (
 from pdserve.protocol import Endpoint
 
 T = TIMEOUTS
-SLACK_S = 1.5  # a loaded 2-core machine: scheduling, connection set-up, retry backoff
+SLACK_S = 2.5  # a loaded 2-core machine (other test runs, engines): scheduling, connect, retry backoff
 QUICK_S = 0.5  # a fault answered at once (a 500, a closed connection), retries included
 MAX_TOKENS = 8
 ADMIN_KEY = "matrix-admin"
@@ -67,7 +69,7 @@ class Case:
     faults: dict[str, dict[str, Any]]  # "prefill0", "decode1", ... → fault fields for POST /sim/faults
     streamed: Expect
     whole: Expect
-    retried: str | None = None  # some request's walk-through must show a retry of this phase
+    retried: str | None = None  # every request's walk-through must show a retry of this phase
     # Streamed error events must come within this of the event before them (slow tokens).
     max_error_gap_s: float | None = None
 
@@ -240,6 +242,7 @@ async def test_every_request_ends_in_time_whole_or_with_a_clear_error(
     # single-instance faults are, so every mode meets the fault (and a retry goes to instance 1).
     with ExitStack() as proxies:
         urls = [proxies.enter_context(_proxy(sims)) for _ in COMBOS]
+        await asyncio.gather(*(proxy_ready(http, url) for url in urls))
         for name, fault in case.faults.items():
             await set_faults(http, _instance(sims, name), **fault)
         try:
@@ -300,6 +303,7 @@ async def test_a_down_instance_is_skipped_once_health_checks_notice(
     role: str, sims: SimPD, http: aiohttp.ClientSession
 ) -> None:
     with _proxy(sims) as url:
+        await proxy_ready(http, url)
         await set_faults(http, _instance(sims, f"{role}0"), down=True)
         try:
             instances = await proxy_json(http, url + "/instances")  # checks every instance on the spot
@@ -318,10 +322,13 @@ async def test_a_down_instance_is_skipped_once_health_checks_notice(
 # --- Clients that hang up ---------------------------------------------------------------------------
 
 
+HangUpWhen = Literal["prefill holds KV", "decode called", "decode generating"]
+
+
 @dataclass(frozen=True)
 class HangUp:
     faults: dict[str, dict[str, Any]]
-    hang_up_when: str  # what the test waits for before the clients hang up (see _hung_up_in_time)
+    hang_up_when: HangUpWhen  # what the test waits for before the clients hang up (see _not_yet)
     max_tokens: int = MAX_TOKENS
     # KV left held on prefill when the client goes runs out its lease; else the engines free at once.
     idle_within_s: float = LEASE_S
@@ -369,6 +376,7 @@ async def test_client_hanging_up_frees_the_engines_within_the_lease(
     num_events: dict[str, int] = {}
     calls = {f"hangup-{case_id}-{e}-{'streamed' if s else 'whole'}": (e, s) for e, s in COMBOS}
     with _proxy(sims) as url:
+        await proxy_ready(http, url)
         for name, fault in hang_up.faults.items():
             await set_faults(http, _instance(sims, name), **fault)
         clients = [
@@ -408,11 +416,11 @@ async def test_client_hanging_up_frees_the_engines_within_the_lease(
 
 
 async def _not_yet(
-    when: str,
+    when: HangUpWhen,
     http: aiohttp.ClientSession,
     sims: SimPD,
     url: str,
-    calls: dict[str, Any],
+    calls: dict[str, tuple[Endpoint, bool]],
     num_events: dict[str, int],
 ) -> str | None:
     """None once the moment to hang up has come, else what is still awaited."""
@@ -421,8 +429,11 @@ async def _not_yet(
         return None if held == len(calls) else f"prefill holds KV of {held:g} of {len(calls)} requests"
     if when == "decode called":
         traces = (await proxy_json(http, url + "/requests", ADMIN_KEY))["requests"]
-        called = [t for t in traces if t["decode_url"] is not None]
-        return None if len(called) == len(calls) else f"{len(called)} of {len(calls)} requests at decode"
+        called = [t for t in traces if t["decode_url"] is not None and t["kv_transfer_params"]]
+        held = await total(http, sims.prefill, "num_held")
+        if len(called) == len(calls) == held:
+            return None
+        return f"{len(called)} of {len(calls)} requests at decode, prefill holds KV of {held:g}"
     assert when == "decode generating"
     running = await total(http, sims.decode, "num_running")
     streaming = [rid for rid, (_, stream) in calls.items() if stream and num_events.get(rid, 0) >= 2]
