@@ -97,6 +97,7 @@ class Flow:
             body = protocol.client_body(protocol.parse_body(raw))
         except BadRequest as exc:
             await out.error(400, exc.message, "BadRequestError", exc.param)
+            self.outcomes[(endpoint, "client_error")] += 1
             return
         trace = Trace(out.request_id, endpoint, stream=body.get("stream") is True)
         self.traces.append(trace)
