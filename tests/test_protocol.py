@@ -265,3 +265,18 @@ def test_request_ids_are_unique_hex() -> None:
     ids = {protocol.new_request_id() for _ in range(100)}
     assert len(ids) == 100
     assert all(len(i) == 32 and int(i, 16) >= 0 for i in ids)
+
+
+def test_streamed_error_events_learn_where_they_came_from_and_nothing_else_changes() -> None:
+    token = b'data: {"choices":[{"text":" hi"}]}\n\n'
+    error = b'data: {"error": {"message": "Internal server error", "type": "InternalServerError"}}\n\n'
+    cut = b'data: {"error": {"mess'  # an event cut by the chunk's edge is left alone
+    out = protocol.with_error_event_origin(
+        token + error + protocol.SSE_DONE + cut, "decode instance http://d:1"
+    )
+    events = out.split(b"\n\n")
+    assert events[0] + b"\n\n" == token
+    assert orjson.loads(events[1][len(b"data: ") :])["error"]["message"] == (
+        "decode instance http://d:1: Internal server error"
+    )
+    assert events[2] + b"\n\n" == protocol.SSE_DONE and events[3] == cut

@@ -55,7 +55,9 @@ def normalize_url(url: str) -> str:
 
 @dataclass(frozen=True)
 class Timeouts:
-    """Per-phase limits, in seconds. Each ends the client's request with a 504 naming the phase."""
+    """Per-phase limits, in seconds, per attempt. A limit that runs out ends that attempt with a 504
+    naming the phase and instance; a retry on another instance (max_*_attempts) gets its own limit,
+    so a request waits at most attempts × limit in a phase, never without bound."""
 
     connect: float = 5.0  # TCP connect to any instance
     prefill: float = 300.0  # whole prefill call (max_tokens=1), queueing included

@@ -182,6 +182,18 @@ SSE_ERROR_MARK: Final[bytes] = b'\n\ndata: {"error"'
 SSE_DONE_MARK: Final[bytes] = b"\n\ndata: [DONE]"
 
 
+def with_error_event_origin(chunk: bytes, origin: str) -> bytes:
+    """SSE bytes with ``origin`` prefixed to the message of each complete error event in them.
+
+    Anything else (token events, [DONE], an event cut by the chunk's edge) passes unchanged.
+    """
+    parts = chunk.split(b"\n\n")
+    for i, part in enumerate(parts):
+        if part.startswith(b'data: {"error"') and (i < len(parts) - 1):
+            parts[i] = b"data: " + with_error_origin(part[len(b"data: ") :], origin)
+    return b"\n\n".join(parts)
+
+
 def with_error_origin(payload: bytes, origin: str) -> bytes:
     """vLLM's error body with ``origin`` prefixed to its message, so a 5xx says which instance failed.
 

@@ -454,9 +454,11 @@ async def test_decode_silent_before_first_token_answers_504(rig: Rig, http: aioh
 async def test_decode_error_event_makes_the_client_raise(rig: Rig, client: openai.AsyncOpenAI) -> None:
     rig.decode.fault = "error_event"
     stream = await client.completions.create(model=MODEL, prompt="Hello", max_tokens=5, stream=True)
-    with pytest.raises(openai.APIError, match="KV transfer failed"):
+    with pytest.raises(openai.APIError, match="KV transfer failed") as caught:
         async for _ in stream:
             pass
+    # vLLM's own message, and which instance sent it.
+    assert f"decode instance {rig.decode_url}: KV transfer failed" in str(caught.value)
 
 
 async def test_decode_dropping_the_stream_makes_the_client_raise(

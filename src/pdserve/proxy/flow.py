@@ -336,18 +336,22 @@ class Flow:
         # newline, so a token's text can never fake one. The stream's start counts as an event boundary.
         tail = b"\n\n"
         is_done = False
-        async for chunk in resp.chunks(first_timeout, self._t.idle):
+        async for chunk in resp.chunks(first_timeout, self._t.idle, self._t.first_token):
             window = tail + chunk  # markers may straddle chunks
+            is_error = SSE_ERROR_MARK in window
             if not out.started:
-                if SSE_ERROR_MARK in window and not is_last:
+                if is_error and not is_last:
                     return Reply(200, resp.content_type, chunk)
                 await out.start_stream(resp.content_type)
                 self._close_handoff(trace, decode, 200)
+            if is_error:
+                # vLLM's event says only what failed; the client also learns where (error path only).
+                chunk = protocol.with_error_event_origin(chunk, f"decode instance {decode.url}")
+                if not trace.stream_error_event:
+                    trace.stream_error_event = True
+                    trace.error = "decode streamed an error event"
+                    log.warning("request %s: decode %s streamed an error event", out.request_id, decode.url)
             await out.chunk(chunk)
-            if SSE_ERROR_MARK in window and not trace.stream_error_event:
-                trace.stream_error_event = True
-                trace.error = "decode streamed an error event"
-                log.warning("request %s: decode %s streamed an error event", out.request_id, decode.url)
             if SSE_DONE_MARK in window:
                 is_done = True
             tail = window[-_MARK_TAIL:]

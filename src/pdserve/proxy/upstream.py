@@ -45,20 +45,26 @@ class StreamReply:
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise self._upstream.translate(self._phase, exc, timeout) from exc
 
-    async def chunks(self, first_timeout: float, idle_timeout: float) -> AsyncIterator[bytes]:
-        """Body chunks as they arrive; the first may take ``first_timeout``, later gaps ``idle_timeout``."""
+    async def chunks(
+        self, first_timeout: float, idle_timeout: float, first_budget: float | None = None
+    ) -> AsyncIterator[bytes]:
+        """Body chunks as they arrive; the first may take ``first_timeout``, later gaps ``idle_timeout``.
+
+        ``first_budget`` is the configured limit the first chunk's wait is part of (``first_timeout`` may
+        be what is left of it): errors quote the limit the user set, not the remainder.
+        """
         content = self._resp.content
-        limit = first_timeout
+        limit, quoted = first_timeout, first_budget if first_budget is not None else first_timeout
         while True:
             try:
                 async with asyncio.timeout(limit):
                     chunk = await content.readany()
             except (aiohttp.ClientError, TimeoutError) as exc:
-                raise self._upstream.translate(self._phase, exc, limit) from exc
+                raise self._upstream.translate(self._phase, exc, quoted) from exc
             if not chunk:
                 return
             yield chunk
-            limit = idle_timeout
+            limit = quoted = idle_timeout
 
 
 class Upstream:
@@ -101,7 +107,8 @@ class Upstream:
         if isinstance(exc, aiohttp.ConnectionTimeoutError):
             return UpstreamConnectError(phase, self.url, f"cannot connect within {self._connect_timeout:g} s")
         if isinstance(exc, TimeoutError | aiohttp.ServerTimeoutError):
-            return UpstreamTimeout(phase, self.url, f"no answer within {limit or self._connect_timeout:g} s")
+            shown = self._connect_timeout if limit is None else limit
+            return UpstreamTimeout(phase, self.url, f"no answer within {shown:g} s")
         if isinstance(exc, aiohttp.ClientConnectorError):
             return UpstreamConnectError(phase, self.url, f"cannot connect ({exc.os_error})")
         if isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientPayloadError):
