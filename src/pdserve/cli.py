@@ -95,6 +95,8 @@ def _add_topology(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--run-dir", help="directory for instance logs (default runs/<time>)")
     p.add_argument("--startup-timeout", type=float, help="seconds for every instance to become healthy")
+    p.add_argument("--kv-lease", type=float, dest="kv_lease_s",
+                   help="seconds prefill holds KV nobody pulls (vLLM's kv_lease_duration; default 30)")  # fmt: skip
     p.add_argument(
         "--vllm-arg",
         action="append",
@@ -107,7 +109,7 @@ def _add_topology(p: argparse.ArgumentParser) -> None:
 def _topology(a: argparse.Namespace) -> Topology:
     base = load_topology(a.config) if a.config else Topology()
     names = ("model", "num_prefill", "num_decode", "proxy_port", "host", "first_port", "engine", "sim_profile",
-             "first_side_channel_port", "device", "engine_python", "run_dir", "startup_timeout")  # fmt: skip
+             "first_side_channel_port", "device", "engine_python", "run_dir", "startup_timeout", "kv_lease_s")  # fmt: skip
     given: dict[str, Any] = {n: getattr(a, n) for n in names if getattr(a, n) is not None}
     if a.vllm_args:
         given["vllm_args"] = (*base.vllm_args, *a.vllm_args)

@@ -144,6 +144,7 @@ class Topology:
     device: Device = "cpu"
     gpus_per_instance: int = 1  # CUDA_VISIBLE_DEVICES slices on GPU hosts
     kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE on CPU hosts
+    kv_lease_s: float | None = None  # vLLM's kv_lease_duration (whole seconds); None: vLLM's 30 s
     max_model_len: int | None = None  # None: 2048 for the embedded model, the model's own otherwise
     vllm_args: tuple[str, ...] = ()  # extra arguments for every instance
     prefill_args: tuple[str, ...] = ()
@@ -172,6 +173,9 @@ class Topology:
         )
         if self.max_model_len is not None:
             _check_positive("topology", max_model_len=self.max_model_len)
+        if self.kv_lease_s is not None and self.kv_lease_s < 6:
+            # decode heartbeats every lease/6 s (integer division in vLLM): below 6 s that is 0
+            raise ConfigError(f"topology.kv_lease_s must be >= 6 s, got {self.kv_lease_s}")
         last = max(self.first_port, self.first_side_channel_port) + self.num_instances - 1
         if last > 65535:
             raise ConfigError(f"topology has {self.num_instances} instances; ports would pass 65535")

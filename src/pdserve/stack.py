@@ -144,6 +144,8 @@ class Stack:
             "tokenizer", self.model.path if os.path.isdir(self.model.path) else None
         )
         self._proxy_options.setdefault("prefix_block_size", _VLLM_BLOCK_SIZE[self.topology.device])
+        if self.topology.kv_lease_s is not None:  # the ledger's idea of the lease must be vLLM's
+            self._proxy_options.setdefault("kv_lease_s", self.topology.kv_lease_s)
         self._start(specs, DEFAULT_ENTRYPOINT)
 
     def _start(self, specs: tuple[InstanceSpec, ...], entrypoint: tuple[str, ...]) -> None:

@@ -140,3 +140,15 @@ def test_cpu_list_compresses_runs() -> None:
     assert cpu_list([0]) == "0"
     assert cpu_list([3, 0, 1, 2]) == "0-3"
     assert cpu_list([0, 1, 4, 6, 7]) == "0-1,4,6-7"
+
+
+def test_kv_lease_reaches_both_roles_as_vllms_kv_lease_duration() -> None:
+    topology = Topology(num_prefill=1, num_decode=1, kv_lease_s=12)
+    for spec in plan_instances(topology, "/m", None, [0, 1]):
+        config = json.loads(arg_value(spec, "--kv-transfer-config"))
+        assert config["kv_connector_extra_config"] == {"kv_lease_duration": 12}
+
+
+def test_a_lease_too_short_for_vllms_heartbeat_is_refused() -> None:
+    with pytest.raises(ConfigError, match="kv_lease_s must be >= 6"):
+        Topology(kv_lease_s=5)

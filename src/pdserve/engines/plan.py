@@ -81,7 +81,7 @@ def plan_instances(
             args += ["--max-model-len", str(max_model_len)]
         if topology.device == "cpu":
             args.append("--enforce-eager")  # CUDA-graph-style capture buys nothing on CPU and slows start-up
-        args += ["--kv-transfer-config", kv_transfer_config(role, topology.device)]
+        args += ["--kv-transfer-config", kv_transfer_config(role, topology.device, topology.kv_lease_s)]
         args += [*topology.vllm_args, *(topology.prefill_args if role == "prefill" else topology.decode_args)]
         env = (
             ("VLLM_NIXL_SIDE_CHANNEL_PORT", str(side_channel_port)),
@@ -122,16 +122,21 @@ def plan_sim_instances(topology: Topology) -> tuple[InstanceSpec, ...]:
     return tuple(specs)
 
 
-def kv_transfer_config(role: Role, device: str) -> str:
-    """The ``--kv-transfer-config`` JSON: prefill produces KV blocks, decode pulls them."""
-    return json.dumps(
-        {
-            "kv_connector": "NixlConnector",
-            "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
-            "kv_buffer_device": device,
-        },
-        separators=(",", ":"),
-    )
+def kv_transfer_config(role: Role, device: str, kv_lease_s: float | None = None) -> str:
+    """The ``--kv-transfer-config`` JSON: prefill produces KV blocks, decode pulls them.
+
+    ``kv_lease_s`` sets vLLM's ``kv_lease_duration`` (default 30 s): how long prefill holds KV nobody
+    pulls. vLLM 0.32 frees abandoned KV only when the lease runs out, so this is how early it can go.
+    Both roles get it: decode heartbeats at a sixth of it to keep leases alive while it pulls.
+    """
+    config: dict[str, object] = {
+        "kv_connector": "NixlConnector",
+        "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+        "kv_buffer_device": device,
+    }
+    if kv_lease_s is not None:
+        config["kv_connector_extra_config"] = {"kv_lease_duration": int(kv_lease_s)}
+    return json.dumps(config, separators=(",", ":"))
 
 
 def cpu_list(ids: Sequence[int]) -> str:

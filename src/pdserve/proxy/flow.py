@@ -362,8 +362,8 @@ class Flow:
         return None
 
     def _close_handoff(self, trace: Trace, decode: Instance, status: int) -> None:
-        """Decode answered: its first bytes mean it has the KV; a 4xx means vLLM refused the request,
-        and vLLM then tells prefill to free the blocks itself (its serving layer's rejection cleanup)."""
+        """Decode answered: its first bytes mean it has the KV; a 4xx means vLLM refused the request
+        and the KV waits on prefill until its lease runs out."""
         if trace.handoff is None:
             return
         if status == 200:

@@ -2,8 +2,11 @@
 
 A handoff opens when prefill returns ``kv_transfer_params`` (its blocks are now pinned under a lease)
 and closes as *delivered* once decode's answer begins, or as *abandoned* (client gone, decode refused,
-retries exhausted). Abandoned handoffs are released early where vLLM allows it (see flow.py), else
-they run out their lease on prefill. Open handoffs past their lease are the ones to worry about.
+retries exhausted). vLLM 0.32 frees an abandoned handoff's blocks only when its lease runs out
+(``kv_lease_duration``, 30 s unless `pdserve up --kv-lease` says otherwise): measured here, neither a
+closed connection nor a decode that rejects the params (vLLM then notifies its connector) freed them
+sooner. So the ledger's job is to account: what was abandoned and why, and which open handoffs are
+past their lease, the ones to worry about.
 """
 
 from __future__ import annotations
