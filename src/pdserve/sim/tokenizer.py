@@ -13,6 +13,7 @@ gives the same ids (so prefix caching and P→D equality behave as in vLLM), in 
 
 from __future__ import annotations
 
+import functools
 import re
 import zlib
 from collections.abc import Iterable, Sequence
@@ -45,21 +46,14 @@ _NUM_WORDS: Final = len(_WORDS)
 _PIECES: Final[tuple[str, ...]] = tuple(" " + w for w in _WORDS)
 _PIECES_JSON: Final[tuple[bytes, ...]] = tuple(orjson.dumps(p) for p in _PIECES)
 
-_ids: dict[str, int] = {}  # piece → id; bounded by the vocabulary of texts seen, cleared when large
-_MAX_CACHED: Final = 200_000
 
-
+@functools.lru_cache(maxsize=200_000)  # prompts repeat their words; crc32 per word is the hot cost
 def _piece_id(piece: str) -> int:
-    if len(_ids) >= _MAX_CACHED:
-        _ids.clear()
-    token_id = FIRST_TOKEN_ID + zlib.crc32(piece.encode()) % VOCAB_SIZE
-    _ids[piece] = token_id
-    return token_id
+    return FIRST_TOKEN_ID + zlib.crc32(piece.encode()) % VOCAB_SIZE
 
 
 def encode(text: str) -> list[int]:
-    get = _ids.get
-    return [get(p) or _piece_id(p) for p in _PIECE.findall(text)]
+    return [_piece_id(p) for p in _PIECE.findall(text)]
 
 
 def count_tokens(text: str) -> int:
