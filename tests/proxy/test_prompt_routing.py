@@ -10,6 +10,9 @@ from proxy_rig import Rig, running_proxy, serve_fake
 from test_flow import COMPLETION, post
 from test_tokens import SYSTEM, _write_model_dir
 
+from pdserve.config import ProxyConfig
+from pdserve.proxy.app import create_app
+
 
 async def test_short_prompts_skip_prefill_and_long_ones_are_split(
     rig: Rig, http: aiohttp.ClientSession, tmp_path: Path
@@ -45,3 +48,16 @@ async def test_prefix_aware_keeps_a_shared_system_prompt_on_one_prefill_instance
             assert (await post(http, url + "/v1/completions", body))[0] == 200
     # The four sharing a system prompt stay together, where round robin would split them 2/2.
     assert sorted(len(p.generations()) for p in prefills) == [0, 4]
+
+
+def test_a_restarted_instance_is_no_longer_thought_to_hold_any_prefix() -> None:
+    config = ProxyConfig(("http://p:1",), ("http://d:1",), prefill_policy="prefix_aware")
+    app = create_app(config)
+    flow = app.state.flow
+    [instance] = flow.prefill.instances
+    policy = flow._prefill_policy
+    policy.index.record(instance.url, [1, 2, 3])
+    assert policy.index.num_blocks(instance.url) == 3
+    assert flow.prefill.on_recovered is not None
+    flow.prefill.on_recovered(instance)  # what a health check calls when it sees the instance back
+    assert policy.index.num_blocks(instance.url) == 0

@@ -139,6 +139,7 @@ def admin_routes(
         except (ConfigError, LookupError) as exc:
             return _error(404, f"no such instance: {exc}", "NotFoundError")
         instance.is_draining = True
+        flow.forget_cache(instance)
         task = asyncio.create_task(_remove_when_idle(pools[instance.role], instance))
         tasks.add(task)
         task.add_done_callback(tasks.discard)

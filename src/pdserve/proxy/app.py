@@ -132,6 +132,7 @@ def create_app(config: ProxyConfig) -> Starlette:
         config,
         tokenizer,
     )
+    prefill.on_recovered = decode.on_recovered = flow.forget_cache
 
     async def check_now() -> list[dict[str, object]]:
         await asyncio.gather(*(p.check_all(_HEALTH_TIMEOUT) for p in pools))

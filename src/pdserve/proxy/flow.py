@@ -167,6 +167,12 @@ class Flow:
                 trace.handoff = None  # decode may have pulled, and prefill freed, those blocks: prefill again
             await asyncio.sleep(self._backoff(attempt))
 
+    def forget_cache(self, instance: Instance) -> None:
+        """What prompt-aware policies remember of ``instance``'s prefix cache no longer holds."""
+        for policy in (self._prefill_policy, self._decode_policy):
+            if wants_prompt_tokens(policy):
+                policy.index.forget(instance.url)
+
     def _prompt(self, body: dict[str, Any]) -> Prompt | None:
         """The prompt's tokens and block hashes, when a policy or the skip rule needs them."""
         wants = wants_prompt_tokens(self._prefill_policy) or wants_prompt_tokens(self._decode_policy)

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -141,9 +141,17 @@ class Instance:
 class Pool:
     """The instances of one role."""
 
-    def __init__(self, role: Role, instances: Sequence[Instance]) -> None:
+    def __init__(
+        self,
+        role: Role,
+        instances: Sequence[Instance],
+        on_recovered: Callable[[Instance], None] | None = None,
+    ) -> None:
         self.role = role
         self.instances = list(instances)
+        # Called when a check finds an unhealthy instance healthy again: it may have restarted, and a
+        # restarted engine's prefix cache is empty, whatever the proxy remembers having sent there.
+        self.on_recovered = on_recovered
 
     def available(self, exclude: Sequence[Instance] = ()) -> list[Instance]:
         now = time.monotonic()
@@ -154,6 +162,7 @@ class Pool:
 
     async def check(self, instance: Instance, timeout: float) -> None:
         """One active check: /health decides health; /metrics, when it answers, refreshes load."""
+        was_healthy = instance.is_healthy
         try:
             reply = await instance.upstream.get("/health", "health", timeout)
             instance.is_healthy = reply.status == 200
@@ -163,6 +172,8 @@ class Pool:
             instance.last_error = exc.detail
         if not instance.is_healthy:
             return
+        if not was_healthy and self.on_recovered is not None:
+            self.on_recovered(instance)
         with contextlib.suppress(UpstreamError):
             metrics = await instance.upstream.get("/metrics", "metrics", timeout)
             if metrics.status == 200:
