@@ -85,6 +85,10 @@ class ProxyConfig:
     fallback_to_local_prefill: bool = False  # prefill exhausted → decode computes the prompt itself
     kv_lease_s: float = 30.0  # prefill's kv_lease_duration: params older than this are not reused
     health_interval_s: float = 2.0  # active /health + /metrics checks of every instance
+    health_timeout_s: float = 5.0  # one check's wait for /health (a busy API server can be slow)
+    unhealthy_after_checks: int = 3  # consecutive failed checks before an instance that answered before
+    # is taken out (one that never answered is out at its first failure); requests' own failures
+    # act sooner through the circuit breaker
     breaker_threshold: int = 3  # consecutive failures that open an instance's circuit
     breaker_cooldown_s: float = 10.0  # open circuit → one trial request after this long
     max_concurrent: int | None = None  # requests in flight at most; None: unbounded
@@ -115,6 +119,8 @@ class ProxyConfig:
             max_decode_attempts=self.max_decode_attempts,
             kv_lease_s=self.kv_lease_s,
             health_interval_s=self.health_interval_s,
+            health_timeout_s=self.health_timeout_s,
+            unhealthy_after_checks=self.unhealthy_after_checks,
             breaker_threshold=self.breaker_threshold,
         )
         _check_positive("proxy", prefix_block_size=self.prefix_block_size)

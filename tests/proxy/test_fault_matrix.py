@@ -229,8 +229,8 @@ def _record(case_id: str, answer: Answer) -> None:
 COMBOS: tuple[tuple[Endpoint, bool], ...] = tuple((e, s) for e in ENDPOINTS for s in (True, False))
 
 
-def _proxy(sims: SimPD) -> AbstractContextManager[str]:
-    return running_proxy(sims.prefill, sims.decode, kv_lease_s=LEASE_S, admin_api_key=ADMIN_KEY)
+def _proxy(sims: SimPD, **config: Any) -> AbstractContextManager[str]:
+    return running_proxy(sims.prefill, sims.decode, kv_lease_s=LEASE_S, admin_api_key=ADMIN_KEY, **config)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -302,7 +302,8 @@ async def _open_handoffs_after(http: aiohttp.ClientSession, url: str) -> list[st
 async def test_a_down_instance_is_skipped_once_health_checks_notice(
     role: str, sims: SimPD, http: aiohttp.ClientSession
 ) -> None:
-    with _proxy(sims) as url:
+    # One failed check is enough here; by default a once-healthy instance needs three in a row.
+    with _proxy(sims, unhealthy_after_checks=1) as url:
         await proxy_ready(http, url)
         await set_faults(http, _instance(sims, f"{role}0"), down=True)
         try:

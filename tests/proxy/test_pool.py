@@ -46,7 +46,9 @@ async def test_health_checks_refresh_load_and_an_instance_that_recovers_is_repor
     upstream = StubUpstream()
     instance = Instance(upstream, CircuitBreaker())  # type: ignore[arg-type]
     recovered: list[str] = []
-    pool = Pool("decode", [instance], on_recovered=lambda i: recovered.append(i.url))
+    pool = Pool(
+        "decode", [instance], on_recovered=lambda i: recovered.append(i.url), unhealthy_after_checks=1
+    )
     await pool.check(instance, timeout=1)
     assert instance.is_healthy and recovered == []  # healthy from the start: nothing to forget
     assert instance.load == EngineLoad(num_running=3.0, num_waiting=2.0)
@@ -58,6 +60,25 @@ async def test_health_checks_refresh_load_and_an_instance_that_recovers_is_repor
     await pool.check(instance, timeout=1)
     assert recovered == [upstream.url]
     assert pool.available() == [instance]
+
+
+async def test_one_slow_health_check_does_not_take_a_working_instance_out_of_service() -> None:
+    upstream = StubUpstream()
+    instance = Instance(upstream, CircuitBreaker())  # type: ignore[arg-type]
+    pool = Pool("decode", [instance], unhealthy_after_checks=3)
+    await pool.check(instance, timeout=1)
+    upstream.health = UpstreamUnavailable("health", upstream.url, "no answer within 5 s")
+    for expected in (True, True, False):  # out only at the third miss in a row
+        await pool.check(instance, timeout=1)
+        assert instance.is_healthy is expected
+
+
+async def test_an_instance_that_never_answered_is_out_at_its_first_failed_check() -> None:
+    upstream = StubUpstream(health=UpstreamUnavailable("health", "http://stub:1", "cannot connect"))
+    instance = Instance(upstream, CircuitBreaker())  # type: ignore[arg-type]
+    pool = Pool("decode", [instance], unhealthy_after_checks=3)
+    await pool.check(instance, timeout=1)
+    assert not instance.is_healthy and instance.last_error == "cannot connect"
 
 
 def test_draining_or_circuit_open_instances_take_no_new_requests() -> None:

@@ -52,8 +52,6 @@ from pdserve.proxy.upstream import Upstream
 
 log = logging.getLogger("pdserve.proxy")
 
-_HEALTH_TIMEOUT = 2.0
-
 
 class GenerationEndpoint:
     """ASGI app for one generation route: reads the body, runs the flow, cancels it on disconnect."""
@@ -101,16 +99,14 @@ class GenerationEndpoint:
 
 def _pool(role: Role, urls: Sequence[str], config: ProxyConfig) -> Pool:
     t = config.timeouts
-    return Pool(
-        role,
-        [
-            Instance(
-                Upstream(role, url, t.connect, config.max_connections_per_upstream),
-                CircuitBreaker(config.breaker_threshold, config.breaker_cooldown_s),
-            )
-            for url in urls
-        ],
-    )
+    instances = [
+        Instance(
+            Upstream(role, url, t.connect, config.max_connections_per_upstream),
+            CircuitBreaker(config.breaker_threshold, config.breaker_cooldown_s),
+        )
+        for url in urls
+    ]
+    return Pool(role, instances, unhealthy_after_checks=config.unhealthy_after_checks)
 
 
 def create_app(config: ProxyConfig) -> Starlette:
@@ -135,7 +131,7 @@ def create_app(config: ProxyConfig) -> Starlette:
     prefill.on_recovered = decode.on_recovered = flow.forget_cache
 
     async def check_now() -> list[dict[str, object]]:
-        await asyncio.gather(*(p.check_all(_HEALTH_TIMEOUT) for p in pools))
+        await asyncio.gather(*(p.check_all(config.health_timeout_s) for p in pools))
         return [i.describe() for p in pools for i in p.instances]
 
     async def instances(_: Request) -> JSONResponse:
@@ -151,7 +147,9 @@ def create_app(config: ProxyConfig) -> Starlette:
         errors = []
         for instance in decode.available() or decode.instances:
             try:
-                reply = await instance.upstream.get("/v1/models", "models", t.connect + _HEALTH_TIMEOUT)
+                reply = await instance.upstream.get(
+                    "/v1/models", "models", t.connect + config.health_timeout_s
+                )
             except UpstreamError as exc:
                 errors.append(str(exc))
                 continue
@@ -172,7 +170,7 @@ def create_app(config: ProxyConfig) -> Starlette:
 
     async def model_ids(instance: Instance) -> set[str]:
         try:
-            reply = await instance.upstream.get("/v1/models", "models", t.connect + _HEALTH_TIMEOUT)
+            reply = await instance.upstream.get("/v1/models", "models", t.connect + config.health_timeout_s)
             return {m["id"] for m in orjson.loads(reply.body)["data"]} if reply.status == 200 else set()
         except (UpstreamError, orjson.JSONDecodeError, KeyError, TypeError):
             return set()
@@ -188,7 +186,7 @@ def create_app(config: ProxyConfig) -> Starlette:
     async def health_loop() -> None:
         while True:
             await asyncio.sleep(config.health_interval_s)
-            await asyncio.gather(*(p.check_all(_HEALTH_TIMEOUT) for p in pools))
+            await asyncio.gather(*(p.check_all(config.health_timeout_s) for p in pools))
 
     @asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:

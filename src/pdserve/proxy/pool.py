@@ -85,6 +85,8 @@ class Instance:
         self.breaker = breaker
         self.num_in_flight = 0
         self.is_healthy = True  # optimistic until the first check: a fresh proxy serves at once
+        self.has_answered = False  # a health check has succeeded at least once
+        self.num_failed_checks = 0  # consecutive
         self.is_draining = False
         self.load = EngineLoad()
         self.last_error: str | None = None
@@ -146,9 +148,12 @@ class Pool:
         role: Role,
         instances: Sequence[Instance],
         on_recovered: Callable[[Instance], None] | None = None,
+        unhealthy_after_checks: int = 3,
     ) -> None:
         self.role = role
         self.instances = list(instances)
+        # One slow /health from a busy API server must not take a working instance out of service.
+        self.unhealthy_after_checks = unhealthy_after_checks
         # Called when a check finds an unhealthy instance healthy again: it may have restarted, and a
         # restarted engine's prefix cache is empty, whatever the proxy remembers having sent there.
         self.on_recovered = on_recovered
@@ -165,13 +170,17 @@ class Pool:
         was_healthy = instance.is_healthy
         try:
             reply = await instance.upstream.get("/health", "health", timeout)
-            instance.is_healthy = reply.status == 200
-            instance.last_error = None if instance.is_healthy else f"/health answered {reply.status}"
+            error = None if reply.status == 200 else f"/health answered {reply.status}"
         except UpstreamError as exc:
-            instance.is_healthy = False
-            instance.last_error = exc.detail
-        if not instance.is_healthy:
+            error = exc.detail
+        if error is not None:
+            instance.last_error = error
+            instance.num_failed_checks += 1
+            if not instance.has_answered or instance.num_failed_checks >= self.unhealthy_after_checks:
+                instance.is_healthy = False
             return
+        instance.is_healthy, instance.has_answered, instance.num_failed_checks = True, True, 0
+        instance.last_error = None
         if not was_healthy and self.on_recovered is not None:
             self.on_recovered(instance)
         with contextlib.suppress(UpstreamError):
