@@ -122,8 +122,8 @@ class ProxyConfig:
             health_timeout_s=self.health_timeout_s,
             unhealthy_after_checks=self.unhealthy_after_checks,
             breaker_threshold=self.breaker_threshold,
+            prefix_block_size=self.prefix_block_size,
         )
-        _check_positive("proxy", prefix_block_size=self.prefix_block_size)
         if self.skip_prefill_below_tokens < 0:
             raise ConfigError("proxy.skip_prefill_below_tokens must be >= 0")
         if self.max_concurrent is not None and self.max_concurrent < 1:

@@ -37,7 +37,8 @@ _DRAIN_LIMIT_S = 600.0
 Handler = Callable[[Request], Awaitable[Response]]
 
 
-def _error(status: int, message: str, err_type: str) -> Response:
+def error_response(status: int, message: str, err_type: str) -> Response:
+    """An OpenAI-style error as a Starlette response (for the non-streaming routes)."""
     return Response(protocol.error_body(message, err_type, status), status, media_type="application/json")
 
 
@@ -51,11 +52,11 @@ def is_authorized(request: Request, key: str | None) -> bool:
 def guarded(key: str | None, handler: Handler) -> Handler:
     async def wrapper(request: Request) -> Response:
         if key is None:
-            return _error(
+            return error_response(
                 403, "the admin API is off; start the proxy with --admin-api-key", "PermissionDenied"
             )
         if not is_authorized(request, key):
-            return _error(401, "missing or wrong admin API key", "AuthenticationError")
+            return error_response(401, "missing or wrong admin API key", "AuthenticationError")
         return await handler(request)
 
     return wrapper
@@ -95,10 +96,10 @@ def admin_routes(
             if role not in ROLES:
                 raise ConfigError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
         except ConfigError as exc:
-            return _error(400, str(exc), "BadRequestError")
+            return error_response(400, str(exc), "BadRequestError")
         pool = pools[role]
         if any(p.find(url) for p in pools.values()):
-            return _error(409, f"{url} is already in a pool", "Conflict")
+            return error_response(409, f"{url} is already in a pool", "Conflict")
         t = config.timeouts
         instance = Instance(
             Upstream(role, url, t.connect, config.max_connections_per_upstream),
@@ -114,7 +115,7 @@ def admin_routes(
                 if not served
                 else f"serves {sorted(served)}, not {sorted(expected)}"
             )
-            return _error(400, f"refusing {url}: it {why}", "BadRequestError")
+            return error_response(400, f"refusing {url}: it {why}", "BadRequestError")
         pool.instances.append(instance)
         log.info("admin: added %s instance %s", role, url)
         return JSONResponse(instance.describe(), status_code=201)
@@ -123,7 +124,7 @@ def admin_routes(
         try:
             instance = find(str((await body_of(request)).get("url", "")))
         except (ConfigError, LookupError) as exc:
-            return _error(404, f"no such instance: {exc}", "NotFoundError")
+            return error_response(404, f"no such instance: {exc}", "NotFoundError")
         instance.is_draining = True
         log.info(
             "admin: draining %s instance %s (%d in flight)",
@@ -137,7 +138,7 @@ def admin_routes(
         try:
             instance = find(str((await body_of(request)).get("url", "")))
         except (ConfigError, LookupError) as exc:
-            return _error(404, f"no such instance: {exc}", "NotFoundError")
+            return error_response(404, f"no such instance: {exc}", "NotFoundError")
         instance.is_draining = True
         flow.forget_cache(instance)
         task = asyncio.create_task(_remove_when_idle(pools[instance.role], instance))

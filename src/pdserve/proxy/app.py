@@ -30,7 +30,7 @@ from pdserve import protocol
 from pdserve.config import ProxyConfig, Role
 from pdserve.errors import ConfigError, UpstreamError
 from pdserve.protocol import Endpoint
-from pdserve.proxy.admin import admin_routes, is_authorized
+from pdserve.proxy.admin import admin_routes, error_response, is_authorized
 from pdserve.proxy.admission import Admission, Overloaded
 from pdserve.proxy.asgi import (
     BodyTooLarge,
@@ -155,14 +155,11 @@ def create_app(config: ProxyConfig) -> Starlette:
                 continue
             return Response(reply.body, status_code=reply.status, media_type=reply.content_type)
         message = "no decode instance answered /v1/models: " + "; ".join(errors)
-        return Response(
-            protocol.error_body(message, "upstream_unavailable", 502), 502, media_type="application/json"
-        )
+        return error_response(502, message, "upstream_unavailable")
 
     async def requests(request: Request) -> Response:
         if not is_authorized(request, config.admin_api_key):
-            return Response(protocol.error_body("missing or wrong admin API key", "AuthenticationError", 401),
-                            401, media_type="application/json")  # fmt: skip
+            return error_response(401, "missing or wrong admin API key", "AuthenticationError")
         return JSONResponse({"requests": [trace.as_dict() for trace in flow.traces]})
 
     async def metrics(_: Request) -> Response:
