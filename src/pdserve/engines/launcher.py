@@ -152,11 +152,18 @@ class EngineGroup:
         Its log is appended to, so what happened before the restart stays readable.
         """
         proc = self._procs.get(spec.name)
+        deadline = time.monotonic() + timeout
         if proc is not None and _group_alive(proc):
             _signal_group(proc.pid, signal.SIGKILL)
-            deadline = time.monotonic() + timeout
             while _group_alive(proc) and time.monotonic() < deadline:
                 time.sleep(_POLL_INTERVAL / 5)
+        # A killed process can hold its listening sockets a moment longer than it shows as running.
+        while time.monotonic() < deadline:
+            try:
+                _check_ports_free([spec])
+                break
+            except ConfigError:
+                time.sleep(_POLL_INTERVAL)
         _check_ports_free([spec])
         self._spawn(spec, mode="ab")
         self._wait_healthy(time.monotonic(), [spec])
