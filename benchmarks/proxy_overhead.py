@@ -5,6 +5,7 @@ so the engines cost nothing and the numbers are the proxies' own. The same strea
 through each, side by side in one run, plus straight to the decode instance (no PD) as the floor.
 
     .venv/bin/python benchmarks/proxy_overhead.py [--requests 400] [--concurrency 32] [--router PATH]
+        [--rounds 3] [--baseline-src /tmp/old/src]
 
 vllm-router is not a pdserve dependency; give its binary with --router (e.g. from a throwaway venv:
 `python -m venv /tmp/router && /tmp/router/bin/pip install vllm-router`), or it is skipped.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -37,9 +39,10 @@ def wait_ok(url: str, timeout: float = 30.0) -> None:
 
 
 @contextmanager
-def process(cmd: list[str], health: str, log: Path) -> Iterator[None]:
+def process(cmd: list[str], health: str, log: Path, env: dict[str, str] | None = None) -> Iterator[None]:
     with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, **(env or {})})  # fmt: skip
     try:
         wait_ok(health)
         yield
@@ -71,7 +74,11 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=400)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds; medians are reported")
     parser.add_argument("--router", default=shutil.which("vllm-router"), help="vllm-router binary")
+    parser.add_argument("--baseline-src", metavar="DIR",
+                        help="another pdserve checkout's src/ (e.g. `git worktree add /tmp/old HEAD~1`): its "
+                             "proxy runs beside this one, for before/after comparisons")  # fmt: skip
     parser.add_argument("--first-port", type=int, default=20100)
     parser.add_argument("--logs", default="/tmp/pdserve-bench")
     args = parser.parse_args()
@@ -79,30 +86,39 @@ def main() -> int:
     logs.mkdir(parents=True, exist_ok=True)
     p = args.first_port
     prefill, decode = f"http://{HOST}:{p}", f"http://{HOST}:{p + 1}"
-    rows: dict[str, Summary] = {}
     sim = [sys.executable, "-m", "pdserve.sim", "--prefill", "1", "--decode", "1", "--first-port", str(p)]
-    with process(sim, decode + "/health", logs / "sim.log"):
+    proxies: dict[str, tuple[list[str], str, dict[str, str]]] = {}
+
+    def pdserve_proxy(port: int) -> list[str]:
+        return [sys.executable, "-m", "pdserve.cli", "proxy", "--prefill", prefill, "--decode", decode,
+                "--port", str(port)]  # fmt: skip
+
+    proxies["pdserve proxy (PD)"] = (pdserve_proxy(p + 2), f"http://{HOST}:{p + 2}", {})
+    if args.baseline_src:
+        env = {"PYTHONPATH": str(Path(args.baseline_src).resolve())}
+        proxies["pdserve baseline (PD)"] = (pdserve_proxy(p + 5), f"http://{HOST}:{p + 5}", env)
+    if args.router:
+        router = [args.router, "--vllm-pd-disaggregation", "--prefill", prefill, "--decode", decode,
+                  "--host", HOST, "--port", str(p + 3), "--policy", "round_robin",
+                  "--prometheus-port", str(p + 4)]  # fmt: skip
+        proxies["vllm-router (PD)"] = (router, f"http://{HOST}:{p + 3}", {})
+    samples: dict[str, list[Summary]] = {"direct to decode (no PD, floor)": []}
+    samples.update({name: [] for name in proxies})
+    with contextlib.ExitStack() as running:
+        running.enter_context(process(sim, decode + "/health", logs / "sim.log"))
         wait_ok(prefill + "/health")
-        rows["direct to decode (no PD, floor)"] = measure(
-            decode, args.requests, args.concurrency, args.max_tokens
-        )
-        proxy = [sys.executable, "-m", "pdserve.cli", "proxy", "--prefill", prefill, "--decode", decode,
-                 "--port", str(p + 2)]  # fmt: skip
-        with process(proxy, f"http://{HOST}:{p + 2}/health", logs / "pdserve.log"):
-            rows["pdserve proxy (PD)"] = measure(
-                f"http://{HOST}:{p + 2}", args.requests, args.concurrency, args.max_tokens
-            )
-        if args.router:
-            router = [args.router, "--vllm-pd-disaggregation", "--prefill", prefill, "--decode", decode,
-                      "--host", HOST, "--port", str(p + 3), "--policy", "round_robin",
-                      "--prometheus-port", str(p + 4)]  # fmt: skip
-            with process(router, f"http://{HOST}:{p + 3}/health", logs / "router.log"):
-                rows["vllm-router (PD)"] = measure(
-                    f"http://{HOST}:{p + 3}", args.requests, args.concurrency, args.max_tokens
-                )
+        bases = {"direct to decode (no PD, floor)": decode}
+        for name, (cmd, base, env) in proxies.items():
+            log = logs / (name.split()[0] + ("-baseline" if "baseline" in name else "") + ".log")
+            running.enter_context(process(cmd, base + "/health", log, env))
+            bases[name] = base
+        for _ in range(args.rounds):
+            for name, base in bases.items():
+                samples[name].append(measure(base, args.requests, args.concurrency, args.max_tokens))
+    rows = {name: _median(runs) for name, runs in samples.items()}
     base = rows.get("pdserve proxy (PD)")
     print(f"\n{args.requests} streamed completions x {args.max_tokens} tokens, concurrency {args.concurrency}, "
-          f"{os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}")  # fmt: skip
+          f"{args.rounds} interleaved round(s), {os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}")  # fmt: skip
     print(
         f"{'':34} {'req/s':>8} {'tok/s':>9} {'TTFT p50':>9} {'TTFT p90':>9} {'ITL p50':>8} {'failed':>6} {'tok/s vs pdserve':>17}"
     )
@@ -114,6 +130,12 @@ def main() -> int:
             print(f"   first error: {s.first_error}")
     (logs / "proxy_overhead.json").write_text(json.dumps({k: v.as_row() for k, v in rows.items()}, indent=2))
     return 0
+
+
+def _median(runs: list[Summary]) -> Summary:
+    """The round with the median tokens/s (a whole round, so its figures stay consistent)."""
+    ordered = sorted(runs, key=lambda s: s.chunks_per_s)
+    return ordered[len(ordered) // 2]
 
 
 if __name__ == "__main__":

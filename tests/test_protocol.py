@@ -7,8 +7,9 @@ from typing import Any
 import orjson
 import pytest
 
-from pdserve import protocol
-from pdserve.protocol import PREFILL_KV_PARAMS, REQUIRED_DECODE_KEYS, BadRequest, KVHandoff
+from pdserve import protocol, sse
+from pdserve.errors import BadRequest
+from pdserve.protocol import PREFILL_KV_PARAMS, REQUIRED_DECODE_KEYS
 
 PREFILL_ANSWER_PARAMS: dict[str, Any] = {
     "do_remote_prefill": True,
@@ -209,11 +210,6 @@ def test_prefill_params_with_null_required_keys_name_them_all() -> None:
         protocol.kv_params_from_prefill(prefill_answer(params))
 
 
-def test_handoff_summarises_prefills_params() -> None:
-    handoff = KVHandoff.from_params(PREFILL_ANSWER_PARAMS)
-    assert handoff == KVHandoff("engine-0", "cmpl-abc-0-1234abcd", "10.0.0.5", 5600, 3, 1234.5)
-
-
 # --- Decode's answer ---------------------------------------------------------------------------------
 
 
@@ -253,14 +249,6 @@ def test_error_body_param_defaults_to_null() -> None:
     assert orjson.loads(protocol.error_body("gone", "upstream_timeout", 504))["error"]["param"] is None
 
 
-def test_error_event_is_recognised_by_its_marker() -> None:
-    event = protocol.sse_event(protocol.error_body("failed", "InternalServerError", 500))
-    # Markers carry the blank line that ends the previous event (the stream's start counts as one).
-    assert protocol.SSE_ERROR_MARK in b"\n\n" + event
-    assert event.endswith(b"\n\n")
-    assert protocol.SSE_DONE_MARK in b"\n\n" + protocol.SSE_DONE
-
-
 def test_request_ids_are_unique_hex() -> None:
     ids = {protocol.new_request_id() for _ in range(100)}
     assert len(ids) == 100
@@ -271,12 +259,10 @@ def test_streamed_error_events_learn_where_they_came_from_and_nothing_else_chang
     token = b'data: {"choices":[{"text":" hi"}]}\n\n'
     error = b'data: {"error": {"message": "Internal server error", "type": "InternalServerError"}}\n\n'
     cut = b'data: {"error": {"mess'  # an event cut by the chunk's edge is left alone
-    out = protocol.with_error_event_origin(
-        token + error + protocol.SSE_DONE + cut, "decode instance http://d:1"
-    )
+    out = protocol.with_error_event_origin(token + error + sse.DONE + cut, "decode instance http://d:1")
     events = out.split(b"\n\n")
     assert events[0] + b"\n\n" == token
     assert orjson.loads(events[1][len(b"data: ") :])["error"]["message"] == (
         "decode instance http://d:1: Internal server error"
     )
-    assert events[2] + b"\n\n" == protocol.SSE_DONE and events[3] == cut
+    assert events[2] + b"\n\n" == sse.DONE and events[3] == cut

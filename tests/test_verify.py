@@ -10,18 +10,18 @@ def test_stream_text_is_joined_from_deltas() -> None:
         'data: {"choices": [{"delta": {"content": "lo"}}]}\n\n'
         "data: [DONE]\n\n"
     )
-    answer = _read_stream(200, raw, "rid")
+    answer = _read_stream(200, raw.encode(), "rid")
     assert (answer.text, answer.error) == ("Hello", None)
 
 
 def test_stream_error_event_fails_even_with_status_200() -> None:
     raw = 'data: {"choices": [{"text": "a"}]}\n\ndata: {"error": {"message": "boom"}}\n\ndata: [DONE]\n\n'
-    answer = _read_stream(200, raw, None)
+    answer = _read_stream(200, raw.encode(), None)
     assert answer.error is not None and "boom" in answer.error
 
 
 def test_stream_without_done_is_an_error_not_a_short_answer() -> None:
-    answer = _read_stream(200, 'data: {"choices": [{"text": "a"}]}\n\n', None)
+    answer = _read_stream(200, b'data: {"choices": [{"text": "a"}]}\n\n', None)
     assert answer.error == "stream ended without [DONE]"
 
 

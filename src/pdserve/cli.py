@@ -14,6 +14,7 @@ from typing import Any
 
 from pdserve.config import ProxyConfig, Timeouts, Topology, load_topology
 from pdserve.errors import PDServeError
+from pdserve.proxy.policies import POLICIES
 
 
 def _add_timeouts(p: argparse.ArgumentParser) -> None:
@@ -33,25 +34,25 @@ def _add_timeouts(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _proxy_default(name: str) -> Any:
+    """``ProxyConfig``'s own default, so a flag's default never restates (and drifts from) the config's."""
+    return next(f.default for f in dataclasses.fields(ProxyConfig) if f.name == name)
+
+
 def _add_routing(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("routing")
-    g.add_argument(
-        "--prefill-policy",
-        default="round_robin",
-        help="round_robin, least_loaded, power_of_two, prefix_aware",
-    )
-    g.add_argument("--decode-policy", default="round_robin", help="as --prefill-policy")
-    g.add_argument("--skip-prefill-below", type=int, default=0, metavar="TOKENS",
+    g.add_argument("--prefill-policy", default=_proxy_default("prefill_policy"),
+                   help=f"one of {', '.join(sorted(POLICIES))}")  # fmt: skip
+    g.add_argument("--decode-policy", default=_proxy_default("decode_policy"), help="as --prefill-policy")
+    g.add_argument("--skip-prefill-below", type=int, default=_proxy_default("skip_prefill_below_tokens"), metavar="TOKENS",
                    help="uncached prompts shorter than this go straight to decode (needs a tokenizer); 0: never")  # fmt: skip
     g.add_argument(
         "--max-concurrent", type=int, help="requests in flight at most; more queue (default: unbounded)"
     )
-    g.add_argument(
-        "--max-queued", type=int, default=256, help="requests waiting beyond --max-concurrent; more get 429"
-    )
-    g.add_argument(
-        "--queue-timeout", type=float, default=30.0, help="seconds a queued request may wait (then 503)"
-    )
+    g.add_argument("--max-queued", type=int, default=_proxy_default("max_queued"),
+                   help="requests waiting beyond --max-concurrent; more get 429")  # fmt: skip
+    g.add_argument("--queue-timeout", type=float, default=_proxy_default("queue_timeout_s"),
+                   help="seconds a queued request may wait (then 503)")  # fmt: skip
     g.add_argument("--fallback-to-local-prefill", action="store_true",
                    help="when every prefill attempt fails, let decode compute the prompt itself")  # fmt: skip
     g.add_argument("--api-key", help="clients must send Authorization: Bearer KEY")
@@ -215,14 +216,13 @@ def build_parser() -> argparse.ArgumentParser:
     proxy.add_argument(
         "--decode", action="append", required=True, metavar="URL", help="decode instance (repeatable)"
     )
-    proxy.add_argument("--port", type=int, default=8000)
-    proxy.add_argument("--host", default="127.0.0.1")
+    proxy.add_argument("--port", type=int, default=_proxy_default("port"))
+    proxy.add_argument("--host", default=_proxy_default("host"))
     proxy.add_argument(
         "--tokenizer", metavar="DIR", help="model dir with tokenizer.json, for prompt-aware routing"
     )
-    proxy.add_argument(
-        "--block-size", type=int, default=16, help="the engines' KV block size (vLLM --block-size)"
-    )
+    proxy.add_argument("--block-size", type=int, default=_proxy_default("prefix_block_size"),
+                       help="the engines' KV block size (vLLM --block-size)")  # fmt: skip
     _add_routing(proxy)
     _add_timeouts(proxy)
     proxy.set_defaults(func=cmd_proxy)

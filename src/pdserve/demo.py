@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import json
 import time
-import urllib.request
 import uuid
 from pathlib import Path
 from typing import Any
 
+from pdserve import httpclient
 from pdserve.config import Topology
 from pdserve.engines.metrics import transfer_counts
 from pdserve.stack import Stack
@@ -58,13 +58,10 @@ def walk_through(stack: Stack) -> bool:
     _say("\n== One request, step by step ==")
     _say(f"1. client -> proxy  POST {stack.proxy_url}/v1/chat/completions  (X-Request-Id {request_id})")
     _say(f"   {json.dumps(body)}")
-    req = urllib.request.Request(
-        f"{stack.proxy_url}/v1/chat/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json", "X-Request-Id": request_id},
+    response = httpclient.post_json(
+        f"{stack.proxy_url}/v1/chat/completions", body, 120, headers={"X-Request-Id": request_id}
     )
-    with urllib.request.urlopen(req, timeout=120) as resp:
-        status, answer = resp.status, json.loads(resp.read())
+    status, answer = response.status, response.json()
     _, listing = http_json(f"{stack.proxy_url}/requests")
     trace = next(t for t in listing["requests"] if t["request_id"] == request_id)
     _say(f"2. proxy -> prefill {trace['prefill_url']}  same request, but max_tokens=1, stream=false,")

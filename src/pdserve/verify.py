@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import json
 import time
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve import httpclient, sse
 from pdserve.engines.metrics import TransferCounts, transfer_counts
-from pdserve.errors import VerifyError
+from pdserve.errors import Unreachable, VerifyError
 
 _MAX_TOKENS = 16
 _COUNTER_WAIT = 30.0  # vLLM publishes connector stats with engine steps; they lag the answer a little
@@ -52,22 +51,11 @@ class Report:
 
 def http_json(url: str, body: dict[str, Any] | None = None, timeout: float = 120.0) -> tuple[int, Any]:
     """GET (body None) or POST JSON; (status, parsed JSON or text). VerifyError when unreachable."""
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.status, _parse(resp.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, _parse(exc.read())
-    except OSError as exc:
-        raise VerifyError(f"cannot reach {url}: {exc}") from exc
-
-
-def _parse(raw: bytes) -> Any:
-    try:
-        return json.loads(raw)
-    except ValueError:
-        return raw.decode("utf-8", "replace")
+        response = httpclient.get(url, timeout) if body is None else httpclient.post_json(url, body, timeout)
+    except Unreachable as exc:
+        raise VerifyError(str(exc)) from exc
+    return response.status, response.json()
 
 
 def _text_of(choice: dict[str, Any]) -> str:
@@ -79,38 +67,33 @@ def _text_of(choice: dict[str, Any]) -> str:
 
 def ask(base: str, path: str, body: dict[str, Any], timeout: float = 120.0) -> Answer:
     """One request; a streamed one is read to the end, its deltas joined and its events checked."""
-    req = urllib.request.Request(
-        base + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            request_id = resp.headers.get("x-request-id")
-            if not body.get("stream"):
-                data = json.loads(resp.read())
-                return Answer(resp.status, _text_of(data["choices"][0]), request_id=request_id)
-            return _read_stream(resp.status, resp.read().decode(), request_id)
-    except urllib.error.HTTPError as exc:
-        return Answer(exc.code, "", error=exc.read().decode("utf-8", "replace"))
-    except OSError as exc:
-        raise VerifyError(f"cannot reach {base}{path}: {exc}") from exc
+        response = httpclient.post_json(base + path, body, timeout)
+    except Unreachable as exc:
+        raise VerifyError(str(exc)) from exc
+    request_id = response.headers.get("x-request-id")
+    if response.status != 200:
+        return Answer(response.status, "", error=response.body.decode("utf-8", "replace"))
+    if not body.get("stream"):
+        return Answer(
+            response.status, _text_of(json.loads(response.body)["choices"][0]), request_id=request_id
+        )
+    return _read_stream(response.status, response.body, request_id)
 
 
-def _read_stream(status: int, raw: str, request_id: str | None) -> Answer:
+def _read_stream(status: int, raw: bytes, request_id: str | None) -> Answer:
     parts: list[str] = []
     is_done = False
-    for event in raw.split("\n\n"):
-        if not event.startswith("data: "):
-            continue
-        payload = event[len("data: ") :]
-        if payload == "[DONE]":
+    for payload in sse.payloads(raw):
+        if payload == sse.DONE_PAYLOAD:
             is_done = True
             continue
-        data = json.loads(payload)
-        if "error" in data:
-            return Answer(status, "".join(parts), error=json.dumps(data["error"]), request_id=request_id)
-        parts.extend(_text_of(c) for c in data.get("choices", []))
-    error = None if is_done else "stream ended without [DONE]"
-    return Answer(status, "".join(parts), error=error, request_id=request_id)
+        error = sse.error_of(payload)
+        if error is not None:
+            return Answer(status, "".join(parts), error=json.dumps(error), request_id=request_id)
+        parts.extend(_text_of(c) for c in json.loads(payload).get("choices", []))
+    cut = None if is_done else "stream ended without [DONE]"
+    return Answer(status, "".join(parts), error=cut, request_id=request_id)
 
 
 def cases(model: str) -> list[tuple[str, str, dict[str, Any]]]:
@@ -151,15 +134,19 @@ def verify(proxy_url: str, say: Callable[[str], None] = print) -> Report:
     if status != 200 or not isinstance(instances, list):
         raise VerifyError(f"{proxy_url}/instances answered {status}: is this a pdserve proxy?")
     decode_urls = [i["url"] for i in instances if i["role"] == "decode"]
+    num_prefill = len(instances) - len(decode_urls)
+    # With no instance of a role there is nothing to prove PD with: that is a failed check, not a pass.
+    report.check(num_prefill > 0, f"the proxy lists {num_prefill} prefill instance(s)")
+    report.check(bool(decode_urls), f"the proxy lists {len(decode_urls)} decode instance(s)")
     for inst in instances:
         report.check(inst["healthy"], f"{inst['role']} instance {inst['url']} is healthy")
-    if not report.ok or not decode_urls:
+    if not report.ok:
         return report
     status, models = http_json(f"{proxy_url}/v1/models", timeout=10)
     if not report.check(status == 200, f"/v1/models answered {status}"):
         return report
     model = models["data"][0]["id"]
-    say(f"model {model}; {len(instances) - len(decode_urls)} prefill, {len(decode_urls)} decode instance(s)")
+    say(f"model {model}; {num_prefill} prefill, {len(decode_urls)} decode instance(s)")
 
     before = transfer_counts(decode_urls)
     todo = cases(model)

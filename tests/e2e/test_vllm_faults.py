@@ -15,8 +15,9 @@ import openai
 import pytest
 
 from pdserve.config import ProxyConfig, Timeouts
-from pdserve.engines.metrics import KV_USAGE, scrape, transfer_counts
+from pdserve.engines.metrics import scrape, transfer_counts
 from pdserve.engines.plan import InstanceSpec
+from pdserve.prometheus import KV_USAGE
 from pdserve.stack import ProxyThread, Stack, wait_http_ok
 from pdserve.verify import wait_for_transfers
 

@@ -303,6 +303,24 @@ async def proxy_ready(http: aiohttp.ClientSession, url: str) -> None:
         assert resp.status == 200, await resp.text()
 
 
+async def seen_unhealthy(
+    http: aiohttp.ClientSession, proxy_url: str, instance_url: str, limit_s: float
+) -> Any:
+    """The proxy's /instances once its health checks have found ``instance_url`` unhealthy (reads of
+    /instances never check on their own)."""
+    listing: Any = None
+
+    async def check() -> str | None:
+        nonlocal listing
+        listing = await proxy_json(http, proxy_url + "/instances")
+        if any(i["url"] == instance_url and not i["healthy"] for i in listing):
+            return None
+        return f"{instance_url} still healthy in {listing}"
+
+    await wait_until(check, limit_s)
+    return listing
+
+
 async def proxy_json(http: aiohttp.ClientSession, url: str, admin_key: str | None = None) -> Any:
     headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
     async with http.get(url, headers=headers) as resp:

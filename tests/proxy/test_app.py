@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import aiohttp
 import openai
 import orjson
@@ -43,8 +46,12 @@ async def test_health_is_200_when_prefill_and_decode_answer(rig: Rig, http: aioh
 async def test_health_is_503_naming_the_dead_instance(
     rig: Rig, http: aiohttp.ClientSession, dead_url: str
 ) -> None:
-    with running_proxy([rig.prefill_url], [dead_url]) as url:
+    with running_proxy([rig.prefill_url], [dead_url], health_interval_s=0.2) as url:
+        deadline = time.monotonic() + 5  # /health reports what the health checks last saw
         status, body = await get_json(http, url + "/health")
+        while status == 200 and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+            status, body = await get_json(http, url + "/health")
     assert status == 503
     assert body["status"] == "unavailable"
     [dead] = [i for i in body["instances"] if not i["healthy"]]

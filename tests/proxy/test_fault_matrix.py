@@ -37,6 +37,7 @@ from sim_matrix import (
     proxy_json,
     proxy_ready,
     request_body,
+    seen_unhealthy,
     set_faults,
     settled,
     sim_pd,
@@ -51,6 +52,7 @@ SLACK_S = 2.5  # a loaded 2-core machine (other test runs, engines): scheduling,
 QUICK_S = 0.5  # a fault answered at once (a 500, a closed connection), retries included
 MAX_TOKENS = 8
 ADMIN_KEY = "matrix-admin"
+HEALTH_NOTICE_S = 10.0  # the proxy's health checks (every 2 s, 5 s timeout) find a down instance by then
 ENDPOINTS: tuple[Endpoint, ...] = ("completions", "chat")
 
 
@@ -307,7 +309,8 @@ async def test_a_down_instance_is_skipped_once_health_checks_notice(
         await proxy_ready(http, url)
         await set_faults(http, _instance(sims, f"{role}0"), down=True)
         try:
-            instances = await proxy_json(http, url + "/instances")  # checks every instance on the spot
+            down_url = _instance(sims, f"{role}0")
+            instances = await seen_unhealthy(http, url, down_url, HEALTH_NOTICE_S)
             answers = [
                 await ask(http, url, endpoint, stream, f"skip-{role}-{endpoint}-{stream}", MAX_TOKENS, 5.0)
                 for endpoint, stream in COMBOS

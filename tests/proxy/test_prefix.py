@@ -6,14 +6,10 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from pdserve.proxy.prefix import (
-    PrefixAware,
-    PrefixIndex,
-    block_hashes,
-    should_skip_prefill,
-    wants_prompt_tokens,
-)
-from pdserve.proxy.routing import POLICIES, PolicyOptions
+from pdserve.blocks import block_hashes
+from pdserve.proxy.policies import POLICIES, PolicyOptions
+from pdserve.proxy.prefix import PrefixAware, PrefixIndex, should_skip_prefill
+from pdserve.proxy.routing import Pick
 
 
 @dataclass(frozen=True)
@@ -62,7 +58,7 @@ def test_requests_sharing_a_system_prompt_stick_to_one_instance_while_load_stays
     chosen: dict[int, set[str]] = {0: set(), 1: set()}
     for n in range(20):
         system = n % 2  # two long system prompts, requests alternating between them
-        chosen[system].add(policy.choose_for(instances, _hashes(_prompt(system, 1024, n))).url)
+        chosen[system].add(policy.choose(instances, _hashes(_prompt(system, 1024, n))).url)
     assert len(chosen[0]) == len(chosen[1]) == 1  # each system prompt always on the same instance
     assert chosen[0] != chosen[1]  # and the two share the work
 
@@ -71,7 +67,7 @@ def test_a_hot_prefix_spills_to_a_second_instance_once_the_first_is_busy() -> No
     policy, instances = PrefixAware(load_cost_tokens=300), [Inst("p0"), Inst("p1")]
     routed = []
     for n in range(8):  # none finishes: each adds one request ahead on its instance
-        inst = policy.choose_for(instances, _hashes(_prompt(0, 1024, n)))
+        inst = policy.choose(instances, _hashes(_prompt(0, 1024, n)))
         inst.num_in_flight += 1
         routed.append(inst.url)
     first = routed[0]
@@ -88,39 +84,39 @@ def test_a_loaded_instance_loses_to_an_idle_one_when_the_shared_prefix_is_short(
     busy, idle = Inst("busy"), Inst("idle", load=Load(kv_usage=0.2))
     policy.index.record("busy", _hashes(_prompt(0, 32, 0)))
     busy.num_in_flight = 3
-    assert policy.choose_for([busy, idle], _hashes(_prompt(0, 32, 1))).url == "idle"
+    assert policy.choose([busy, idle], _hashes(_prompt(0, 32, 1))).url == "idle"
 
 
 def test_engine_reported_queue_counts_as_load_too() -> None:
     policy = PrefixAware()
     policy.index.record("p0", _hashes(_prompt(0, 512, 0)))
     queued = Inst("p0", load=Load(num_running=4, num_waiting=8))
-    assert policy.choose_for([queued, Inst("p1")], _hashes(_prompt(0, 512, 1))).url == "p1"
+    assert policy.choose([queued, Inst("p1")], _hashes(_prompt(0, 512, 1))).url == "p1"
 
 
 def test_without_a_prompt_it_is_least_loaded_with_ties_in_turn() -> None:
     policy = PrefixAware()
     instances = [Inst("a"), Inst("b", num_in_flight=2), Inst("c")]
     assert {policy.choose(instances).url for _ in range(4)} == {"a", "c"}
-    assert {policy.choose_for(instances, []).url for _ in range(4)} == {"a", "c"}
+    assert {policy.choose(instances, []).url for _ in range(4)} == {"a", "c"}
 
 
 def test_no_match_anywhere_spreads_requests_in_turn() -> None:
     policy, instances = PrefixAware(), [Inst("a"), Inst("b"), Inst("c")]
-    assert [policy.choose_for(instances, _hashes(_prompt(n, 64, n))).url for n in range(3)] == ["a", "b", "c"]
+    assert [policy.choose(instances, _hashes(_prompt(n, 64, n))).url for n in range(3)] == ["a", "b", "c"]
 
 
 def test_reported_hit_is_what_the_instance_held_before_this_request() -> None:
     policy, instances = PrefixAware(), [Inst("d0")]
     first, again = _hashes(_prompt(0, 256, 0)), _hashes(_prompt(0, 256, 1))
-    assert policy.choose_with_hit(instances, first) == (instances[0], 0)
-    assert policy.choose_with_hit(instances, again) == (instances[0], 256)
-    assert policy.choose_with_hit(instances, again) == (instances[0], 256 + 32)  # its own tail too
+    assert policy.pick(instances, first) == Pick(instances[0], 0)
+    assert policy.pick(instances, again) == Pick(instances[0], 256)
+    assert policy.pick(instances, again) == Pick(instances[0], 256 + 32)  # its own tail too
 
 
 def test_no_instance_to_choose_from_raises() -> None:
     with pytest.raises(LookupError):
-        PrefixAware().choose_for([], [1, 2])
+        PrefixAware().choose([], [1, 2])
     with pytest.raises(LookupError):
         PrefixAware().choose([])
 
@@ -148,8 +144,8 @@ def test_a_forgotten_instance_matches_nothing() -> None:
 
 
 def test_only_prompt_aware_policies_ask_for_prompt_tokens() -> None:
-    assert wants_prompt_tokens(PrefixAware())
-    wanting = {name for name, factory in POLICIES.items() if wants_prompt_tokens(factory(PolicyOptions()))}
+    assert PrefixAware().wants_prompt
+    wanting = {name for name, factory in POLICIES.items() if factory(PolicyOptions()).wants_prompt}
     assert wanting == {"prefix_aware"}
 
 

@@ -52,12 +52,11 @@ async def test_prefix_aware_keeps_a_shared_system_prompt_on_one_prefill_instance
 
 def test_a_restarted_instance_is_no_longer_thought_to_hold_any_prefix() -> None:
     config = ProxyConfig(("http://p:1",), ("http://d:1",), prefill_policy="prefix_aware")
-    app = create_app(config)
-    flow = app.state.flow
-    [instance] = flow.prefill.instances
-    policy = flow._prefill_policy
-    policy.index.record(instance.url, [1, 2, 3])
-    assert policy.index.num_blocks(instance.url) == 3
-    assert flow.prefill.on_recovered is not None
-    flow.prefill.on_recovered(instance)  # what a health check calls when it sees the instance back
-    assert policy.index.num_blocks(instance.url) == 0
+    state = create_app(config).state.pdserve.state
+    [instance] = state.pool("prefill").instances
+    policy = state.policy("prefill")
+    policy.pick([instance], [1, 2, 3])
+    assert policy.pick([instance], [1, 2, 3]).num_cached_tokens == 3 * config.prefix_block_size
+    instance.check_failed("cannot connect")  # never answered: out at once
+    state.check_passed(instance, None)  # what a health check reports when it sees the instance back
+    assert policy.pick([instance], [1, 2, 3]).num_cached_tokens == 0

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from pdserve.blocks import block_hashes
 from pdserve.engines.model import embedded_model_dir
 from pdserve.errors import ConfigError
-from pdserve.proxy.prefix import block_hashes
 from pdserve.proxy.tokens import PromptTokenizer
 
 CORPUS = [

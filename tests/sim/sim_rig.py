@@ -10,7 +10,7 @@ import aiohttp
 import openai
 import orjson
 
-from pdserve.engines.metrics import parse_prometheus
+from pdserve.prometheus import parse_prometheus
 from pdserve.protocol import PREFILL_KV_PARAMS
 from pdserve.sim.profile import Profile
 from pdserve.sim.server import SimCluster

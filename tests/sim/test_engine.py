@@ -8,15 +8,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import time
 from collections.abc import AsyncIterator
 
 import pytest
 
-from pdserve.sim.engine import EngineStoppedError, SimEngine, VirtualClock
+from pdserve.errors import EngineStoppedError, KVPullError
+from pdserve.sim.engine import SimEngine, VirtualClock
 from pdserve.sim.profile import Profile
 from pdserve.sim.scheduler import NO_TOKEN, StepPlan
-from pdserve.sim.types import KVPullError, RemoteKV, SimRequest, SimRole, TokenEvent
+from pdserve.sim.types import RemoteKV, SimRequest, SimRole, TokenEvent
 
 TIMED = Profile(
     name="timed",
@@ -310,7 +310,7 @@ async def test_idle_engine_does_not_spin(monkeypatch: pytest.MonkeyPatch) -> Non
 # --- Throughput --------------------------------------------------------------------------------------
 
 
-async def test_zero_cost_engine_streams_many_tokens_per_second() -> None:
+async def test_zero_cost_engine_streams_every_token_of_64_concurrent_requests() -> None:
     engine = SimEngine(Profile(), "both", "e")
 
     async def consume(req: SimRequest) -> int:
@@ -318,10 +318,5 @@ async def test_zero_cost_engine_streams_many_tokens_per_second() -> None:
 
     reqs = [SimRequest(f"r{i}", prompt(64, 1000 * i), 256) for i in range(64)]
     async with running(engine):
-        start = time.perf_counter()
         num_tokens = sum(await asyncio.gather(*(consume(r) for r in reqs)))
-        elapsed = time.perf_counter() - start
-    rate = num_tokens / elapsed
-    print(f"\nzero-cost engine: {num_tokens} tokens in {elapsed:.3f}s = {rate:,.0f} tokens/s")
-    assert num_tokens == 64 * 256
-    assert rate >= 5_000
+    assert num_tokens == 64 * 256  # how fast: benchmarks/sim_throughput.py

@@ -11,9 +11,9 @@ import orjson
 import pytest
 from sim_rig import MODEL, PREFILL_PARAMS, Sims, metric, set_faults, stats
 
-from pdserve.errors import ConfigError
+from pdserve.errors import ConfigError, ConnectionDropped
 from pdserve.sim.faults import Faults, FaultSpec, RequestFault
-from pdserve.sim.wire import ConnectionDropped, DroppedConnectionFilter, Writer
+from pdserve.sim.wire import DroppedConnectionFilter, Writer
 
 BODY: dict[str, object] = {"model": MODEL, "prompt": "one two three four five six", "max_tokens": 8}
 INTERNAL_ERROR = {"error": {"message": "Internal server error", "type": "InternalServerError", "param": None,

@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 from sim_rig import MODEL, PREFILL_PARAMS, Sims
 
-from pdserve.engines.metrics import parse_prometheus
+from pdserve.prometheus import parse_prometheus
 from pdserve.sim.metrics import Histogram, SimMetrics, go_float
 
 LABELS = f'{{engine="0",model_name="{MODEL}"}}'
@@ -71,8 +71,11 @@ def test_rendering_uses_vllms_names_labels_and_order() -> None:
     text = metrics.render(Counters())
     assert text.endswith("\n")
     for name in NAMES:
-        kind = "histogram" if name.endswith(("_seconds", "_transferred")) else None
-        assert f"# TYPE {name} {kind or ''}" in text or f"# TYPE {name} " in text
+        if name.endswith(("_seconds", "_transferred")):
+            kind = "histogram"
+        else:
+            kind = "counter" if name.endswith("_total") else "gauge"
+        assert f"# TYPE {name} {kind}\n" in text
     assert f"vllm:num_requests_waiting{LABELS} 2.0\n" in text
     assert f"vllm:prompt_tokens_total{LABELS} 107.0\n" in text  # computed + cached + pulled
     # prometheus_client sorts label names: engine, finished_reason/le, model_name.

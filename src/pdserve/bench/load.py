@@ -16,6 +16,8 @@ from typing import Any
 import aiohttp
 import orjson
 
+from pdserve import sse
+
 
 @dataclass(frozen=True)
 class Job:
@@ -70,16 +72,14 @@ async def _one(session: aiohttp.ClientSession, base: str, job: Job, timeout: flo
                 if resp.status != 200:
                     out.error = f"HTTP {resp.status}: {(await resp.read())[:200]!r}"
                     return out
-                buffer = b""
+                reader = sse.EventReader()
                 async for chunk in resp.content.iter_any():
-                    buffer += chunk
-                    *events, buffer = buffer.split(b"\n\n")
                     now = time.perf_counter()
-                    for event in events:
-                        if event == b"data: [DONE]":
+                    for event in reader.feed(chunk):
+                        if event == sse.DONE_PAYLOAD:
                             out.ok = out.error is None
-                        elif event.startswith(b'data: {"error"'):
-                            out.error = event[6:200].decode()
+                        elif (error := sse.error_of(event)) is not None:
+                            out.error = str(error)[:200]
                         elif b'"choices":[]' not in event and b'"choices": []' not in event:
                             if out.num_chunks == 0:
                                 first = now

@@ -1,4 +1,5 @@
-"""Start, watch and stop a group of vLLM instances; the one place pdserve touches subprocess.
+"""Start, watch and stop a group of vLLM instances. With model.py (one short build), the only modules
+that run processes, and both live in engines/.
 
 Each instance runs in its own session, so its process group holds the API server and the engine-core
 processes vLLM forks from it; stopping signals the whole group. On Linux each instance also gets
@@ -9,18 +10,17 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import http.client
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 
+from pdserve import httpclient
 from pdserve.engines.plan import InstanceSpec
 from pdserve.errors import ConfigError, EngineError, EngineStartError
 
@@ -29,9 +29,6 @@ _POLL_INTERVAL = 0.25  # seconds between health rounds while starting, and betwe
 _HEARTBEAT_INTERVAL = 10.0
 _LOG_TAIL_LINES = 30
 _PR_SET_PDEATHSIG = 1
-
-# urllib would send localhost health checks through $http_proxy if one is set.
-_opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 class EngineGroup:
@@ -241,11 +238,7 @@ def _check_ports_free(specs: Sequence[InstanceSpec]) -> None:
 
 
 def _is_healthy(url: str) -> bool:
-    try:
-        with _opener.open(f"{url}/health", timeout=2.0) as response:
-            return bool(response.status == 200)
-    except (OSError, http.client.HTTPException, ValueError):  # URLError is an OSError
-        return False
+    return httpclient.is_ok(f"{url}/health", timeout=2.0)
 
 
 def _group_alive(proc: subprocess.Popen[bytes]) -> bool:

@@ -7,53 +7,23 @@ HTTP 200 proves only that an answer came back. A transfer is proven by decode's
 
 from __future__ import annotations
 
-import math
-import urllib.error
-import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Final
 
-from pdserve.errors import VerifyError
-
-XFER_COUNT: Final = "vllm:nixl_xfer_time_seconds_count"  # successful transfers (decode side)
-XFER_FAILED: Final = "vllm:nixl_num_failed_transfers_total"
-KV_EXPIRED: Final = "vllm:nixl_num_kv_expired_reqs_total"  # counted on prefill when a lease runs out
-KV_USAGE: Final = "vllm:kv_cache_usage_perc"
-BYTES_SUM: Final = "vllm:nixl_bytes_transferred_sum"
-
-
-def parse_prometheus(text: str) -> dict[str, float]:
-    """Sample name → value summed over its label sets (``# HELP``/``# TYPE`` lines skipped)."""
-    totals: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name_end = line.find("{")
-        if name_end == -1:
-            name, _, rest = line.partition(" ")
-        else:
-            name = line[:name_end]
-            rest = line[line.rfind("}") + 1 :]
-        fields = rest.split()
-        if not fields:
-            continue
-        try:
-            value = float(fields[0])
-        except ValueError:
-            continue
-        if not math.isnan(value):
-            totals[name] = totals.get(name, 0.0) + value
-    return totals
+from pdserve import httpclient
+from pdserve.errors import Unreachable, VerifyError
+from pdserve.prometheus import BYTES_SUM, XFER_COUNT, XFER_FAILED, parse_prometheus
 
 
 def scrape(url: str, timeout: float = 5.0) -> dict[str, float]:
     """The summed samples of ``<url>/metrics``; VerifyError if the instance does not answer."""
     try:
-        with urllib.request.urlopen(f"{url}/metrics", timeout=timeout) as resp:
-            return parse_prometheus(resp.read().decode("utf-8", "replace"))
-    except (OSError, urllib.error.URLError) as exc:
+        response = httpclient.get(f"{url}/metrics", timeout)
+    except Unreachable as exc:
         raise VerifyError(f"cannot read {url}/metrics: {exc}") from exc
+    if response.status != 200:
+        raise VerifyError(f"{url}/metrics answered {response.status}")
+    return parse_prometheus(response.body.decode("utf-8", "replace"))
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,1 @@
-"""The PD proxy: takes OpenAI requests, runs prefill then decode, relays decode's answer."""
-
-from pdserve.proxy.app import create_app
-
-__all__ = ["create_app"]
+"""The PD proxy: takes OpenAI requests, runs prefill then decode, relays decode's answer (``create_app`` in app.py)."""

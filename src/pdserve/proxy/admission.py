@@ -12,13 +12,7 @@ import collections
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-
-class Overloaded(Exception):
-    def __init__(self, status: int, message: str, retry_after_s: int) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.retry_after_s = retry_after_s
+from pdserve.errors import Overloaded
 
 
 class Admission:

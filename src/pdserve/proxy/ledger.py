@@ -2,11 +2,11 @@
 
 A handoff opens when prefill returns ``kv_transfer_params`` (its blocks are now pinned under a lease)
 and closes as *delivered* once decode's answer begins, or as *abandoned* (client gone, decode refused,
-retries exhausted). vLLM 0.32 frees an abandoned handoff's blocks only when its lease runs out
-(``kv_lease_duration``, 30 s unless `pdserve up --kv-lease` says otherwise): measured here, neither a
-closed connection nor a decode that rejects the params (vLLM then notifies its connector) freed them
-sooner. So the ledger's job is to account: what was abandoned and why, and which open handoffs are
-past their lease, the ones to worry about.
+retries exhausted). What prefill then does with the blocks (docs/vllm-kv-lifecycle.md): a decode that
+rejects the params in its handler notifies prefill, which frees them at once; an abandoned handoff that
+decode never received waits for the lease (``kv_lease_duration``, 30 s unless `pdserve up --kv-lease`
+says otherwise). So the ledger's job is to account: what was abandoned and why, and which open handoffs
+are past their lease, the ones to worry about.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ class Handoff:
     state: HandoffState = "open"
     decode_url: str | None = None
     reason: str | None = None  # why it was abandoned
-    release: str | None = None  # how its blocks were (or were not) released early
 
     @property
     def num_blocks(self) -> int:
@@ -55,7 +54,6 @@ class Handoff:
             "lease_s": self.lease_s,
             "decode_url": self.decode_url,
             "reason": self.reason,
-            "release": self.release,
         }
 
 
@@ -67,7 +65,6 @@ class Ledger:
         self.num_issued = 0
         self.num_delivered = 0
         self.abandoned: Counter[str] = Counter()  # by short reason
-        self.releases: Counter[str] = Counter()  # by outcome
 
     def open(self, request_id: str, prefill_url: str, params: dict[str, Any]) -> Handoff:
         handoff = Handoff(request_id, prefill_url, params, time.monotonic(), self.lease_s)
@@ -87,10 +84,6 @@ class Ledger:
         handoff.reason = reason
         self.abandoned[kind] += 1
         return True
-
-    def released(self, handoff: Handoff, outcome: str) -> None:
-        handoff.release = outcome
-        self.releases[outcome] += 1
 
     def _close(self, handoff: Handoff, state: HandoffState) -> bool:
         if self._open.pop(id(handoff), None) is None:
@@ -113,7 +106,6 @@ class Ledger:
             "issued": self.num_issued,
             "delivered": self.num_delivered,
             "abandoned": dict(self.abandoned),
-            "releases": dict(self.releases),
             "open": [h.describe() for h in self._open.values()],
             "overdue": self.num_overdue(),
             "recent": [h.describe() for h in reversed(self.recent)],

@@ -1,7 +1,7 @@
 """The proxy's own Prometheus ``/metrics``, rendered from live state when scraped.
 
-Nothing here runs per token: the flow bumps two counters per request; everything else (pools,
-breakers, queue, KV ledger) is read at scrape time.
+Nothing here runs per token: the flow bumps two counters per request; everything else (instances,
+breakers, queue, KV ledger) is read from ``ProxyState`` and ``Admission`` at scrape time.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 
 from pdserve.proxy.admission import Admission
-from pdserve.proxy.flow import Flow
-from pdserve.proxy.pool import Instance, Pool
+from pdserve.proxy.instance import Instance
+from pdserve.proxy.state import ProxyState
 
 
 def _labels(labels: Mapping[str, str]) -> str:
@@ -34,19 +34,21 @@ class _Text:
             self.lines.append(f"{name}{_labels(labels)} {value:g}")
 
 
-def render(flow: Flow, pools: Iterable[Pool], admission: Admission) -> str:
+def render(state: ProxyState, admission: Admission) -> str:
     t = _Text()
+    stats = state.stats
     t.metric("pdserve_requests_total", "counter", "Requests answered, by endpoint and outcome.",
-             (({"endpoint": e, "outcome": o}, n) for (e, o), n in sorted(flow.outcomes.items())))  # fmt: skip
+             (({"endpoint": e, "outcome": o.value}, n) for (e, o), n in sorted(stats.outcomes.items(),
+                                                                              key=lambda kv: (kv[0][0], kv[0][1].value))))  # fmt: skip
     t.metric("pdserve_retries_total", "counter", "Attempts retried on another instance, by phase.",
-             (({"phase": p}, n) for p, n in sorted(flow.retries.items())))  # fmt: skip
+             (({"phase": p}, n) for p, n in sorted(stats.retries.items())))  # fmt: skip
     t.metric("pdserve_requests_running", "gauge", "Requests holding an admission slot.",
              [({}, admission.num_running)])  # fmt: skip
     t.metric("pdserve_requests_queued", "gauge", "Requests waiting for an admission slot.",
              [({}, admission.num_queued)])  # fmt: skip
     t.metric("pdserve_requests_rejected_total", "counter", "Requests refused for overload (429/503).",
              [({}, admission.num_rejected)])  # fmt: skip
-    instances = [i for p in pools for i in p.instances]
+    instances = state.instances
     now = time.monotonic()
 
     def per_instance(value: Callable[[Instance], float]) -> list[tuple[Mapping[str, str], float]]:
@@ -58,7 +60,7 @@ def render(flow: Flow, pools: Iterable[Pool], admission: Admission) -> str:
              per_instance(lambda i: i.is_available(now)))  # fmt: skip
     t.metric("pdserve_instance_in_flight", "gauge", "Requests the proxy has in flight at the instance.",
              per_instance(lambda i: i.num_in_flight))  # fmt: skip
-    ledger = flow.ledger
+    ledger = state.ledger
     t.metric("pdserve_kv_handoffs_total", "counter", "KV handoffs (prefill params issued), by how they ended.",
              [({"state": "issued"}, ledger.num_issued), ({"state": "delivered"}, ledger.num_delivered),
               *(({"state": "abandoned", "reason": k}, n) for k, n in sorted(ledger.abandoned.items()))])  # fmt: skip

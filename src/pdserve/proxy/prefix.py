@@ -11,41 +11,17 @@ skip prefill altogether (``should_skip_prefill``).
 The record is an estimate: vLLM evicts under memory pressure and forgets everything on restart, and the
 proxy learns of neither. A wrong estimate costs a cache miss, never a wrong answer.
 
-Pure logic, no HTTP: candidates are the same plain objects routing.py's policies take.
+Pure logic, no HTTP: candidates are the same plain objects routing.py's policies take. The hashes
+are blocks.py's, over the proxy's own token ids (tokens.py).
 """
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Protocol, TypeGuard
 
-from pdserve.proxy.routing import C, LeastLoaded, Policy, load_score
-
-_ROOT_HASH = 0x5EED  # parent of a prompt's first block when the request has no cache salt
-
-
-def block_hashes(token_ids: Sequence[int], block_size: int, salt: str | None = None) -> list[int]:
-    """Chained hashes of the prompt's full blocks; a trailing partial block is never cached, so it has
-    none. Equal i-th hashes mean equal first i+1 blocks, not just an equal i-th block.
-
-    ``salt`` is the request's ``cache_salt``: vLLM shares no cache between different salts, and neither
-    does this. Hashes are Python's tuple hash (64 bits, the same in every process for ints): a collision
-    sends one request to a colder instance, nothing worse.
-    """
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
-    parent = _ROOT_HASH
-    if salt is not None:
-        parent = int.from_bytes(hashlib.blake2b(salt.encode(), digest_size=8).digest(), "little")
-    tokens = tuple(token_ids)
-    hashes = []
-    for start in range(0, len(tokens) - block_size + 1, block_size):
-        parent = hash((parent, tokens[start : start + block_size]))
-        hashes.append(parent)
-    return hashes
+from pdserve.proxy.routing import C, LeastLoaded, Pick, load_score
 
 
 class PrefixIndex:
@@ -98,23 +74,6 @@ class PrefixIndex:
         return len(self._blocks.get(url, ()))
 
 
-class PromptAwarePolicy(Policy, Protocol):
-    """A policy that routes better knowing the prompt's block hashes (see ``wants_prompt_tokens``)."""
-
-    @property
-    def block_size(self) -> int: ...
-    @property
-    def index(self) -> PrefixIndex: ...
-    def choose_for(self, candidates: Sequence[C], hashes: Sequence[int]) -> C: ...
-    def choose_with_hit(self, candidates: Sequence[C], hashes: Sequence[int]) -> tuple[C, int]: ...
-
-
-def wants_prompt_tokens(policy: Policy) -> TypeGuard[PromptAwarePolicy]:
-    """Whether tokenizing the prompt would change this policy's choice; the others never need it."""
-    methods = (getattr(policy, "choose_for", None), getattr(policy, "choose_with_hit", None))
-    return all(callable(m) for m in methods) and isinstance(getattr(policy, "block_size", None), int)
-
-
 class PrefixAware:
     """The candidate where the prompt would wait least, counting cached tokens as saved work.
 
@@ -143,30 +102,32 @@ class PrefixAware:
         self._counter = itertools.count()
         self._least_loaded = LeastLoaded()
 
-    def choose(self, candidates: Sequence[C]) -> C:
-        """Without a prompt (none readable, or no tokenizer): least loaded."""
-        return self._least_loaded.choose(candidates)
+    wants_prompt = True
 
-    def choose_for(self, candidates: Sequence[C], hashes: Sequence[int]) -> C:
-        return self.choose_with_hit(candidates, hashes)[0]
-
-    def choose_with_hit(self, candidates: Sequence[C], hashes: Sequence[int]) -> tuple[C, int]:
+    def pick(self, candidates: Sequence[C], prompt: Sequence[int] | None = None) -> Pick[C]:
         """The choice and its estimated cache hit in tokens, as it was *before* this request's blocks
-        were recorded there (asking ``num_cached_tokens`` afterwards would count them as cached)."""
-        if not hashes:
-            return self.choose(candidates), 0
+        were recorded there (asking ``num_cached_tokens`` afterwards would count them as cached).
+        Without a prompt (none readable, or no tokenizer): least loaded."""
+        if not prompt:
+            return self._least_loaded.pick(candidates)
         if not candidates:
             raise LookupError("no instance to choose from")
         start = next(self._counter) % len(candidates)
         best, best_cached, best_score = candidates[start], 0, float("-inf")
         for i in range(len(candidates)):
             candidate = candidates[(start + i) % len(candidates)]
-            cached_tokens = self.index.match_blocks(candidate.url, hashes) * self.block_size
+            cached_tokens = self.index.match_blocks(candidate.url, prompt) * self.block_size
             score = cached_tokens - self.load_cost_tokens * load_score(candidate)
             if score > best_score:
                 best, best_cached, best_score = candidate, cached_tokens, score
-        self.index.record(best.url, hashes)
-        return best, best_cached
+        self.index.record(best.url, prompt)
+        return Pick(best, best_cached)
+
+    def choose(self, candidates: Sequence[C], prompt: Sequence[int] | None = None) -> C:
+        return self.pick(candidates, prompt).instance
+
+    def forget(self, url: str) -> None:
+        self.index.forget(url)
 
     def num_cached_tokens(self, url: str, hashes: Sequence[int]) -> int:
         """The instance's estimated cache hit for this prompt, in tokens (whole blocks only)."""

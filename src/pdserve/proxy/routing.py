@@ -1,18 +1,17 @@
-"""Choosing an instance: policies behind one small interface, looked up by name in a registry.
+"""Choosing an instance: the one policy interface, and the policies that need only load.
 
 Policies know nothing of HTTP: they get candidates (anything with a URL, an in-flight count and an
-engine load) and return one, so they are unit-tested with plain objects.
+engine load) and, when they want it (``wants_prompt``), the prompt's KV block hashes; they return a
+``Pick``. So they are unit-tested with plain objects. The registry of names is policies.py.
 """
 
 from __future__ import annotations
 
 import itertools
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
-
-from pdserve.errors import ConfigError
+from typing import Generic, Protocol, TypeVar
 
 
 class Load(Protocol):
@@ -36,8 +35,45 @@ class Candidate(Protocol):
 C = TypeVar("C", bound=Candidate)
 
 
+@dataclass(frozen=True)
+class Pick(Generic[C]):
+    instance: C
+    num_cached_tokens: int = 0  # the policy's estimate of the prompt's cache hit there, before this request
+
+
 class Policy(Protocol):
-    def choose(self, candidates: Sequence[C]) -> C: ...
+    @property
+    def wants_prompt(self) -> bool:
+        """Whether the prompt's block hashes would change this policy's choice (tokenizing costs)."""
+        ...
+
+    def pick(self, candidates: Sequence[C], prompt: Sequence[int] | None = None) -> Pick[C]:
+        """One of ``candidates``; LookupError when there are none. ``prompt``: its block hashes."""
+        ...
+
+    def forget(self, url: str) -> None:
+        """What the policy remembers of the instance no longer holds (it restarted or left)."""
+        ...
+
+
+class LoadPolicy:
+    """Base of the policies that route on load alone: no prompt wanted, nothing to forget."""
+
+    wants_prompt = False
+
+    def pick(self, candidates: Sequence[C], prompt: Sequence[int] | None = None) -> Pick[C]:
+        if not candidates:
+            raise LookupError("no instance to choose from")
+        return Pick(self._choose(candidates))
+
+    def choose(self, candidates: Sequence[C], prompt: Sequence[int] | None = None) -> C:
+        return self.pick(candidates, prompt).instance
+
+    def forget(self, url: str) -> None:
+        return None
+
+    def _choose(self, candidates: Sequence[C]) -> C:
+        raise NotImplementedError
 
 
 def load_score(c: Candidate) -> float:
@@ -47,73 +83,37 @@ def load_score(c: Candidate) -> float:
     return max(float(c.num_in_flight), c.load.num_running + c.load.num_waiting) + c.load.kv_usage
 
 
-def _require(candidates: Sequence[C]) -> None:
-    if not candidates:
-        raise LookupError("no instance to choose from")
-
-
-class RoundRobin:
+class RoundRobin(LoadPolicy):
     """Each call takes the next candidate in turn; fair when instances are alike."""
 
     def __init__(self) -> None:
         self._counter = itertools.count()
 
-    def choose(self, candidates: Sequence[C]) -> C:
-        _require(candidates)
+    def _choose(self, candidates: Sequence[C]) -> C:
         return candidates[next(self._counter) % len(candidates)]
 
 
-class LeastLoaded:
+class LeastLoaded(LoadPolicy):
     """The candidate with the lowest load score; ties go round robin so equal instances share work."""
 
     def __init__(self) -> None:
         self._counter = itertools.count()
 
-    def choose(self, candidates: Sequence[C]) -> C:
-        _require(candidates)
+    def _choose(self, candidates: Sequence[C]) -> C:
         start = next(self._counter) % len(candidates)
         rotated = [*candidates[start:], *candidates[:start]]
         return min(rotated, key=load_score)
 
 
-class PowerOfTwo:
+class PowerOfTwo(LoadPolicy):
     """Two candidates at random, the less loaded of them: near least-loaded balance without herding
     every proxy onto the same instance between two scrapes."""
 
     def __init__(self, seed: int | None = None) -> None:
         self._rng = random.Random(seed)
 
-    def choose(self, candidates: Sequence[C]) -> C:
-        _require(candidates)
+    def _choose(self, candidates: Sequence[C]) -> C:
         if len(candidates) == 1:
             return candidates[0]
         a, b = self._rng.sample(range(len(candidates)), 2)
         return min(candidates[a], candidates[b], key=load_score)
-
-
-@dataclass(frozen=True)
-class PolicyOptions:
-    block_size: int = 16  # the engines' KV block size, for prompt-aware policies
-    load_cost_tokens: float = 256.0  # prefix_aware: cached tokens worth one more request ahead
-
-
-def _prefix_aware(options: PolicyOptions) -> Policy:
-    from pdserve.proxy.prefix import PrefixAware  # prefix.py builds on this module
-
-    return PrefixAware(options.block_size, options.load_cost_tokens)
-
-
-POLICIES: dict[str, Callable[[PolicyOptions], Policy]] = {
-    "round_robin": lambda _: RoundRobin(),
-    "least_loaded": lambda _: LeastLoaded(),
-    "power_of_two": lambda _: PowerOfTwo(),
-    "prefix_aware": _prefix_aware,
-}
-
-
-def make_policy(name: str, options: PolicyOptions | None = None) -> Policy:
-    try:
-        factory = POLICIES[name]
-    except KeyError:
-        raise ConfigError(f"unknown routing policy {name!r}; valid: {', '.join(sorted(POLICIES))}") from None
-    return factory(options or PolicyOptions())

@@ -7,24 +7,25 @@ vLLM's, not equal to it.
 
 - completions: ``prompt`` text is encoded as vLLM does (with special tokens, e.g. BOS); token ids are
   taken as they are.
-- chat: the model's chat template is rendered, as vLLM does, when the model has one and jinja2 is
-  importable (pdserve does not depend on it). Otherwise each message is encoded as ``role: content\\n``,
-  which keeps a shared system prompt a shared prefix and misses vLLM's count by the template's own
-  markers: a few tokens per message.
+- chat: the model's chat template is rendered with jinja2, in the sandboxed environment transformers
+  (and so vLLM) uses, when the model has one. Without a template each message is encoded as
+  ``role: content\\n``, which keeps a shared system prompt a shared prefix and misses vLLM's count by the
+  template's own markers: a few tokens per message.
 
-The ``tokenizers`` library is the only one used (a Rust wheel, no torch), and its errors become
+``tokenizers`` (a Rust wheel, no torch) and ``jinja2`` are the libraries used; their errors become
 ``ConfigError`` here, at load time, and nowhere else.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import jinja2.ext
+import jinja2.sandbox
 from tokenizers import Tokenizer
 
 from pdserve.errors import ConfigError
@@ -107,7 +108,7 @@ def _flatten(message: Any) -> dict[str, Any] | None:
 
 
 def _chat_renderer(model_dir: Path) -> Renderer | None:
-    """The model's chat template compiled once, or None without a template or without jinja2."""
+    """The model's chat template compiled once, or None when the model has none."""
     config = _read_json(model_dir / "tokenizer_config.json")
     template_file = model_dir / "chat_template.jinja"  # where newer transformers save it
     source: Any = template_file.read_text() if template_file.is_file() else config.get("chat_template")
@@ -116,15 +117,9 @@ def _chat_renderer(model_dir: Path) -> Renderer | None:
         source = named.get("default")
     if not isinstance(source, str):
         return None
-    try:
-        jinja_sandbox = importlib.import_module("jinja2.sandbox")
-        jinja_ext = importlib.import_module("jinja2.ext")
-    except ImportError:
-        log.info("jinja2 is not installed: chat prompts are approximated for routing (see proxy/tokens.py)")
-        return None
     # The environment transformers (and so vLLM) renders chat templates in.
-    env = jinja_sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja_ext.loopcontrols]
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise

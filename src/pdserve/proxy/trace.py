@@ -1,4 +1,6 @@
-"""What happened to one request, as `pdserve demo` narrates it and GET /requests serves it."""
+"""What happened to one request, as `pdserve demo` narrates it and GET /requests serves it.
+
+A record only: the flow writes it as the request goes and never reads it to decide anything."""
 
 from __future__ import annotations
 
@@ -7,7 +9,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.protocol import Endpoint
-from pdserve.proxy.ledger import Handoff
 
 
 @dataclass
@@ -28,18 +29,8 @@ class Trace:
     total_ms: float | None = None
     error: str | None = None  # the error the client received, if any
     stream_error_event: bool = False  # decode streamed vLLM's own error event
-    retries: list[str] = field(default_factory=list)  # each failed attempt that was retried, and why
-    handoff: Handoff | None = None  # the KV handoff in play, if any (see ledger.py)
+    retries: list[str] = field(default_factory=list)  # each failed attempt, and why
+    outcome: str | None = None  # the label /metrics counted the request under (state.Outcome)
 
     def as_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k != "handoff"}
-
-
-def outcome(trace: Trace, status: int | None) -> str:
-    """The label /metrics counts the request under."""
-    if trace.error == "client disconnected":
-        return "client_disconnected"
-    if trace.stream_error_event or (status == 200 and trace.error is not None):
-        return "stream_error"
-    code = status or 0
-    return "ok" if code == 200 else "client_error" if code < 500 else "error"
+        return dict(self.__dict__)

@@ -1,15 +1,18 @@
-"""One pooled HTTP client per vLLM instance; the only module that touches aiohttp.
+"""How the proxy talks to one instance: the ``Upstream`` protocol the flow calls, and ``HTTPUpstream``,
+its aiohttp implementation with one pooled keep-alive client per instance.
 
-Every aiohttp and timeout exception is translated here into an ``UpstreamError`` that names the phase
-and the instance, so the flow above reads as plain success-or-error.
+This is the only module that touches aiohttp: every aiohttp and timeout exception is translated here
+into an ``UpstreamError`` naming the phase and the instance, so the flow reads as success-or-error.
+Tests give the flow an in-memory ``Upstream`` instead (tests/proxy/memory_upstream.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Mapping
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
+from typing import Protocol
 
 import aiohttp
 
@@ -28,10 +31,54 @@ class Reply:
     body: bytes
 
 
-class StreamReply:
+class Stream(Protocol):
     """An open upstream response whose body is read chunk by chunk under per-gap time limits."""
 
-    def __init__(self, upstream: Upstream, phase: str, resp: aiohttp.ClientResponse) -> None:
+    @property
+    def status(self) -> int: ...
+    @property
+    def content_type(self) -> str: ...
+    async def read_all(self, timeout: float) -> bytes: ...
+    def chunks(
+        self, first_timeout: float, idle_timeout: float, first_budget: float | None = None
+    ) -> AsyncIterator[bytes]:
+        """Body chunks as they arrive; the first may take ``first_timeout``, later gaps ``idle_timeout``.
+
+        ``first_budget`` is the configured limit the first chunk's wait is part of (``first_timeout`` may
+        be what is left of it): errors quote the limit the user set, not the remainder.
+        """
+        ...
+
+
+class Upstream(Protocol):
+    """An instance as the flow, health checks and admin API call it."""
+
+    @property
+    def role(self) -> Role: ...
+    @property
+    def url(self) -> str: ...
+    async def open(self) -> None: ...
+    async def close(self) -> None: ...
+    async def post(
+        self, path: str, body: bytes, headers: Mapping[str, str], phase: str, timeout: float
+    ) -> Reply:
+        """POST and read the whole answer within ``timeout`` seconds."""
+        ...
+
+    def open_stream(
+        self, path: str, body: bytes, headers: Mapping[str, str], phase: str, timeout: float
+    ) -> AbstractAsyncContextManager[Stream]:
+        """POST and yield once the status line arrives (within ``timeout``); the body is read lazily.
+
+        Leaving the block closes the connection, which makes vLLM abort the request and free its KV.
+        """
+        ...
+
+    async def get(self, path: str, phase: str, timeout: float) -> Reply: ...
+
+
+class _HTTPStream:
+    def __init__(self, upstream: HTTPUpstream, phase: str, resp: aiohttp.ClientResponse) -> None:
         self._upstream = upstream
         self._phase = phase
         self._resp = resp
@@ -48,11 +95,6 @@ class StreamReply:
     async def chunks(
         self, first_timeout: float, idle_timeout: float, first_budget: float | None = None
     ) -> AsyncIterator[bytes]:
-        """Body chunks as they arrive; the first may take ``first_timeout``, later gaps ``idle_timeout``.
-
-        ``first_budget`` is the configured limit the first chunk's wait is part of (``first_timeout`` may
-        be what is left of it): errors quote the limit the user set, not the remainder.
-        """
         content = self._resp.content
         limit, quoted = first_timeout, first_budget if first_budget is not None else first_timeout
         while True:
@@ -67,8 +109,8 @@ class StreamReply:
             limit = quoted = idle_timeout
 
 
-class Upstream:
-    """A vLLM instance as the proxy sees it: role, URL and one keep-alive connection pool."""
+class HTTPUpstream:
+    """``Upstream`` over HTTP: one keep-alive connection pool per instance."""
 
     def __init__(self, role: Role, url: str, connect_timeout: float, max_connections: int) -> None:
         self.role = role
@@ -97,7 +139,7 @@ class Upstream:
             self._session = None
 
     @property
-    def session(self) -> aiohttp.ClientSession:
+    def _client(self) -> aiohttp.ClientSession:
         if self._session is None:
             raise RuntimeError(f"upstream {self.url} used before open()")
         return self._session
@@ -118,10 +160,9 @@ class Upstream:
     async def post(
         self, path: str, body: bytes, headers: Mapping[str, str], phase: str, timeout: float
     ) -> Reply:
-        """POST and read the whole answer within ``timeout`` seconds."""
         try:
             async with asyncio.timeout(timeout):
-                async with self.session.post(path, data=body, headers={**_JSON_HEADERS, **headers}) as resp:
+                async with self._client.post(path, data=body, headers={**_JSON_HEADERS, **headers}) as resp:
                     payload = await resp.read()
                     return Reply(resp.status, resp.headers.get("Content-Type", "application/json"), payload)
         except (aiohttp.ClientError, TimeoutError) as exc:
@@ -130,18 +171,14 @@ class Upstream:
     @asynccontextmanager
     async def open_stream(
         self, path: str, body: bytes, headers: Mapping[str, str], phase: str, timeout: float
-    ) -> AsyncIterator[StreamReply]:
-        """POST and yield once the status line arrives (within ``timeout``); the body is read lazily.
-
-        Leaving the block closes the connection, which makes vLLM abort the request and free its KV.
-        """
+    ) -> AsyncIterator[Stream]:
         try:
             async with asyncio.timeout(timeout):
-                resp = await self.session.post(path, data=body, headers={**_JSON_HEADERS, **headers})
+                resp = await self._client.post(path, data=body, headers={**_JSON_HEADERS, **headers})
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise self.translate(phase, exc, timeout) from exc
         try:
-            yield StreamReply(self, phase, resp)
+            yield _HTTPStream(self, phase, resp)
         finally:
             if resp.content.at_eof():
                 resp.release()
@@ -151,7 +188,7 @@ class Upstream:
     async def get(self, path: str, phase: str, timeout: float) -> Reply:
         try:
             async with asyncio.timeout(timeout):
-                async with self.session.get(path) as resp:
+                async with self._client.get(path) as resp:
                     payload = await resp.read()
                     return Reply(resp.status, resp.headers.get("Content-Type", "text/plain"), payload)
         except (aiohttp.ClientError, TimeoutError) as exc:

@@ -1,20 +1,6 @@
 """pdserve sim: vLLM-compatible engine instances (NixlConnector PD protocol) with modelled timing.
 
-For scale, fault and routing-policy tests; real vLLM stays the proof that something works.
+For scale, fault and routing-policy tests; real vLLM stays the proof that something works. Import what
+you need from its modules (``sim.server`` to serve, ``sim.scheduler`` for the pure scheduler, ...): this
+package loads nothing by itself, so importing the scheduler does not import the HTTP layer.
 """
-
-from pdserve.sim.api import create_sim_app
-from pdserve.sim.cli import main
-from pdserve.sim.faults import FaultSpec
-from pdserve.sim.instance import SimInstance
-from pdserve.sim.server import SimInstanceSpec, run_sim, sim_in_thread
-
-__all__ = [
-    "FaultSpec",
-    "SimInstance",
-    "SimInstanceSpec",
-    "create_sim_app",
-    "main",
-    "run_sim",
-    "sim_in_thread",
-]

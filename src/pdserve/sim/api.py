@@ -24,18 +24,16 @@ from typing import Any
 
 import orjson
 
-from pdserve.errors import ConfigError
+from pdserve.asgi import ASGIApp, Receive, Scope, Send, read_body
+from pdserve.errors import ClientGone, ConfigError, KVPullError
 from pdserve.protocol import error_body
-from pdserve.proxy.asgi import ClientGone, Receive, Scope, Send, read_body
 from pdserve.sim.generation import GenerationEndpoint
 from pdserve.sim.instance import SimInstance
 from pdserve.sim.transfer import PULL_PATH, held_to_mapping
-from pdserve.sim.types import KVPullError
 from pdserve.sim.wire import JSON, Writer, drop_unanswered
 
 log = logging.getLogger("pdserve.sim")
 
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 Handler = Callable[[Scope, Receive, Send], Awaitable[None]]
 _SMALL_BODY = 1024 * 1024
 _METRICS_TYPE = b"text/plain; version=1.0.0; charset=utf-8"

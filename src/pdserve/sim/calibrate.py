@@ -35,6 +35,7 @@ from typing import Any
 import aiohttp
 import yaml
 
+from pdserve import sse
 from pdserve.errors import CalibrationError, PDServeError
 from pdserve.sim.fit import Fit, least_squares, quantile
 from pdserve.sim.profile import Profile, profile_from_mapping
@@ -126,18 +127,21 @@ class _Server:
             async with self.session.post(f"{self.url}/v1/completions", json=body) as resp:
                 if resp.status != 200:
                     raise CalibrationError(f"completion answered {resp.status}: {(await resp.text())[:300]}")
-                async for raw in resp.content:
-                    line = raw.strip()
-                    if not line.startswith(b"data:") or line == b"data: [DONE]":
-                        continue
-                    event = json.loads(line[5:])
-                    if "error" in event:
-                        raise CalibrationError(f"completion failed mid-stream: {event['error']}")
-                    usage = event.get("usage") or usage
-                    for choice in event.get("choices") or ():
-                        num = len(choice.get("token_ids") or ()) or (1 if choice.get("text") else 0)
-                        if num:
-                            chunks.append((time.perf_counter(), num))
+                reader = sse.EventReader()
+                async for raw in resp.content.iter_any():
+                    now = time.perf_counter()
+                    for payload in reader.feed(raw):
+                        if payload == sse.DONE_PAYLOAD:
+                            continue
+                        error = sse.error_of(payload)
+                        if error is not None:
+                            raise CalibrationError(f"completion failed mid-stream: {error}")
+                        event = json.loads(payload)
+                        usage = event.get("usage") or usage
+                        for choice in event.get("choices") or ():
+                            num = len(choice.get("token_ids") or ()) or (1 if choice.get("text") else 0)
+                            if num:
+                                chunks.append((now, num))
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise CalibrationError(f"completion to {self.url} failed: {exc!r}") from exc
         if not chunks or usage.get("completion_tokens") != max_tokens:

@@ -19,9 +19,10 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Protocol
 
+from pdserve.errors import EngineStoppedError, KVPullError
 from pdserve.sim.profile import Profile
 from pdserve.sim.scheduler import PullJob, Scheduler, StepOutput
-from pdserve.sim.types import HeldKV, KVPullError, KVSource, SimRequest, SimRole, TokenEvent
+from pdserve.sim.types import HeldKV, KVSource, SimRequest, SimRole, TokenEvent
 
 log = logging.getLogger("pdserve.sim")
 
@@ -96,10 +97,6 @@ class VirtualClock:
         await asyncio.sleep(0)
         while ready:
             await asyncio.sleep(0)
-
-
-class EngineStoppedError(RuntimeError):
-    """The engine was stopped (or its step loop failed) while a request was in it, or before it started."""
 
 
 @dataclass(frozen=True)

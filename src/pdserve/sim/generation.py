@@ -21,10 +21,8 @@ from typing import Final
 
 import orjson
 
-from pdserve.protocol import Endpoint, error_body
-from pdserve.proxy.asgi import (
-    BodyTooLarge,
-    ClientGone,
+from pdserve import sse
+from pdserve.asgi import (
     Receive,
     Scope,
     Send,
@@ -32,13 +30,21 @@ from pdserve.proxy.asgi import (
     read_body,
     run_until_disconnect,
 )
+from pdserve.errors import (
+    BodyTooLarge,
+    ClientGone,
+    ConnectionDropped,
+    EngineStoppedError,
+    KVPullError,
+    SimRequestError,
+)
+from pdserve.protocol import Endpoint, error_body
 from pdserve.sim import render, tokenizer
-from pdserve.sim.engine import EngineStoppedError
 from pdserve.sim.faults import RequestFault
 from pdserve.sim.instance import SimInstance
-from pdserve.sim.request import GenerationRequest, RequestError, parse_request
-from pdserve.sim.types import KVPullError, SimRequest, TokenEvent
-from pdserve.sim.wire import DISCONNECT_WAIT_S, ConnectionDropped, Writer
+from pdserve.sim.request import GenerationRequest, parse_request
+from pdserve.sim.types import SimRequest, TokenEvent
+from pdserve.sim.wire import DISCONNECT_WAIT_S, Writer
 
 log = logging.getLogger("pdserve.sim")
 
@@ -93,7 +99,7 @@ async def _fail(out: Writer) -> None:
     if not out.started:
         await out.whole(500, render.INTERNAL_ERROR_BODY)
     elif not out.finished:
-        await out.end(render.STREAM_INTERNAL_ERROR + render.SSE_DONE)
+        await out.end(render.STREAM_INTERNAL_ERROR + sse.DONE)
 
 
 class GenerationEndpoint:
@@ -116,7 +122,7 @@ class GenerationEndpoint:
         arrival = time.perf_counter()
         try:
             req = parse_request(self._endpoint, raw, header(scope, b"content-type"), inst.profile)
-        except RequestError as exc:
+        except SimRequestError as exc:
             await out.whole(exc.status, error_body(exc.message, exc.err_type, exc.status, exc.param))
             return
         response_id, engine_request_id = request_ids(self._endpoint, header(scope, b"x-request-id"))
@@ -190,7 +196,7 @@ class GenerationEndpoint:
             async for event in events:
                 if event.finish_reason == "error":  # the KV pull failed: vLLM's 200 + error event
                     await out.end(
-                        fmt.role_chunk * (num_tokens == 0) + render.STREAM_INTERNAL_ERROR + render.SSE_DONE
+                        fmt.role_chunk * (num_tokens == 0) + render.STREAM_INTERNAL_ERROR + sse.DONE
                     )
                     return "error"
                 if delay:
@@ -222,7 +228,7 @@ class GenerationEndpoint:
                         return "abort"
                     continue
                 tail = fmt.usage(len(req.prompt_token_ids), num_tokens) if req.include_usage else b""
-                await out.end(head + fmt.final(text_json, finish, stop_reason) + tail + render.SSE_DONE)
+                await out.end(head + fmt.final(text_json, finish, stop_reason) + tail + sse.DONE)
                 return finish
         return "abort"  # the engine ended the stream without a finish reason (stopped)
 

@@ -12,14 +12,15 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pdserve.errors import KVPullError
 from pdserve.sim.engine import SimEngine
 from pdserve.sim.faults import Faults, FaultSpec
 from pdserve.sim.metrics import SimMetrics
 from pdserve.sim.profile import Profile
 from pdserve.sim.transfer import KVRegistry, PullSource
-from pdserve.sim.types import HeldKV, KVPullError, KVSource, SimRole
+from pdserve.sim.types import HeldKV, KVSource, SimRole
 
-# The vLLM release whose HTTP behaviour the sim reproduces (see ../shared/REFERENCE.md).
+# The vLLM release whose HTTP behaviour the sim reproduces (see docs/vllm.md).
 VLLM_VERSION = "0.32.0"
 
 EngineFactory = Callable[[Profile, SimRole, str, KVSource], SimEngine]

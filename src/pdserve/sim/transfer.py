@@ -15,13 +15,14 @@ from typing import Any, Final, Protocol
 import aiohttp
 import orjson
 
+from pdserve.errors import KVPullError
 from pdserve.sim.faults import Faults
 from pdserve.sim.metrics import SimMetrics
 from pdserve.sim.profile import Profile
-from pdserve.sim.types import HeldKV, KVPullError, RemoteKV
+from pdserve.sim.types import HeldKV, RemoteKV
 
 PULL_PATH: Final = "/sim/kv/pull"
-# vLLM gives up on an unreachable prefill side channel after about 5 s (REFERENCE.md).
+# vLLM gives up on an unreachable prefill side channel after about 5 s (docs/vllm.md).
 PULL_TIMEOUT_S: Final = 5.0
 # Bytes of KV per token for vllm:nixl_bytes_transferred when the profile does not say: the tiny Llama
 # (2 layers × K and V × 1 KV head × head_dim 64 × fp32 = 1 KiB).

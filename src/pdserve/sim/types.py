@@ -53,10 +53,6 @@ class TokenEvent:
     held: HeldKV | None = None  # on the last event of a hold_for_remote request
 
 
-class KVPullError(Exception):
-    """A decode could not pull its KV: the lease expired, the holder is gone, or a fault was injected."""
-
-
 class KVSource(Protocol):
     """How a decode engine pulls remote KV; provided by the HTTP layer (in-process or over HTTP)."""
 

@@ -1,5 +1,5 @@
-"""Raw ASGI plumbing for the simulator: a response writer with vLLM's headers, disconnect watching, and
-closing a connection without an answer (the "process died" faults).
+"""The simulator's response writer: vLLM's headers, plus closing a connection without an answer (the
+"process died" faults).
 
 Closing a connection: under uvicorn the ``send`` callable is a bound method of the connection's
 request cycle, which holds the transport, so the app can close it directly, flushing what was already
@@ -14,15 +14,19 @@ import contextlib
 import logging
 from typing import Final
 
-from pdserve.proxy.asgi import Receive, Send, wait_for_disconnect
+from pdserve.asgi import EVENT_STREAM, JSON, Receive, ResponseWriter, Send, wait_for_disconnect
+from pdserve.errors import ConnectionDropped
 
-JSON: Final = b"application/json"
-EVENT_STREAM: Final = b"text/event-stream; charset=utf-8"
+__all__ = [
+    "DISCONNECT_WAIT_S",
+    "EVENT_STREAM",
+    "JSON",
+    "DroppedConnectionFilter",
+    "Writer",
+    "drop_unanswered",
+]
+
 DISCONNECT_WAIT_S: Final = 2.0
-
-
-class ConnectionDropped(Exception):
-    """Raised out of the app to make the server close the connection (fallback of ``drop``)."""
 
 
 class DroppedConnectionFilter(logging.Filter):
@@ -33,44 +37,20 @@ class DroppedConnectionFilter(logging.Filter):
         return not isinstance(exc, ConnectionDropped)
 
 
-class Writer:
-    """Writes one response; knows whether the headers went out and whether it is complete."""
+class Writer(ResponseWriter):
+    """Writes one response as vLLM's server does; can also die mid-way."""
 
-    __slots__ = ("_send", "dropped", "finished", "started")
+    __slots__ = ("dropped",)
 
     def __init__(self, send: Send) -> None:
-        self._send = send
-        self.started = False
-        self.finished = False
+        super().__init__(send)
         self.dropped = False
-
-    async def whole(self, status: int, body: bytes, content_type: bytes | None = JSON) -> None:
-        headers = [(b"content-length", str(len(body)).encode())]
-        if content_type is not None:
-            headers.append((b"content-type", content_type))
-        self.started = True
-        await self._send({"type": "http.response.start", "status": status, "headers": headers})
-        self.finished = True
-        await self._send({"type": "http.response.body", "body": body})
 
     async def partial(self, status: int, body: bytes, num_bytes: int) -> None:
         """Headers announcing ``body`` whole, then only its first ``num_bytes`` (the answer dies mid-way)."""
         headers = [(b"content-length", str(len(body)).encode()), (b"content-type", JSON)]
-        self.started = True
-        await self._send({"type": "http.response.start", "status": status, "headers": headers})
-        await self._send({"type": "http.response.body", "body": body[:num_bytes], "more_body": True})
-
-    async def start_stream(self) -> None:
-        self.started = True
-        headers = [(b"content-type", EVENT_STREAM)]
-        await self._send({"type": "http.response.start", "status": 200, "headers": headers})
-
-    async def chunk(self, data: bytes) -> None:
-        await self._send({"type": "http.response.body", "body": data, "more_body": True})
-
-    async def end(self, data: bytes = b"") -> None:
-        self.finished = True
-        await self._send({"type": "http.response.body", "body": data})
+        await self._start(status, headers)
+        await self.chunk(body[:num_bytes])
 
     def drop(self) -> None:
         """Close the connection now, after what was already sent; raise ConnectionDropped if we cannot."""

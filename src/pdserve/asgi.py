@@ -1,35 +1,34 @@
-"""Raw ASGI pieces for the generation endpoints: body reading, a response writer, disconnect watching.
+"""Raw ASGI plumbing shared by the proxy's and the simulator's generation routes: body reading with a
+limit, header lookup, one response writer, and running work until the client disconnects.
 
-The generation routes are plain ASGI apps rather than Starlette endpoints for two reasons: the relay
-loop forwards upstream bytes to ``send`` with no per-chunk wrapping, and a client that hangs up must
-cancel the upstream calls at once in either phase, streamed or not, which needs ``receive`` watched
-for the whole life of the request.
+Both serve generation as plain ASGI apps rather than framework endpoints: streamed bytes go to ``send``
+with no per-chunk wrapping, and a client that hangs up must cancel the work at once, streamed or not,
+which needs ``receive`` watched for the whole life of the request. This module is tested on its own
+(tests/test_asgi.py), so a bug here shows there, not as a puzzle on both sides of a fault test.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
+from typing import Any, Final, Protocol
 
-from pdserve.protocol import SSE_DONE, error_body, sse_event
+from pdserve.errors import BodyTooLarge, ClientGone
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+Headers = Sequence[tuple[bytes, bytes]]
 
-
-class BodyTooLarge(Exception):
-    pass
-
-
-class ClientGone(Exception):
-    pass
+JSON: Final = b"application/json"
+EVENT_STREAM: Final = b"text/event-stream; charset=utf-8"
 
 
 async def read_body(receive: Receive, limit: int) -> bytes:
+    """The whole request body; ``BodyTooLarge`` past ``limit`` bytes, ``ClientGone`` on disconnect."""
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -53,58 +52,47 @@ def header(scope: Scope, name: bytes) -> str | None:
     return None
 
 
-class Responder:
-    """Writes one response to ``send``; knows whether the headers went out, so errors pick their form."""
+class ResponseWriter:
+    """Writes one response to ``send`` and knows how far it got: ``started`` once the status line went
+    out, ``finished`` once the last byte was handed over. Subclasses add headers to every response."""
 
-    def __init__(self, send: Send, request_id: str) -> None:
+    __slots__ = ("_send", "finished", "started", "status")
+
+    def __init__(self, send: Send) -> None:
         self._send = send
-        self.request_id = request_id
-        self._request_id = request_id.encode("latin-1")
         self.started = False
         self.finished = False
         self.status: int | None = None  # what the client was answered
 
-    def _headers(self, content_type: str) -> list[tuple[bytes, bytes]]:
-        return [(b"content-type", content_type.encode("latin-1")), (b"x-request-id", self._request_id)]
+    def _headers(self) -> list[tuple[bytes, bytes]]:
+        return []
 
-    async def whole(
-        self, status: int, content_type: str, body: bytes, extra: list[tuple[bytes, bytes]] | None = None
-    ) -> None:
+    async def _start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self.started = True
         self.status = status
-        headers = self._headers(content_type) + (extra or [])
         await self._send({"type": "http.response.start", "status": status, "headers": headers})
-        await self._send({"type": "http.response.body", "body": body})
-        self.finished = True
 
-    async def error(
-        self,
-        status: int,
-        message: str,
-        err_type: str,
-        param: str | None = None,
-        extra: list[tuple[bytes, bytes]] | None = None,
+    async def whole(
+        self, status: int, body: bytes, content_type: bytes | None = JSON, extra: Headers = ()
     ) -> None:
-        """An OpenAI-style error: a JSON response, or an SSE error event if a stream already began."""
-        payload = error_body(message, err_type, status, param)
-        if not self.started:
-            await self.whole(status, "application/json", payload, extra)
-        elif not self.finished:
-            await self.chunk(sse_event(payload) + SSE_DONE)
-            await self.end()
+        headers = [*self._headers(), (b"content-length", str(len(body)).encode())]
+        if content_type is not None:
+            headers.append((b"content-type", content_type))
+        await self._start(status, [*headers, *extra])
+        # Finished before the last send: a disconnect the server reports after it must not cancel
+        # the work's bookkeeping, since the client has everything.
+        self.finished = True
+        await self._send({"type": "http.response.body", "body": body})
 
-    async def start_stream(self, content_type: str) -> None:
-        self.started = True
-        self.status = 200
-        headers = [*self._headers(content_type), (b"cache-control", b"no-cache")]
-        await self._send({"type": "http.response.start", "status": 200, "headers": headers})
+    async def start_stream(self, content_type: bytes = EVENT_STREAM, extra: Headers = ()) -> None:
+        await self._start(200, [*self._headers(), (b"content-type", content_type), *extra])
 
     async def chunk(self, data: bytes) -> None:
         await self._send({"type": "http.response.body", "body": data, "more_body": True})
 
-    async def end(self) -> None:
-        await self._send({"type": "http.response.body", "body": b""})
+    async def end(self, data: bytes = b"") -> None:
         self.finished = True
+        await self._send({"type": "http.response.body", "body": data})
 
 
 class Finishing(Protocol):

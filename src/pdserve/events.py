@@ -1,0 +1,36 @@
+"""What the launcher learns about instances and tells the proxy: plain messages, so ``engines/`` and
+``proxy/`` share a vocabulary without importing each other (stack.py carries them across).
+
+- ``InstanceEvent``: the supervisor saw an instance exit, is restarting it, has it back, or gave up.
+- ``KVLogEvent``: a prefill instance's log said a handoff's lease expired unpulled, or that a decode read
+  blocks it had already released (docs/vllm-kv-lifecycle.md, section 6).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+InstanceEventKind = Literal["exited", "restarting", "ready", "gave_up"]
+KVLogEventKind = Literal["expired", "late_pull"]
+
+
+@dataclass(frozen=True)
+class InstanceEvent:
+    url: str  # the instance's HTTP URL, as the proxy knows it
+    kind: InstanceEventKind
+    detail: str = ""  # exit status, restart count, why it gave up
+
+
+@dataclass(frozen=True)
+class KVLogEvent:
+    url: str  # the prefill instance whose log said it
+    kind: KVLogEventKind
+    remote_request_id: str  # as in prefill's kv_transfer_params
+    at: float  # time.monotonic() when the line was read
+
+
+# The prefill log lines behind KVLogEvent, as vLLM 0.32 writes them (nixl/base_worker.py,
+# nixl/pull_worker.py); the request id is the handoff's remote_request_id.
+EXPIRED_LINE = "Releasing expired KV blocks for request "
+LATE_PULL_LINE = "Potentially invalid KV blocks for unrecognized request "

@@ -1,0 +1,81 @@
+"""Blocking HTTP for pdserve's command-line tools and the launcher: one opener, never ``$http_proxy``.
+
+The instances pdserve talks to are local or on the cluster network; sending a health check or a verify
+request through a corporate proxy from the environment would only make it fail slowly. (The async
+clients, aiohttp in proxy/upstream.py and the simulator, ignore the environment's proxy by default.)
+urllib's exceptions become ``Unreachable`` here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve.errors import Unreachable
+
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+@dataclass(frozen=True)
+class Response:
+    status: int
+    headers: Mapping[str, str]  # names lower-cased
+    body: bytes
+
+    def json(self) -> Any:
+        """The body parsed as JSON, or its text when it is not JSON."""
+        try:
+            return json.loads(self.body)
+        except ValueError:
+            return self.body.decode("utf-8", "replace")
+
+
+def request(
+    url: str,
+    body: bytes | None = None,
+    headers: Mapping[str, str] | None = None,
+    timeout: float = 30.0,
+    method: str | None = None,
+) -> Response:
+    """GET (no body) or POST; any HTTP status is a Response, an unreachable server ``Unreachable``."""
+    req = urllib.request.Request(url, data=body, headers=dict(headers or {}), method=method)
+    try:
+        with _OPENER.open(req, timeout=timeout) as resp:
+            return Response(resp.status, _lower(resp.headers.items()), resp.read())
+    except urllib.error.HTTPError as exc:
+        with exc:
+            return Response(exc.code, _lower(exc.headers.items()), exc.read())
+    except (OSError, http.client.HTTPException, ValueError) as exc:  # URLError is an OSError
+        raise Unreachable(f"cannot reach {url}: {exc}") from exc
+
+
+def _lower(items: Iterable[tuple[str, str]]) -> dict[str, str]:
+    return {k.lower(): v for k, v in items}
+
+
+def get(url: str, timeout: float = 30.0) -> Response:
+    return request(url, timeout=timeout)
+
+
+def post_json(
+    url: str, data: Any, timeout: float = 120.0, headers: Mapping[str, str] | None = None
+) -> Response:
+    return request(
+        url,
+        json.dumps(data).encode(),
+        {"Content-Type": "application/json", **(headers or {})},
+        timeout,
+    )
+
+
+def is_ok(url: str, timeout: float = 2.0) -> bool:
+    """Whether ``url`` answers 200 now."""
+    try:
+        return get(url, timeout).status == 200
+    except Unreachable:
+        return False

@@ -1,0 +1,28 @@
+"""What the route handlers reach through ``request.app.state.pdserve``: the app's parts, composed once
+by ``create_app``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from starlette.requests import Request
+
+from pdserve.config import ProxyConfig
+from pdserve.proxy.admission import Admission
+from pdserve.proxy.flow import Flow
+from pdserve.proxy.health import HealthChecker
+from pdserve.proxy.state import ProxyState
+
+
+@dataclass(frozen=True)
+class Context:
+    config: ProxyConfig
+    state: ProxyState
+    flow: Flow
+    admission: Admission
+    health: HealthChecker
+
+
+def context(request: Request) -> Context:
+    ctx: Context = request.app.state.pdserve
+    return ctx

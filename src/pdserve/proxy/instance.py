@@ -1,0 +1,181 @@
+"""One vLLM instance as the proxy sees it: its upstream client, its lifecycle, breaker, load, in-flight.
+
+The lifecycle, and who moves it:
+
+    serving ──3 failed checks (1 if it never answered)──▶ unhealthy ──a passed check──▶ serving
+       │                                                                  (reported: it may have restarted)
+       └── admin drain / remove ──▶ draining ──in-flight reaches 0 (remove)──▶ removed
+
+Health checks (health.py) report through ``check_passed``/``check_failed``; requests through
+``dispatched``/``succeeded``/``failed``, which feed the circuit breaker; the admin API through
+``ProxyState`` (state.py), which owns membership. Nobody else writes these fields.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from pdserve import prometheus
+from pdserve.config import Role
+from pdserve.proxy.breaker import CircuitBreaker
+from pdserve.proxy.upstream import Upstream
+
+log = logging.getLogger("pdserve.proxy")
+
+
+class Lifecycle(enum.Enum):
+    SERVING = "serving"
+    UNHEALTHY = "unhealthy"
+    DRAINING = "draining"  # takes no new requests; in-flight ones finish
+    REMOVED = "removed"
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """What the engine's /metrics said at the last scrape."""
+
+    num_running: float = 0.0
+    num_waiting: float = 0.0
+    kv_usage: float = 0.0  # 0..1
+
+    @classmethod
+    def from_metrics(cls, text: str) -> EngineLoad:
+        samples = prometheus.parse_prometheus(text)
+        return cls(
+            samples.get(prometheus.NUM_RUNNING, 0.0),
+            samples.get(prometheus.NUM_WAITING, 0.0),
+            samples.get(prometheus.KV_USAGE, 0.0),
+        )
+
+
+class Instance:
+    def __init__(self, upstream: Upstream, breaker: CircuitBreaker, unhealthy_after_checks: int = 3) -> None:
+        self.upstream = upstream
+        self.breaker = breaker
+        # One slow /health from a busy API server must not take a working instance out of service.
+        self._unhealthy_after_checks = unhealthy_after_checks
+        self._is_healthy = True  # optimistic until the first check: a fresh proxy serves at once
+        self._has_answered = False  # a health check has passed at least once
+        self._num_failed_checks = 0  # consecutive
+        self._is_draining = False
+        self._is_removed = False
+        self._num_in_flight = 0
+        self._load = EngineLoad()
+        self._last_error: str | None = None
+
+    @property
+    def url(self) -> str:
+        return self.upstream.url
+
+    @property
+    def role(self) -> Role:
+        return self.upstream.role
+
+    @property
+    def lifecycle(self) -> Lifecycle:
+        if self._is_removed:
+            return Lifecycle.REMOVED
+        if self._is_draining:
+            return Lifecycle.DRAINING
+        return Lifecycle.SERVING if self._is_healthy else Lifecycle.UNHEALTHY
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._is_healthy
+
+    @property
+    def is_draining(self) -> bool:
+        return self._is_draining
+
+    @property
+    def num_in_flight(self) -> int:
+        return self._num_in_flight
+
+    @property
+    def load(self) -> EngineLoad:
+        return self._load
+
+    @property
+    def last_error(self) -> str | None:
+        return self._last_error
+
+    def is_available(self, now: float) -> bool:
+        return self.lifecycle is Lifecycle.SERVING and self.breaker.allows(now)
+
+    def why_unavailable(self, now: float) -> str:
+        lifecycle = self.lifecycle
+        if lifecycle is Lifecycle.UNHEALTHY:
+            return f"unhealthy: {self._last_error}"
+        if lifecycle is not Lifecycle.SERVING:
+            return str(lifecycle.value)
+        return f"circuit {self.breaker.state(now)}"
+
+    # --- health checks --------------------------------------------------------------------------
+
+    def check_passed(self, load: EngineLoad | None) -> bool:
+        """A health check passed; True when the instance was unhealthy before (it may have restarted)."""
+        recovered = not self._is_healthy
+        self._is_healthy, self._has_answered, self._num_failed_checks = True, True, 0
+        self._last_error = None
+        if load is not None:
+            self._load = load
+        return recovered
+
+    def check_failed(self, error: str) -> None:
+        self._last_error = error
+        self._num_failed_checks += 1
+        if not self._has_answered or self._num_failed_checks >= self._unhealthy_after_checks:
+            self._is_healthy = False
+
+    # --- requests -------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def dispatched(self) -> Iterator[None]:
+        """Count one request in flight here for the duration of the block."""
+        self.breaker.on_dispatch(time.monotonic())
+        self._num_in_flight += 1
+        try:
+            yield
+        finally:
+            self._num_in_flight -= 1
+
+    def succeeded(self) -> None:
+        self.breaker.record_success()
+
+    def failed(self, detail: str) -> None:
+        """A failure of the instance itself (not of the client's request): counts toward its breaker."""
+        self._last_error = detail
+        now = time.monotonic()
+        was_closed = self.breaker.state(now) == "closed"
+        self.breaker.record_failure(now)
+        if was_closed and self.breaker.state(now) != "closed":
+            log.warning("%s instance %s: circuit open after %d failures (%s)", self.role, self.url,
+                        self.breaker.num_consecutive_failures, detail)  # fmt: skip
+
+    # --- membership (called by ProxyState only) -------------------------------------------------
+
+    def start_draining(self) -> None:
+        self._is_draining = True
+
+    def mark_removed(self) -> None:
+        self._is_draining = self._is_removed = True
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "role": self.role,
+            "url": self.url,
+            "state": self.lifecycle.value,
+            "healthy": self._is_healthy,
+            "draining": self._is_draining,
+            "circuit": self.breaker.state(time.monotonic()),
+            "in_flight": self._num_in_flight,
+            "running": self._load.num_running,
+            "waiting": self._load.num_waiting,
+            "kv_usage": self._load.kv_usage,
+            "error": self._last_error,
+        }

@@ -1,0 +1,123 @@
+"""The proxy's routes: the two generation endpoints (raw ASGI) and the read-only ones.
+
+    POST /v1/completions, /v1/chat/completions   the PD flow (flow.py), behind the API key and admission
+    GET  /v1/models                              a decode instance's answer
+    GET  /health                                 200 when >= 1 prefill and >= 1 decode instance can serve
+    GET  /instances                              each instance's role, URL, state, circuit, in-flight, load
+    GET  /requests                               the last requests' walk-through (admin key if set)
+    GET  /metrics                                the proxy's Prometheus metrics (metrics.py)
+
+Reads never act: /health and /instances report what the health checker last saw.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from pdserve import protocol
+from pdserve.asgi import Receive, Scope, Send, header, read_body, run_until_disconnect
+from pdserve.errors import BodyTooLarge, ClientGone, Overloaded, UpstreamError
+from pdserve.protocol import Endpoint
+from pdserve.proxy.context import Context, context
+from pdserve.proxy.metrics import render as render_metrics
+from pdserve.proxy.responder import Responder
+
+log = logging.getLogger("pdserve.proxy")
+
+
+def error_response(status: int, message: str, err_type: str) -> Response:
+    """An OpenAI-style error as a Starlette response (for the non-streaming routes)."""
+    return Response(protocol.error_body(message, err_type, status), status, media_type="application/json")
+
+
+def is_authorized(request: Request, key: str | None) -> bool:
+    if key is None:
+        return True
+    given = request.headers.get("authorization", "")
+    return hmac.compare_digest(given.encode(), f"Bearer {key}".encode())
+
+
+class GenerationEndpoint:
+    """ASGI app for one generation route: reads the body, runs the flow, cancels it on disconnect."""
+
+    def __init__(self, ctx: Context, endpoint: Endpoint) -> None:
+        self._ctx = ctx
+        self._endpoint = endpoint
+        config = ctx.config
+        self._expected_auth = f"Bearer {config.api_key}".encode() if config.api_key else None
+        self._upstream_auth = f"Bearer {config.upstream_api_key}" if config.upstream_api_key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        request_id = header(scope, b"x-request-id") or protocol.new_request_id()
+        out = Responder(send, request_id)
+        auth = header(scope, b"authorization")
+        if self._expected_auth is not None:
+            if not hmac.compare_digest((auth or "").encode("latin-1"), self._expected_auth):
+                await out.error(
+                    401, "Invalid or missing API key (Authorization: Bearer ...)", "AuthenticationError"
+                )
+                return
+            auth = None  # the proxy's key is not the instances' key
+        auth = self._upstream_auth or auth
+        max_body = self._ctx.config.max_body_bytes
+        try:
+            raw = await read_body(receive, max_body)
+        except BodyTooLarge:
+            await out.error(413, f"Request body exceeds {max_body} bytes", "BadRequestError")
+            return
+        except ClientGone:
+            return
+        try:
+            async with self._ctx.admission.slot():
+                work = self._ctx.flow.serve(self._endpoint, raw, auth, out)
+                if await run_until_disconnect(work, receive, out):
+                    log.info("request %s: client disconnected; upstream calls cancelled", request_id)
+        except Overloaded as exc:
+            retry_after = [(b"retry-after", str(exc.retry_after_s).encode())]
+            await out.error(exc.status, exc.message, "overloaded", extra=retry_after)
+        except Exception:
+            log.exception("request %s: internal error", request_id)
+            await out.error(500, "pdserve internal error; see the proxy log", "InternalServerError")
+
+
+async def models(request: Request) -> Response:
+    ctx = context(request)
+    decode = ctx.state.pool("decode")
+    timeout = ctx.config.timeouts.connect + ctx.config.health_timeout_s
+    errors = []
+    for instance in decode.available() or decode.instances:
+        try:
+            reply = await instance.upstream.get("/v1/models", "models", timeout)
+        except UpstreamError as exc:
+            errors.append(str(exc))
+            continue
+        return Response(reply.body, status_code=reply.status, media_type=reply.content_type)
+    message = "no decode instance answered /v1/models: " + "; ".join(errors)
+    return error_response(502, message, "upstream_unavailable")
+
+
+async def health(request: Request) -> JSONResponse:
+    state = context(request).state
+    ok = state.can_serve()
+    body = {"status": "ok" if ok else "unavailable", "instances": state.describe()}
+    return JSONResponse(body, status_code=200 if ok else 503)
+
+
+async def instances(request: Request) -> JSONResponse:
+    return JSONResponse(context(request).state.describe())
+
+
+async def requests(request: Request) -> Response:
+    ctx = context(request)
+    if not is_authorized(request, ctx.config.admin_api_key):
+        return error_response(401, "missing or wrong admin API key", "AuthenticationError")
+    return JSONResponse({"requests": [trace.as_dict() for trace in ctx.state.traces]})
+
+
+async def metrics(request: Request) -> Response:
+    ctx = context(request)
+    return Response(render_metrics(ctx.state, ctx.admission), media_type="text/plain; version=0.0.4")

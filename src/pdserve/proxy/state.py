@@ -1,0 +1,199 @@
+"""The proxy's state and its one owner, ``ProxyState``: the pools of instances, their membership, the
+KV ledger, the request counters and the recent traces.
+
+The flow, the health checker, the admin API and the routes call its methods; none of them keeps state
+of its own or writes another's fields. Each instance's own lifecycle (health, draining, breaker,
+in-flight count) is kept by ``Instance`` (instance.py) and moved only through its methods.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Sequence
+
+from pdserve.config import ROLES, ProxyConfig, Role
+from pdserve.protocol import Endpoint
+from pdserve.proxy.breaker import CircuitBreaker
+from pdserve.proxy.instance import EngineLoad, Instance
+from pdserve.proxy.ledger import Ledger
+from pdserve.proxy.routing import Policy
+from pdserve.proxy.trace import Trace
+from pdserve.proxy.upstream import HTTPUpstream, Upstream
+
+log = logging.getLogger("pdserve.proxy")
+
+_DRAIN_POLL_S = 0.1
+_DRAIN_LIMIT_S = 600.0
+
+UpstreamFactory = Callable[[Role, str], Upstream]
+
+
+class Outcome(enum.Enum):
+    """How a request ended, as /metrics counts it."""
+
+    OK = "ok"
+    CLIENT_ERROR = "client_error"  # 4xx: the request itself (bad input, auth, overload)
+    ERROR = "error"  # 5xx: an instance or the proxy failed it
+    STREAM_ERROR = "stream_error"  # a 200 stream that ended with an error event
+    CLIENT_DISCONNECTED = "client_disconnected"
+
+
+class Pool:
+    """The instances of one role, in the order they were added."""
+
+    def __init__(self, role: Role, instances: Iterable[Instance] = ()) -> None:
+        self.role = role
+        self._instances = list(instances)
+
+    @property
+    def instances(self) -> Sequence[Instance]:
+        return tuple(self._instances)
+
+    def available(self, exclude: Sequence[Instance] = ()) -> list[Instance]:
+        now = time.monotonic()
+        return [i for i in self._instances if i.is_available(now) and i not in exclude]
+
+    def find(self, url: str) -> Instance | None:
+        return next((i for i in self._instances if i.url == url), None)
+
+    def add(self, instance: Instance) -> None:
+        self._instances.append(instance)
+
+    def discard(self, instance: Instance) -> None:
+        if instance in self._instances:
+            self._instances.remove(instance)
+
+
+class Stats:
+    """Request counters (read at scrape time by metrics.py)."""
+
+    def __init__(self) -> None:
+        self.outcomes: Counter[tuple[Endpoint, Outcome]] = Counter()
+        self.retries: Counter[str] = Counter()  # phase → attempts retried on another instance
+
+    def finished(self, endpoint: Endpoint, outcome: Outcome) -> None:
+        self.outcomes[(endpoint, outcome)] += 1
+
+    def retried(self, phase: str) -> None:
+        self.retries[phase] += 1
+
+
+class ProxyState:
+    def __init__(
+        self,
+        config: ProxyConfig,
+        policies: dict[Role, Policy],
+        make_upstream: UpstreamFactory | None = None,
+        num_traces: int = 256,
+    ) -> None:
+        self._config = config
+        self._policies = policies
+        self._make_upstream = make_upstream or self._http_upstream
+        self._pools = {role: Pool(role) for role in ROLES}
+        urls: dict[Role, tuple[str, ...]] = {"prefill": config.prefill_urls, "decode": config.decode_urls}
+        for role in ROLES:
+            for url in urls[role]:
+                self._pools[role].add(self.new_instance(role, url))
+        self.ledger = Ledger(config.kv_lease_s)
+        self.stats = Stats()
+        self._traces: deque[Trace] = deque(maxlen=num_traces)
+        self._removals: set[asyncio.Task[None]] = set()
+
+    def _http_upstream(self, role: Role, url: str) -> Upstream:
+        return HTTPUpstream(
+            role, url, self._config.timeouts.connect, self._config.max_connections_per_upstream
+        )
+
+    # --- reading ----------------------------------------------------------------------------------
+
+    def policy(self, role: Role) -> Policy:
+        return self._policies[role]
+
+    def pool(self, role: Role) -> Pool:
+        return self._pools[role]
+
+    @property
+    def instances(self) -> list[Instance]:
+        return [i for pool in self._pools.values() for i in pool.instances]
+
+    def find(self, url: str) -> Instance | None:
+        return next((i for i in self.instances if i.url == url), None)
+
+    def can_serve(self) -> bool:
+        """At least one instance of each role takes requests now."""
+        return all(pool.available() for pool in self._pools.values())
+
+    def describe(self) -> list[dict[str, object]]:
+        return [i.describe() for i in self.instances]
+
+    @property
+    def traces(self) -> Sequence[Trace]:
+        return tuple(self._traces)
+
+    def record(self, trace: Trace) -> None:
+        self._traces.append(trace)
+
+    # --- lifecycle --------------------------------------------------------------------------------
+
+    def new_instance(self, role: Role, url: str) -> Instance:
+        """An instance not yet in any pool (the admin API checks its model before ``add``)."""
+        config = self._config
+        breaker = CircuitBreaker(config.breaker_threshold, config.breaker_cooldown_s)
+        return Instance(self._make_upstream(role, url), breaker, config.unhealthy_after_checks)
+
+    async def open(self) -> None:
+        for instance in self.instances:
+            await instance.upstream.open()
+
+    async def close(self) -> None:
+        for task in self._removals:
+            task.cancel()
+        await asyncio.gather(*self._removals, return_exceptions=True)
+        await asyncio.gather(*(i.upstream.close() for i in self.instances))
+
+    def add(self, instance: Instance) -> None:
+        """Put an opened instance into service."""
+        self._pools[instance.role].add(instance)
+        log.info("added %s instance %s", instance.role, instance.url)
+
+    def drain(self, instance: Instance) -> None:
+        """Take no new requests there; the in-flight ones finish."""
+        instance.start_draining()
+        log.info(
+            "draining %s instance %s (%d in flight)", instance.role, instance.url, instance.num_in_flight
+        )
+
+    def remove(self, instance: Instance) -> None:
+        """Drain, then drop the instance once nothing is in flight there (bounded) and close it."""
+        self.drain(instance)
+        self.forget_cache(instance)
+        task = asyncio.create_task(self._remove_when_idle(instance))
+        self._removals.add(task)
+        task.add_done_callback(self._removals.discard)
+
+    async def _remove_when_idle(self, instance: Instance) -> None:
+        waited = 0.0
+        while instance.num_in_flight and waited < _DRAIN_LIMIT_S:
+            await asyncio.sleep(_DRAIN_POLL_S)
+            waited += _DRAIN_POLL_S
+        instance.mark_removed()
+        self._pools[instance.role].discard(instance)
+        await instance.upstream.close()
+        log.info("removed %s instance %s", instance.role, instance.url)
+
+    def check_passed(self, instance: Instance, load: EngineLoad | None) -> None:
+        if instance.check_passed(load):
+            # Back from unhealthy: it may have restarted, and a restarted engine's prefix cache is
+            # empty, whatever the proxy remembers having sent there.
+            self.forget_cache(instance)
+
+    def check_failed(self, instance: Instance, error: str) -> None:
+        instance.check_failed(error)
+
+    def forget_cache(self, instance: Instance) -> None:
+        for policy in self._policies.values():
+            policy.forget(instance.url)

@@ -1,0 +1,102 @@
+"""An in-memory ``Upstream``: the flow runs against scripted instances, no sockets, no event-loop threads.
+
+Each instance is a function from the request body to an ``Answer``; it may raise an ``UpstreamError``
+(as HTTPUpstream would after translating aiohttp's). Every call is recorded."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from pdserve.config import Role
+from pdserve.proxy.upstream import Reply, Stream
+
+
+@dataclass(frozen=True)
+class Answer:
+    status: int = 200
+    body: bytes = b"{}"  # a whole answer
+    chunks: Sequence[bytes] = ()  # a streamed one
+    content_type: str = "application/json"
+
+
+Script = Callable[[dict[str, Any]], Answer]
+
+
+@dataclass
+class Call:
+    path: str
+    body: dict[str, Any]
+    headers: Mapping[str, str]
+
+
+class _Stream:
+    def __init__(self, answer: Answer) -> None:
+        self.status = answer.status
+        self.content_type = answer.content_type
+        self._answer = answer
+
+    async def read_all(self, timeout: float) -> bytes:
+        return self._answer.body
+
+    async def chunks(
+        self, first_timeout: float, idle_timeout: float, first_budget: float | None = None
+    ) -> AsyncIterator[bytes]:
+        for chunk in self._answer.chunks:
+            yield chunk
+
+
+@dataclass
+class MemoryUpstream:
+    role: Role
+    url: str
+    script: Script
+    calls: list[Call] = field(default_factory=list)
+
+    async def open(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    async def get(self, path: str, phase: str, timeout: float) -> Reply:
+        return Reply(200, "application/json", b"{}")
+
+    async def post(
+        self, path: str, body: bytes, headers: Mapping[str, str], phase: str, timeout: float
+    ) -> Reply:
+        answer = self._answer(path, body, headers)
+        return Reply(answer.status, answer.content_type, answer.body)
+
+    @asynccontextmanager
+    async def open_stream(
+        self, path: str, body: bytes, headers: Mapping[str, str], phase: str, timeout: float
+    ) -> AsyncIterator[Stream]:
+        yield _Stream(self._answer(path, body, headers))
+
+    def _answer(self, path: str, body: bytes, headers: Mapping[str, str]) -> Answer:
+        parsed = orjson.loads(body)
+        self.calls.append(Call(path, parsed, dict(headers)))
+        return self.script(parsed)
+
+
+class Recorder:
+    """An ASGI ``send`` that keeps what the client would have received."""
+
+    def __init__(self) -> None:
+        self.messages: list[dict[str, Any]] = []
+
+    async def __call__(self, message: dict[str, Any]) -> None:
+        self.messages.append(message)
+
+    @property
+    def status(self) -> int:
+        return int(self.messages[0]["status"])
+
+    @property
+    def body(self) -> bytes:
+        return b"".join(m.get("body", b"") for m in self.messages[1:])

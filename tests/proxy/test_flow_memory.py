@@ -1,0 +1,129 @@
+"""The request path with in-memory instances (memory_upstream.py): what each attempt sends and what the
+client gets, without sockets."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+from memory_upstream import Answer, MemoryUpstream, Recorder, Script
+
+from pdserve import sse
+from pdserve.config import ProxyConfig, Role, Timeouts
+from pdserve.errors import UpstreamConnectError, UpstreamUnavailable
+from pdserve.proxy.flow import Flow
+from pdserve.proxy.policies import make_policy
+from pdserve.proxy.responder import Responder
+from pdserve.proxy.state import Outcome, ProxyState
+
+PARAMS = {"do_remote_prefill": True, "remote_block_ids": [[1]], "remote_engine_id": "e0",
+          "remote_request_id": "cmpl-r-0-00000000", "remote_host": "127.0.0.1", "remote_port": 5600, "tp_size": 1}  # fmt: skip
+COMPLETION: dict[str, Any] = {"model": "m", "prompt": "hello", "max_tokens": 5}
+
+
+def prefill_ok(body: dict[str, Any]) -> Answer:
+    return Answer(body=orjson.dumps({"choices": [{"text": "x"}], "kv_transfer_params": PARAMS}))
+
+
+def decode_text(text: str) -> Script:
+    def answer(body: dict[str, Any]) -> Answer:
+        if body.get("stream"):
+            chunk = sse.event(orjson.dumps({"choices": [{"text": text}]}))
+            return Answer(chunks=[chunk, sse.DONE], content_type="text/event-stream")
+        return Answer(body=orjson.dumps({"choices": [{"text": text}], "kv_transfer_params": None}))
+
+    return answer
+
+
+def failing(exc: Exception) -> Script:
+    def answer(body: dict[str, Any]) -> Answer:
+        raise exc
+
+    return answer
+
+
+class System:
+    """A proxy state and flow over scripted prefill and decode instances."""
+
+    def __init__(self, prefill: list[Script], decode: list[Script]) -> None:
+        urls: dict[Role, list[str]] = {
+            "prefill": [f"http://p{i}:1" for i in range(len(prefill))],
+            "decode": [f"http://d{i}:1" for i in range(len(decode))],
+        }
+        scripts = dict(zip(urls["prefill"] + urls["decode"], prefill + decode, strict=True))
+        self.upstreams: dict[str, MemoryUpstream] = {}
+
+        def make(role: Role, url: str) -> MemoryUpstream:
+            self.upstreams[url] = MemoryUpstream(role, url, scripts[url])
+            return self.upstreams[url]
+
+        config = ProxyConfig(
+            tuple(urls["prefill"]), tuple(urls["decode"]), timeouts=Timeouts(), retry_backoff_s=0
+        )
+        policies = {"prefill": make_policy("round_robin"), "decode": make_policy("round_robin")}
+        self.state = ProxyState(config, policies, make)  # type: ignore[arg-type]
+        self.flow = Flow(self.state, config)
+
+    async def ask(self, body: dict[str, Any]) -> Recorder:
+        send = Recorder()
+        await self.flow.serve("completions", orjson.dumps(body), None, Responder(send, "r"))
+        return send
+
+    def calls(self, url: str) -> list[dict[str, Any]]:
+        return [c.body for c in self.upstreams[url].calls]
+
+
+async def test_prefill_gets_one_token_and_decode_the_clients_own_request_with_prefills_params() -> None:
+    system = System([prefill_ok], [decode_text(" world")])
+    answer = await system.ask(COMPLETION)
+    assert answer.status == 200
+    assert orjson.loads(answer.body) == {"choices": [{"text": " world"}]}
+    [to_prefill] = system.calls("http://p0:1")
+    assert to_prefill["max_tokens"] == 1 and to_prefill["kv_transfer_params"]["do_remote_decode"] is True
+    [to_decode] = system.calls("http://d0:1")
+    assert to_decode == {**COMPLETION, "kv_transfer_params": PARAMS}
+    assert system.state.stats.outcomes[("completions", Outcome.OK)] == 1
+    assert system.state.ledger.num_delivered == 1
+
+
+async def test_a_decode_that_never_got_the_params_hands_them_to_the_next_one() -> None:
+    unreachable = failing(UpstreamConnectError("decode", "http://d0:1", "cannot connect"))
+    system = System([prefill_ok], [unreachable, decode_text(" ok")])
+    answer = await system.ask(COMPLETION)
+    assert answer.status == 200
+    assert len(system.calls("http://p0:1")) == 1  # no second prefill: the KV was never read
+    assert system.calls("http://d1:1")[0]["kv_transfer_params"] == PARAMS
+    assert system.state.stats.retries["decode"] == 1
+
+
+async def test_a_decode_that_may_have_pulled_makes_the_retry_prefill_again() -> None:
+    broken = failing(UpstreamUnavailable("decode", "http://d0:1", "connection closed"))
+    system = System([prefill_ok], [broken, decode_text(" ok")])
+    answer = await system.ask(COMPLETION)
+    assert answer.status == 200
+    assert len(system.calls("http://p0:1")) == 2
+    assert system.state.ledger.abandoned["decode_failed"] == 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_prefill_failing_everywhere_is_a_502_naming_prefill(stream: bool) -> None:
+    down = failing(UpstreamConnectError("prefill", "http://p0:1", "cannot connect"))
+    system = System([down], [decode_text(" never")])
+    answer = await system.ask({**COMPLETION, "stream": stream})
+    assert answer.status == 502
+    assert "prefill instance http://p0:1" in orjson.loads(answer.body)["error"]["message"]
+    assert system.calls("http://d0:1") == []
+
+
+async def test_a_stream_whose_first_event_is_an_error_is_retried_unseen_by_the_client() -> None:
+    error = sse.event(b'{"error": {"message": "KV load failed"}}')
+
+    def pull_failed(body: dict[str, Any]) -> Answer:
+        return Answer(chunks=[error, sse.DONE], content_type="text/event-stream")
+
+    system = System([prefill_ok], [pull_failed, decode_text(" fine")])
+    answer = await system.ask({**COMPLETION, "stream": True})
+    assert answer.status == 200
+    assert b"error" not in answer.body and b" fine" in answer.body
+    assert answer.body.endswith(sse.DONE)
