@@ -7,6 +7,8 @@ its own. Leaving the ``with`` block stops the proxy and every instance, whatever
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import os
 import sys
@@ -26,6 +28,8 @@ from pdserve.engines.model import ResolvedModel, resolve_model
 from pdserve.engines.plan import InstanceSpec, plan_instances, plan_sim_instances
 from pdserve.engines.venv import find_engine_python
 from pdserve.errors import EngineError
+from pdserve.events import InstanceEvent, KVLogEvent
+from pdserve.proxy.app import create_app
 from pdserve.proxy.server import make_server
 from pdserve.sim.profile import load_profile
 
@@ -50,19 +54,34 @@ class ProxyThread:
 
     def __init__(self, config: ProxyConfig, log_level: str = "warning") -> None:
         self.config = config
-        self._server = make_server(config, log_level)
+        self._app = create_app(config)
+        self._server = make_server(config, log_level, self._app)
         self._thread = threading.Thread(target=self._run, name="pdserve-proxy", daemon=True)
         self._error: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def url(self) -> str:
         return f"http://{self.config.host}:{self.config.port}"
 
     def _run(self) -> None:
+        async def serve() -> None:
+            self._loop = asyncio.get_running_loop()
+            await self._server.serve()
+
         try:
-            uvloop.run(self._server.serve())
+            uvloop.run(serve())
         except BaseException as exc:
             self._error = exc
+
+    def deliver(self, event: InstanceEvent | KVLogEvent) -> None:
+        """Hand the proxy what the launcher learnt; safe from any thread, a no-op once it stopped."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        state = self._app.state.pdserve.state
+        with contextlib.suppress(RuntimeError):  # the loop closed between the check and the call
+            loop.call_soon_threadsafe(state.on_event, event)
 
     def start(self) -> None:
         self._thread.start()

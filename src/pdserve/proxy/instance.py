@@ -4,9 +4,12 @@ The lifecycle, and who moves it:
 
     serving ──3 failed checks (1 if it never answered)──▶ unhealthy ──a passed check──▶ serving
        │                                                                  (reported: it may have restarted)
+       ├── the launcher saw it exit ──▶ restarting ──the launcher has it back──▶ serving (breaker reset)
+       │                                    └──the launcher gave up──▶ unhealthy
        └── admin drain / remove ──▶ draining ──in-flight reaches 0 (remove)──▶ removed
 
-Health checks (health.py) report through ``check_passed``/``check_failed``; requests through
+Health checks (health.py) report through ``check_passed``/``check_failed``; the launcher (through
+``ProxyState.on_event``) through ``restarting``/``restarted``/``gave_up``; requests through
 ``dispatched``/``succeeded``/``failed``, which feed the circuit breaker; the admin API through
 ``ProxyState`` (state.py), which owns membership. Nobody else writes these fields.
 """
@@ -31,6 +34,7 @@ log = logging.getLogger("pdserve.proxy")
 class Lifecycle(enum.Enum):
     SERVING = "serving"
     UNHEALTHY = "unhealthy"
+    RESTARTING = "restarting"  # its process exited; the launcher is starting it again
     DRAINING = "draining"  # takes no new requests; in-flight ones finish
     REMOVED = "removed"
 
@@ -64,6 +68,7 @@ class Instance:
         self._num_failed_checks = 0  # consecutive
         self._is_draining = False
         self._is_removed = False
+        self._is_restarting = False
         self._num_in_flight = 0
         self._load = EngineLoad()
         self._last_error: str | None = None
@@ -82,6 +87,8 @@ class Instance:
             return Lifecycle.REMOVED
         if self._is_draining:
             return Lifecycle.DRAINING
+        if self._is_restarting:
+            return Lifecycle.RESTARTING
         return Lifecycle.SERVING if self._is_healthy else Lifecycle.UNHEALTHY
 
     @property
@@ -119,6 +126,8 @@ class Instance:
 
     def check_passed(self, load: EngineLoad | None) -> bool:
         """A health check passed; True when the instance was unhealthy before (it may have restarted)."""
+        if self._is_restarting:
+            return False  # the old process's port may still answer a moment; the launcher says when
         recovered = not self._is_healthy
         self._is_healthy, self._has_answered, self._num_failed_checks = True, True, 0
         self._last_error = None
@@ -131,6 +140,27 @@ class Instance:
         self._num_failed_checks += 1
         if not self._has_answered or self._num_failed_checks >= self._unhealthy_after_checks:
             self._is_healthy = False
+
+    # --- the launcher ----------------------------------------------------------------------------
+
+    def restarting(self, detail: str) -> None:
+        self._is_restarting = True
+        self._is_healthy = False
+        self._last_error = detail
+
+    def restarted(self) -> None:
+        """A new process answers: in service at once, with none of the old one's failures held against it."""
+        self._is_restarting = False
+        self._is_healthy, self._has_answered, self._num_failed_checks = True, True, 0
+        self._last_error = None
+        self._load = EngineLoad()
+        self.breaker.reset()
+
+    def gave_up(self, detail: str) -> None:
+        """The launcher stopped restarting it; health checks still readmit it if someone starts it."""
+        self._is_restarting = False
+        self._is_healthy = False
+        self._last_error = detail
 
     # --- requests -------------------------------------------------------------------------------
 

@@ -16,6 +16,8 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from pdserve.events import KVLogEvent
+
 HandoffState = Literal["open", "delivered", "abandoned"]
 
 
@@ -65,6 +67,7 @@ class Ledger:
         self.num_issued = 0
         self.num_delivered = 0
         self.abandoned: Counter[str] = Counter()  # by short reason
+        self.log_events: dict[tuple[str, str], KVLogEvent] = {}  # (prefill url, remote_request_id) → event
 
     def open(self, request_id: str, prefill_url: str, params: dict[str, Any]) -> Handoff:
         handoff = Handoff(request_id, prefill_url, params, time.monotonic(), self.lease_s)
@@ -84,6 +87,10 @@ class Ledger:
         handoff.reason = reason
         self.abandoned[kind] += 1
         return True
+
+    def on_log_event(self, event: KVLogEvent) -> None:
+        """Prefill's log said something about a handoff (see events.py); kept for the integrity checks."""
+        self.log_events[(event.url, event.remote_request_id)] = event
 
     def _close(self, handoff: Handoff, state: HandoffState) -> bool:
         if self._open.pop(id(handoff), None) is None:

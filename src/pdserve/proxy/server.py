@@ -5,14 +5,15 @@ from __future__ import annotations
 import logging
 
 import uvicorn
+from starlette.applications import Starlette
 
 from pdserve.config import ProxyConfig
 from pdserve.proxy.app import create_app
 
 
-def make_server(config: ProxyConfig, log_level: str = "info") -> uvicorn.Server:
+def make_server(config: ProxyConfig, log_level: str = "info", app: Starlette | None = None) -> uvicorn.Server:
     uv_config = uvicorn.Config(
-        create_app(config),
+        app or create_app(config),
         host=config.host,
         port=config.port,
         loop="uvloop",

@@ -16,6 +16,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 
 from pdserve.config import ROLES, ProxyConfig, Role
+from pdserve.events import InstanceEvent, KVLogEvent
 from pdserve.protocol import Endpoint
 from pdserve.proxy.breaker import CircuitBreaker
 from pdserve.proxy.instance import EngineLoad, Instance
@@ -184,6 +185,23 @@ class ProxyState:
         self._pools[instance.role].discard(instance)
         await instance.upstream.close()
         log.info("removed %s instance %s", instance.role, instance.url)
+
+    def on_event(self, event: InstanceEvent | KVLogEvent) -> None:
+        """What the launcher learnt (stack.py delivers it on the proxy's loop)."""
+        instance = self.find(event.url)
+        if instance is None:
+            return
+        if isinstance(event, KVLogEvent):
+            self.ledger.on_log_event(event)
+            return
+        if event.kind in ("exited", "restarting"):
+            instance.restarting(f"{event.kind}: {event.detail}" if event.detail else event.kind)
+        elif event.kind == "ready":
+            instance.restarted()
+            self.forget_cache(instance)  # a new process: an empty prefix cache
+        elif event.kind == "gave_up":
+            instance.gave_up(f"not restarted: {event.detail}")
+        log.warning("%s instance %s: %s %s", instance.role, instance.url, event.kind, event.detail)
 
     def check_passed(self, instance: Instance, load: EngineLoad | None) -> None:
         if instance.check_passed(load):
