@@ -55,15 +55,17 @@ def normalize_url(url: str) -> str:
 
 @dataclass(frozen=True)
 class Timeouts:
-    """Per-phase limits, in seconds, per attempt. A limit that runs out ends that attempt with a 504
-    naming the phase and instance; a retry on another instance (max_*_attempts) gets its own limit,
-    so a request waits at most attempts × limit in a phase, never without bound."""
+    """Limits in seconds. The per-phase ones apply to each attempt: one that runs out ends that attempt
+    with a 504 naming the phase and instance, and a retry on another instance gets its own limit.
+    ``request`` bounds them all together: every attempt, backoff and lease retry of one request, up to
+    the moment its answer starts (streamed) or is complete (whole)."""
 
     connect: float = 5.0  # TCP connect to any instance
     prefill: float = 300.0  # whole prefill call (max_tokens=1), queueing included
     first_token: float = 300.0  # streamed decode: until its first chunk (the KV pull happens here)
     idle: float = 120.0  # streamed decode: longest gap between two chunks
     decode: float = 900.0  # non-streamed decode: the whole call, since nothing arrives before the end
+    request: float = 1800.0  # one request, all attempts together (see above)
 
     def __post_init__(self) -> None:
         _check_positive("timeouts", **dataclasses.asdict(self))
@@ -132,6 +134,32 @@ class ProxyConfig:
             raise ConfigError("proxy.max_queued must be >= 0 and proxy.queue_timeout_s > 0")
         if self.retry_backoff_s < 0 or self.breaker_cooldown_s < 0:
             raise ConfigError("proxy.retry_backoff_s and proxy.breaker_cooldown_s must be >= 0")
+
+
+def lease_warnings(config: ProxyConfig) -> list[str]:
+    """What in ``config`` can outlast prefill's KV lease, in words for the start-up log.
+
+    Prefill keeps a handoff's KV for ``kv_lease_s``; decode's heartbeats extend it only once decode's
+    engine has the request (docs/vllm-kv-lifecycle.md). What can pass between prefill's answer and that
+    moment is the proxy's own doing: connect attempts and backoffs before a decode takes the request.
+    When those limits reach the lease, a handoff can expire in the proxy's hands; pdserve then prefills
+    again rather than hand it on, which costs time, so they deserve a warning, not a refusal.
+    """
+    lease, t = config.kv_lease_s, config.timeouts
+    warnings = []
+    reach = config.max_decode_attempts * t.connect + (config.max_decode_attempts - 1) * 1.0
+    if reach >= lease / 2:
+        warnings.append(
+            f"{config.max_decode_attempts} decode attempts x connect timeout {t.connect:g} s (+ backoff) "
+            f"reach half the KV lease ({lease:g} s): a retried handoff would rarely still be held; "
+            "raise --kv-lease or lower --connect-timeout"
+        )
+    if lease < 10:
+        warnings.append(
+            f"KV lease {lease:g} s: a decode engine that stalls longer (GC pause, swapping, an overloaded "
+            "host) finds its KV released; pdserve detects that and prefills again, at the cost of a retry"
+        )
+    return warnings
 
 
 @dataclass(frozen=True)

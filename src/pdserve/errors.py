@@ -16,7 +16,7 @@
     ├── UpstreamError          a call from the proxy to an instance failed; carries phase and URL
     │   ├── UpstreamUnavailable    the connection broke, or the instance answered 5xx
     │   │   └── UpstreamConnectError   could not connect: the instance never saw the request
-    │   ├── UpstreamTimeout        a per-phase time limit ran out
+    │   ├── UpstreamTimeout        a per-phase limit or the request's deadline ran out
     │   ├── UpstreamProtocolError  the instance answered, but not as the NixlConnector protocol says
     │   └── NoInstanceAvailable    every instance of a role is unhealthy, draining or circuit-open
     └── SimError               the simulator's own (sim/), as vLLM would show them
@@ -108,11 +108,15 @@ class UpstreamError(PDServeError):
 
     status = 502
     error_type = "upstream_error"
+    # A slow instance is not a dead one: timeouts do not open its circuit; health checks decide.
+    is_slow = False
 
-    def __init__(self, phase: str, url: str, detail: str) -> None:
+    def __init__(self, phase: str, url: str, detail: str, *, is_slow: bool | None = None) -> None:
         self.phase = phase
         self.url = url
         self.detail = detail
+        if is_slow is not None:
+            self.is_slow = is_slow
         super().__init__(f"{phase} instance {url}: {detail}")
 
 
@@ -128,6 +132,7 @@ class UpstreamConnectError(UpstreamUnavailable):
 class UpstreamTimeout(UpstreamError):
     status = 504
     error_type = "upstream_timeout"
+    is_slow = True
 
 
 class UpstreamProtocolError(UpstreamError):
@@ -138,6 +143,7 @@ class UpstreamProtocolError(UpstreamError):
 class NoInstanceAvailable(UpstreamError):
     status = 503
     error_type = "no_instance_available"
+    retry_after_s = 2  # instances come back (restarts, drains ending) within seconds
 
     def __init__(self, phase: str, detail: str) -> None:
         super().__init__(phase, "-", detail)

@@ -71,7 +71,15 @@ def needs_local_prefill(body: dict[str, Any]) -> str | None:
     vLLM returns one ``kv_transfer_params`` per HTTP response, so a batch of prompts would hand decode
     the KV of the first prompt only; and n > 1 makes several decode sequences pull one set of blocks
     that prefill frees after the first read. Both are served whole by a decode instance instead.
+
+    Prompt logprobs (``prompt_logprobs``, or ``echo`` with ``logprobs``/``top_logprobs``) make decode
+    skip the remote KV and recompute the whole prompt (docs/vllm-kv-lifecycle.md, section 4): the split
+    would only cost prefill's work and a hop, so decode computes it alone from the start.
     """
+    if body.get("prompt_logprobs") is not None:
+        return "prompt logprobs"
+    if body.get("echo") and (body.get("logprobs") is not None or body.get("top_logprobs") is not None):
+        return "echo with logprobs (prompt logprobs)"
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) > 1 and not all(isinstance(t, int) for t in prompt):
         return "batched prompts"

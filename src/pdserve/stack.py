@@ -22,7 +22,7 @@ from typing import Any
 import uvloop
 
 from pdserve import httpclient
-from pdserve.config import ProxyConfig, Timeouts, Topology
+from pdserve.config import ProxyConfig, Timeouts, Topology, lease_warnings
 from pdserve.engines.launcher import DEFAULT_ENTRYPOINT, EngineGroup
 from pdserve.engines.model import ResolvedModel, resolve_model
 from pdserve.engines.plan import InstanceSpec, plan_instances, plan_sim_instances
@@ -187,6 +187,8 @@ class Stack:
         )
         self.proxy = ProxyThread(config, self._proxy_log_level)
         self.proxy.start()
+        for warning in lease_warnings(config):
+            self._say(f"warning: {warning}")
 
     def stop(self) -> None:
         if self.proxy is not None:

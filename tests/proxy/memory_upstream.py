@@ -5,6 +5,7 @@ Each instance is a function from the request body to an ``Answer``; it may raise
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -13,6 +14,7 @@ from typing import Any
 import orjson
 
 from pdserve.config import Role
+from pdserve.errors import UpstreamTimeout
 from pdserve.proxy.upstream import Reply, Stream
 
 
@@ -22,6 +24,7 @@ class Answer:
     body: bytes = b"{}"  # a whole answer
     chunks: Sequence[bytes] = ()  # a streamed one
     content_type: str = "application/json"
+    delay_s: float = 0.0  # before the status line: a queued or stalled engine
 
 
 Script = Callable[[dict[str, Any]], Answer]
@@ -56,6 +59,7 @@ class MemoryUpstream:
     url: str
     script: Script
     calls: list[Call] = field(default_factory=list)
+    metrics: str = ""  # what GET /metrics answers (Prometheus text)
 
     async def open(self) -> None:
         return None
@@ -64,24 +68,39 @@ class MemoryUpstream:
         return None
 
     async def get(self, path: str, phase: str, timeout: float) -> Reply:
+        if path == "/metrics":
+            return Reply(200, "text/plain", self.metrics.encode())
         return Reply(200, "application/json", b"{}")
 
     async def post(
-        self, path: str, body: bytes, headers: Mapping[str, str], phase: str, timeout: float
+        self,
+        path: str,
+        body: bytes,
+        headers: Mapping[str, str],
+        phase: str,
+        timeout: float,
+        is_repeatable: bool = False,
     ) -> Reply:
-        answer = self._answer(path, body, headers)
+        answer = await self._answer(path, body, headers, phase, timeout)
         return Reply(answer.status, answer.content_type, answer.body)
 
     @asynccontextmanager
     async def open_stream(
         self, path: str, body: bytes, headers: Mapping[str, str], phase: str, timeout: float
     ) -> AsyncIterator[Stream]:
-        yield _Stream(self._answer(path, body, headers))
+        yield _Stream(await self._answer(path, body, headers, phase, timeout))
 
-    def _answer(self, path: str, body: bytes, headers: Mapping[str, str]) -> Answer:
+    async def _answer(
+        self, path: str, body: bytes, headers: Mapping[str, str], phase: str, timeout: float
+    ) -> Answer:
         parsed = orjson.loads(body)
         self.calls.append(Call(path, parsed, dict(headers)))
-        return self.script(parsed)
+        answer = self.script(parsed)
+        if answer.delay_s > timeout:
+            await asyncio.sleep(timeout)
+            raise UpstreamTimeout(phase, self.url, f"no answer within {timeout:g} s")
+        await asyncio.sleep(answer.delay_s)
+        return answer
 
 
 class Recorder:

@@ -46,7 +46,7 @@ def failing(exc: Exception) -> Script:
 class System:
     """A proxy state and flow over scripted prefill and decode instances."""
 
-    def __init__(self, prefill: list[Script], decode: list[Script]) -> None:
+    def __init__(self, prefill: list[Script], decode: list[Script], **config: Any) -> None:
         urls: dict[Role, list[str]] = {
             "prefill": [f"http://p{i}:1" for i in range(len(prefill))],
             "decode": [f"http://d{i}:1" for i in range(len(decode))],
@@ -58,12 +58,11 @@ class System:
             self.upstreams[url] = MemoryUpstream(role, url, scripts[url])
             return self.upstreams[url]
 
-        config = ProxyConfig(
-            tuple(urls["prefill"]), tuple(urls["decode"]), timeouts=Timeouts(), retry_backoff_s=0
-        )
+        settings = {"timeouts": Timeouts(), "retry_backoff_s": 0, **config}
+        config_ = ProxyConfig(tuple(urls["prefill"]), tuple(urls["decode"]), **settings)
         policies = {"prefill": make_policy("round_robin"), "decode": make_policy("round_robin")}
-        self.state = ProxyState(config, policies, make)  # type: ignore[arg-type]
-        self.flow = Flow(self.state, config)
+        self.state = ProxyState(config_, policies, make)  # type: ignore[arg-type]
+        self.flow = Flow(self.state, config_)
 
     async def ask(self, body: dict[str, Any]) -> Recorder:
         send = Recorder()

@@ -144,7 +144,7 @@ async def test_circuit_opens_after_repeated_failures_and_traffic_moves_away(
     assert broken["circuit"] == "open"
 
 
-async def test_every_instance_circuit_open_is_a_503_naming_them(
+async def test_with_every_circuit_open_the_likeliest_instance_is_still_tried_panic_mode(
     pools: tuple[Pair, Pair], http: aiohttp.ClientSession
 ) -> None:
     prefill, decode = pools
@@ -152,10 +152,29 @@ async def test_every_instance_circuit_open_is_a_503_naming_them(
         fake.fault = "fail"
     with _proxy(prefill, decode, breaker_threshold=1, breaker_cooldown_s=60) as url:
         await post(http, url + "/v1/completions", COMPLETION)
+        tried_before = sum(len(f.generations()) for f in prefill.fakes)
+        for fake in prefill.fakes:
+            fake.fault = None  # they recover; their circuits are still open for a minute
         status, _, body = await post(http, url + "/v1/completions", COMPLETION)
-    assert status == 503
+    # One flap of every instance does not become a minute of refusals: the request is served.
+    assert status == 200, body
+    assert sum(len(f.generations()) for f in prefill.fakes) == tried_before + 1
+
+
+async def test_with_every_instance_draining_the_answer_is_a_503_with_retry_after(
+    pools: tuple[Pair, Pair], http: aiohttp.ClientSession
+) -> None:
+    prefill, decode = pools
+    with _proxy(prefill, decode, admin_api_key="k") as url:
+        for instance_url in decode.urls:
+            async with http.post(url + "/admin/instances/drain", json={"url": instance_url},
+                                 headers={"Authorization": "Bearer k"}) as resp:  # fmt: skip
+                assert resp.status == 200
+        async with http.post(url + "/v1/completions", json=COMPLETION) as resp:
+            status, retry_after, body = resp.status, resp.headers.get("Retry-After"), await resp.read()
+    assert status == 503 and retry_after is not None and int(retry_after) >= 1
     message = orjson.loads(body)["error"]["message"]
-    assert "no prefill instance available" in message and "circuit open" in message
+    assert "no decode instance available" in message and "draining" in message
 
 
 async def post_get(http: aiohttp.ClientSession, url: str) -> tuple[int, Any, bytes]:

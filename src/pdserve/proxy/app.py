@@ -16,7 +16,7 @@ from contextlib import asynccontextmanager
 from starlette.applications import Starlette
 from starlette.routing import Route
 
-from pdserve.config import ProxyConfig, Role
+from pdserve.config import ProxyConfig, Role, lease_warnings
 from pdserve.proxy import routes
 from pdserve.proxy.admin import ADMIN_ROUTES
 from pdserve.proxy.admission import Admission
@@ -52,6 +52,8 @@ def create_app(config: ProxyConfig, make_upstream: UpstreamFactory | None = None
 
     @asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        for warning in lease_warnings(config):
+            log.warning("%s", warning)
         await state.open()
         checker = asyncio.create_task(ctx.health.run())
         try:

@@ -19,6 +19,13 @@ Retries, before the client has received a byte:
   freed blocks is not detected by vLLM (observed on 0.32: it "succeeds" and reads whatever is there).
 Once the client has bytes, a failure ends the stream with an error event; nothing is retried.
 
+The lease guard (guard.py): decode's answer is held back until it is known not to rest on KV prefill
+had already released; a suspect one is dropped and the request prefilled again (``LeaseSuspect``), at
+most ``_MAX_LEASE_RETRIES`` times. Decodes whose streams wait long for a first byte are avoided. The
+overall deadline (``Timeouts.request``) bounds every attempt, backoff and lease retry together. When
+every instance of a role is out of service, the one most likely to answer is tried anyway (panic
+mode): health checks, not single failures, decide who is out.
+
 Each attempt returns a typed result (``Prefilled``/``Relayed``/``PrefillFailed``, ``Served``/
 ``DecodeFailed``); the ``Trace`` only records what happened, for /requests.
 """
@@ -28,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,9 +50,11 @@ from pdserve.errors import (
     UpstreamConnectError,
     UpstreamError,
     UpstreamProtocolError,
+    UpstreamTimeout,
     UpstreamUnavailable,
 )
 from pdserve.protocol import Endpoint
+from pdserve.proxy.guard import LeaseGuard
 from pdserve.proxy.instance import Instance
 from pdserve.proxy.ledger import Handoff
 from pdserve.proxy.prefix import should_skip_prefill
@@ -66,6 +75,12 @@ class Prompt:
     hashes: list[int]  # chained hashes of its full KV blocks (blocks.py)
 
 
+_MAX_LEASE_RETRIES = 2
+# A decode whose oldest stream has waited this share of the lease for a first byte is not stepping
+# (stalled, or hopelessly queued): it gets no handoff while another can take it.
+_LAGGING_SHARE = 1 / 3
+
+
 @dataclass
 class Call:
     """One client request as the attempts see it."""
@@ -76,8 +91,10 @@ class Call:
     out: Responder
     trace: Trace
     is_stream: bool
+    deadline: float  # monotonic: the request's overall limit (Timeouts.request)
     prompt: Prompt | None = None
     handoff: Handoff | None = None  # the KV handoff in play: opened by prefill, closed by decode
+    delivered: Handoff | None = None  # the handoff decode's answer rests on, once it began
     has_error_event: bool = False  # decode streamed vLLM's error event to the client
 
     @property
@@ -118,6 +135,13 @@ class DecodeFailed:
     kv_unused: bool = field(default=False)  # the request never reached decode: its params are unread
 
 
+@dataclass(frozen=True)
+class LeaseSuspect:
+    """Decode answered, but its answer may rest on released KV (guard.py): withheld, prefill again."""
+
+    why: str
+
+
 class Flow:
     def __init__(
         self, state: ProxyState, config: ProxyConfig, tokenizer: PromptTokenizer | None = None
@@ -126,6 +150,7 @@ class Flow:
         self._config = config
         self._tokenizer = tokenizer
         self._t = config.timeouts
+        self._guard = LeaseGuard(state, state.ledger)
 
     async def serve(self, endpoint: Endpoint, raw: bytes, auth: str | None, out: Responder) -> None:
         try:
@@ -140,14 +165,16 @@ class Flow:
         headers = {"X-Request-Id": out.request_id}
         if auth is not None:
             headers["Authorization"] = auth
-        call = Call(endpoint, body, headers, out, trace, is_stream)
+        call = Call(endpoint, body, headers, out, trace, is_stream, time.monotonic() + self._t.request)
         begun = time.perf_counter()
         try:
             await self._serve(call)
         except UpstreamError as exc:
             trace.error = str(exc)
             log.warning("request %s failed: %s", out.request_id, exc)
-            await out.error(exc.status, str(exc), exc.error_type)
+            retry_after = getattr(exc, "retry_after_s", None)
+            extra = [(b"retry-after", str(retry_after).encode())] if retry_after else []
+            await out.error(exc.status, str(exc), exc.error_type, extra=extra)
         finally:
             trace.total_ms = (time.perf_counter() - begun) * 1000
             outcome = self._outcome(call)
@@ -162,11 +189,11 @@ class Flow:
     async def _serve(self, call: Call) -> None:
         local_reason = protocol.needs_local_prefill(call.body)
         call.prompt = self._prompt(call.body)
-        tried: list[Instance] = []
-        for attempt in range(1, self._config.max_decode_attempts + 1):
+        tried: list[Instance] = []  # decodes that failed (or were given up on): a retry goes elsewhere
+        num_failed = num_lease_retries = 0
+        while True:
             decode, num_cached = self._pick_decode(tried, call.prompt)
-            tried.append(decode)
-            if attempt == 1 and local_reason is None:
+            if not tried and num_lease_retries == 0 and local_reason is None:
                 local_reason = self._skip_reason(call.prompt, num_cached)
             if local_reason is None and call.handoff is None:
                 prefilled = await self._prefill(call)
@@ -176,18 +203,31 @@ class Flow:
                     if not self._config.fallback_to_local_prefill:
                         await self._give_up("prefill", call.trace.prefill_url or "-", prefilled.failure, call)
                         return
-                    local_reason = f"prefill failed ({call.trace.retries[-1]}); decode computes the prompt"
+                    local_reason = (
+                        f"prefill failed ({_describe(prefilled.failure)}); decode computes the prompt"
+                    )
                     log.warning("request %s: %s", call.request_id, local_reason)
                 else:
                     call.handoff = prefilled.handoff
             call.trace.local_prefill_reason = local_reason
             # A retry goes to another instance: none left (or no attempts left) makes this the last.
-            is_last = attempt == self._config.max_decode_attempts or not self._state.pool("decode").available(
-                tried
-            )
+            others = self._state.pool("decode").available([*tried, decode])
+            is_last = num_failed + 1 >= self._config.max_decode_attempts or not others
             decoded = await self._decode(call, decode, is_last)
             if isinstance(decoded, Served):
                 return
+            if isinstance(decoded, LeaseSuspect):
+                num_lease_retries += 1
+                call.trace.retries.append(f"decode {decode.url}: {decoded.why}; prefilling again")
+                self._state.stats.retried("lease")
+                if num_lease_retries > _MAX_LEASE_RETRIES:
+                    raise UpstreamUnavailable("decode", decode.url, f"KV lease: {decoded.why} "
+                                              f"(and after {_MAX_LEASE_RETRIES} fresh prefills)")  # fmt: skip
+                if others:
+                    tried.append(decode)  # it may be the reason (stalled): let another take the next one
+                continue
+            num_failed += 1
+            tried.append(decode)
             if is_last:
                 await self._give_up("decode", decode.url, decoded.failure, call)
                 return
@@ -197,7 +237,23 @@ class Flow:
                 self._state.ledger.abandon(call.handoff, f"decode {decode.url}: {_describe(decoded.failure)}",
                                            "decode_failed")  # fmt: skip
                 call.handoff = None  # decode may have pulled, and prefill freed, those blocks: prefill again
-            await asyncio.sleep(self._backoff(attempt))
+            await self._sleep(call, self._backoff(num_failed))
+
+    def _limit(self, call: Call, phase: str, url: str, limit: float) -> float:
+        """The time an attempt may take: its phase's limit, or what is left of the request's deadline."""
+        left = call.deadline - time.monotonic()
+        if left <= 0:
+            raise UpstreamTimeout(phase, url, f"the request's {self._t.request:g} s deadline passed")
+        return min(limit, left)
+
+    async def _sleep(self, call: Call, seconds: float) -> None:
+        await asyncio.sleep(min(seconds, max(0.0, call.deadline - time.monotonic())))
+
+    def _check_deadline(self, call: Call, exc: UpstreamTimeout) -> UpstreamTimeout:
+        """A timeout that the deadline, not the phase's own limit, caused says so."""
+        if time.monotonic() >= call.deadline - 0.01:
+            return UpstreamTimeout(exc.phase, exc.url, f"the request's {self._t.request:g} s deadline passed")
+        return exc
 
     @staticmethod
     def _may_reuse(handoff: Handoff, decoded: DecodeFailed) -> bool:
@@ -230,16 +286,33 @@ class Flow:
     def _candidates(self, role: Role, tried: Sequence[Instance]) -> list[Instance]:
         pool = self._state.pool(role)
         candidates = pool.available(exclude=tried)
-        if not candidates:
-            now = time.monotonic()
-            states = ", ".join(f"{i.url} ({i.why_unavailable(now)})" for i in pool.instances)
-            raise NoInstanceAvailable(role, states or "none configured")
-        return candidates
+        if candidates:
+            return candidates
+        # Panic mode: every instance is out of service, by health checks or circuits. Refusing everyone
+        # would turn a flap (a busy machine, one slow check) into an outage; the instance likeliest to
+        # answer gets the request, and its answer feeds its breaker as usual.
+        now = time.monotonic()
+        fallbacks = [i for i in pool.instances if i.is_panic_candidate and i not in tried]
+        if fallbacks:
+            best = min(fallbacks, key=lambda i: i.failure_score)
+            self._state.stats.panicked(role)
+            log.warning(
+                "no %s instance in service; trying %s (%s)", role, best.url, best.why_unavailable(now)
+            )
+            return [best]
+        states = ", ".join(f"{i.url} ({i.why_unavailable(now)})" for i in pool.instances)
+        raise NoInstanceAvailable(role, states or "none configured")
 
     def _pick_decode(self, tried: Sequence[Instance], prompt: Prompt | None) -> tuple[Instance, int]:
-        """A decode instance and how many of the prompt's tokens it likely holds in its prefix cache."""
+        """A decode instance and how many of the prompt's tokens it likely holds in its prefix cache.
+
+        Decodes whose oldest stream has waited long for its first byte are left out while others can
+        serve: a handoff sent there may outwait prefill's lease."""
+        candidates = self._candidates("decode", tried)
+        now, limit = time.monotonic(), self._config.kv_lease_s * _LAGGING_SHARE
+        stepping = [c for c in candidates if c.first_byte_wait_s(now) < limit]
         hashes = prompt.hashes if prompt is not None else None
-        pick = self._state.policy("decode").pick(self._candidates("decode", tried), hashes)
+        pick = self._state.policy("decode").pick(stepping or candidates, hashes)
         return pick.instance, pick.num_cached_tokens
 
     def _pick_prefill(self, tried: Sequence[Instance], prompt: Prompt | None) -> Instance:
@@ -261,15 +334,21 @@ class Flow:
                 if not self._state.pool("prefill").available(tried):
                     break  # a retry goes to another instance, and there is none
                 self._state.stats.retried("prefill")
-                await asyncio.sleep(self._backoff(attempt - 1))
-            prefill = self._pick_prefill(tried, call.prompt)
+                await self._sleep(call, self._backoff(attempt - 1))
+            try:
+                prefill = self._pick_prefill(tried, call.prompt)
+            except NoInstanceAvailable as exc:
+                failure = exc  # none in service (e.g. the only one restarting): a fallback may still serve
+                break
             tried.append(prefill)
             trace.prefill_url = prefill.url
             begun = time.perf_counter()
             try:
+                limit = self._limit(call, "prefill", prefill.url, self._t.prefill)
                 with prefill.dispatched():
+                    # A prefill sent twice costs only compute: a stale keep-alive connection is retried.
                     reply = await prefill.upstream.post(
-                        call.path, payload, call.headers, "prefill", self._t.prefill
+                        call.path, payload, call.headers, "prefill", limit, is_repeatable=True
                     )
                 trace.prefill_ms = (time.perf_counter() - begun) * 1000
                 trace.prefill_status = reply.status
@@ -280,23 +359,33 @@ class Flow:
                         raise UpstreamProtocolError("prefill", prefill.url, str(exc)) from None
                     prefill.succeeded()
                     trace.kv_transfer_params = params
-                    return Prefilled(self._state.ledger.open(call.request_id, prefill.url, params))
+                    ledger = self._state.ledger
+                    return Prefilled(
+                        ledger.open(call.request_id, prefill.url, params, prefill.num_kv_expired)
+                    )
                 if reply.status < 500:  # the client's own mistake: no other instance would differ
                     prefill.succeeded()
                     await _relay_rejection("prefill", prefill.url, reply, call)
                     return Relayed()
                 prefill.failed(f"answered {reply.status}")
                 failure = reply
+            except UpstreamTimeout as exc:
+                prefill.failed(exc.detail, is_slow=True)
+                failure = self._check_deadline(call, exc)
             except UpstreamError as exc:
-                prefill.failed(exc.detail)
+                prefill.failed(exc.detail, is_slow=exc.is_slow)
                 failure = exc
             trace.retries.append(f"prefill {prefill.url}: {_describe(failure)}")
+            if time.monotonic() >= call.deadline:
+                break
         assert failure is not None
         return PrefillFailed(failure)
 
     # --- decode -----------------------------------------------------------------------------------
 
-    async def _decode(self, call: Call, decode: Instance, is_last: bool) -> Served | DecodeFailed:
+    async def _decode(
+        self, call: Call, decode: Instance, is_last: bool
+    ) -> Served | DecodeFailed | LeaseSuspect:
         """Serve the client from ``decode``; a failure before the client's first byte is returned,
         unrelayed, so that another attempt may follow."""
         call.trace.decode_url = decode.url
@@ -309,9 +398,11 @@ class Flow:
                 else:
                     result = await self._decode_whole(call, decode, payload)
             except UpstreamError as exc:
-                decode.failed(exc.detail)
+                decode.failed(exc.detail, is_slow=exc.is_slow)
+                if isinstance(exc, UpstreamTimeout):
+                    exc = self._check_deadline(call, exc)
                 if call.out.started:
-                    raise
+                    raise exc from None
                 return DecodeFailed(exc, kv_unused=isinstance(exc, UpstreamConnectError))
         if isinstance(result, DecodeFailed):
             failure = result.failure
@@ -322,11 +413,30 @@ class Flow:
             decode.succeeded()
         return result
 
-    async def _decode_whole(self, call: Call, decode: Instance, payload: bytes) -> Served | DecodeFailed:
-        reply = await decode.upstream.post(call.path, payload, call.headers, "decode", self._t.decode)
+    async def _suspect(self, call: Call) -> LeaseSuspect | None:
+        """The lease guard's verdict on decode's answer, which is about to begin; the handoff of a
+        suspect one is closed as such."""
+        handoff = call.handoff
+        if handoff is None:
+            return None
+        suspicion = await self._guard.check(handoff)
+        if suspicion is None:
+            return None
+        log.warning("request %s: not relaying decode's answer: %s", call.request_id, suspicion.why)
+        self._state.ledger.mark_suspect(handoff, suspicion.kind, suspicion.why)
+        call.handoff = None
+        return LeaseSuspect(suspicion.why)
+
+    async def _decode_whole(
+        self, call: Call, decode: Instance, payload: bytes
+    ) -> Served | DecodeFailed | LeaseSuspect:
+        limit = self._limit(call, "decode", decode.url, self._t.decode)
+        reply = await decode.upstream.post(call.path, payload, call.headers, "decode", limit)
         call.trace.decode_status = reply.status
         if reply.status >= 500:
             return DecodeFailed(reply)
+        if reply.status == 200 and (suspect := await self._suspect(call)) is not None:
+            return suspect
         self._close_handoff(call, decode, reply.status)
         if reply.status != 200:
             await _relay_rejection("decode", decode.url, reply, call)
@@ -336,38 +446,51 @@ class Flow:
 
     async def _decode_stream(
         self, call: Call, decode: Instance, payload: bytes, is_last: bool
-    ) -> Served | DecodeFailed:
+    ) -> Served | DecodeFailed | LeaseSuspect:
         # The first chunk's budget is what the status line left of first_token, not a fresh one.
-        first_chunk_deadline = time.monotonic() + self._t.first_token
-        async with decode.upstream.open_stream(
-            call.path, payload, call.headers, "decode", self._t.first_token
-        ) as resp:
-            call.trace.decode_status = resp.status
-            if resp.status != 200:
-                reply = Reply(resp.status, resp.content_type, await resp.read_all(self._t.idle))
-                if resp.status >= 500:
-                    return DecodeFailed(reply)
-                self._close_handoff(call, decode, resp.status)
-                await _relay_rejection("decode", decode.url, reply, call)
-                return Served()
-            first_timeout = max(0.0, first_chunk_deadline - time.monotonic())
-            return await self._relay(call, resp, decode, first_timeout, is_last)
+        first_token = self._limit(call, "decode", decode.url, self._t.first_token)
+        first_chunk_deadline = time.monotonic() + first_token
+        with decode.awaiting_first_byte() as first_byte_came:
+            async with decode.upstream.open_stream(
+                call.path, payload, call.headers, "decode", first_token
+            ) as resp:
+                call.trace.decode_status = resp.status
+                if resp.status != 200:
+                    first_byte_came()
+                    reply = Reply(resp.status, resp.content_type, await resp.read_all(self._t.idle))
+                    if resp.status >= 500:
+                        return DecodeFailed(reply)
+                    self._close_handoff(call, decode, resp.status)
+                    await _relay_rejection("decode", decode.url, reply, call)
+                    return Served()
+                first_timeout = max(0.0, first_chunk_deadline - time.monotonic())
+                return await self._relay(call, resp, decode, first_timeout, is_last, first_byte_came)
 
     async def _relay(
-        self, call: Call, resp: Stream, decode: Instance, first_timeout: float, is_last: bool
-    ) -> Served | DecodeFailed:
+        self,
+        call: Call,
+        resp: Stream,
+        decode: Instance,
+        first_timeout: float,
+        is_last: bool,
+        first_byte_came: Callable[[], None],
+    ) -> Served | DecodeFailed | LeaseSuspect:
         """Forward decode's SSE bytes untouched, watching only for vLLM's error event and [DONE].
 
         The client's stream starts with the first chunk, not before: an error event as the very
-        first thing (e.g. the KV pull failed) can still be retried elsewhere unless this is the last try.
+        first thing (e.g. the KV pull failed) can still be retried elsewhere unless this is the last
+        try, and the lease guard has its say before any byte goes out.
         """
         out = call.out
         watch = sse.StreamWatch()
         async for chunk in resp.chunks(first_timeout, self._t.idle, self._t.first_token):
             is_error = watch.feed(chunk)
             if not out.started:
+                first_byte_came()
                 if is_error and not is_last:
                     return DecodeFailed(Reply(200, resp.content_type, chunk))
+                if (suspect := await self._suspect(call)) is not None:
+                    return suspect
                 await out.open_stream(resp.content_type)
                 self._close_handoff(call, decode, 200)
             if is_error:
@@ -377,12 +500,24 @@ class Flow:
                     call.has_error_event = call.trace.stream_error_event = True
                     call.trace.error = "decode streamed an error event"
                     log.warning("request %s: decode %s streamed an error event", call.request_id, decode.url)
+            if watch.has_done:
+                self._recheck_before_the_end(call, decode)
             await out.chunk(chunk)
         if not watch.has_done:
             # A stream that stops without [DONE] would look like a short answer to the client.
             raise UpstreamUnavailable("decode", decode.url, "stream ended before it was complete")
         await out.end()
         return Served()
+
+    def _recheck_before_the_end(self, call: Call, decode: Instance) -> None:
+        """Prefill's log may have spoken since the stream began: a stream it discredits ends with an
+        error naming the lease instead of a normal [DONE]."""
+        delivered = call.delivered
+        why = self._guard.from_log(delivered) if delivered is not None else None
+        if delivered is None or why is None:
+            return
+        self._state.ledger.mark_suspect(delivered, "log_during_stream", why)
+        raise UpstreamUnavailable("decode", decode.url, f"KV lease: {why}; this answer may be wrong")
 
     def _close_handoff(self, call: Call, decode: Instance, status: int) -> None:
         """Decode answered: its first bytes mean it has the KV; a 4xx means vLLM refused the request
@@ -392,6 +527,7 @@ class Flow:
             return
         if status == 200:
             self._state.ledger.delivered(call.handoff, decode.url)
+            call.delivered = call.handoff
         else:
             self._state.ledger.abandon(
                 call.handoff, f"decode {decode.url} answered {status}", "decode_rejected"

@@ -20,7 +20,7 @@ import contextlib
 import enum
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from pdserve import prometheus
@@ -46,6 +46,7 @@ class EngineLoad:
     num_running: float = 0.0
     num_waiting: float = 0.0
     kv_usage: float = 0.0  # 0..1
+    num_kv_expired: float = 0.0  # prefill: leases that ran out unpulled (vllm:nixl_num_kv_expired_reqs)
 
     @classmethod
     def from_metrics(cls, text: str) -> EngineLoad:
@@ -54,6 +55,7 @@ class EngineLoad:
             samples.get(prometheus.NUM_RUNNING, 0.0),
             samples.get(prometheus.NUM_WAITING, 0.0),
             samples.get(prometheus.KV_USAGE, 0.0),
+            samples.get(prometheus.KV_EXPIRED, 0.0),
         )
 
 
@@ -71,7 +73,9 @@ class Instance:
         self._is_restarting = False
         self._num_in_flight = 0
         self._load = EngineLoad()
+        self._has_load = False  # a /metrics scrape has succeeded (since the last restart)
         self._last_error: str | None = None
+        self._awaiting_first: dict[int, float] = {}  # streamed requests with no first byte yet → since
 
     @property
     def url(self) -> str:
@@ -108,11 +112,26 @@ class Instance:
         return self._load
 
     @property
+    def num_kv_expired(self) -> float | None:
+        """Prefill's count of leases that ran out unpulled at the last scrape; None before one."""
+        return self._load.num_kv_expired if self._has_load else None
+
+    @property
     def last_error(self) -> str | None:
         return self._last_error
 
     def is_available(self, now: float) -> bool:
         return self.lifecycle is Lifecycle.SERVING and self.breaker.allows(now)
+
+    @property
+    def is_panic_candidate(self) -> bool:
+        """Out of service by its health or its circuit, not by intent (draining, removed, restarting)."""
+        return self.lifecycle in (Lifecycle.SERVING, Lifecycle.UNHEALTHY)
+
+    @property
+    def failure_score(self) -> tuple[int, int]:
+        """Lower is likelier to answer: fewer failed requests in a row, then fewer failed checks."""
+        return (self.breaker.num_consecutive_failures, self._num_failed_checks)
 
     def why_unavailable(self, now: float) -> str:
         lifecycle = self.lifecycle
@@ -132,7 +151,7 @@ class Instance:
         self._is_healthy, self._has_answered, self._num_failed_checks = True, True, 0
         self._last_error = None
         if load is not None:
-            self._load = load
+            self._load, self._has_load = load, True
         return recovered
 
     def check_failed(self, error: str) -> None:
@@ -153,7 +172,7 @@ class Instance:
         self._is_restarting = False
         self._is_healthy, self._has_answered, self._num_failed_checks = True, True, 0
         self._last_error = None
-        self._load = EngineLoad()
+        self._load, self._has_load = EngineLoad(), False
         self.breaker.reset()
 
     def gave_up(self, detail: str) -> None:
@@ -174,12 +193,36 @@ class Instance:
         finally:
             self._num_in_flight -= 1
 
+    @contextlib.contextmanager
+    def awaiting_first_byte(self) -> Iterator[Callable[[], None]]:
+        """Within the block the instance owes a streamed request its first byte; call what it yields
+        when the byte comes. How long the oldest such wait is tells a stalled engine from a busy one."""
+        token = object()
+        key = id(token)
+        self._awaiting_first[key] = time.monotonic()
+
+        def arrived() -> None:
+            self._awaiting_first.pop(key, None)
+
+        try:
+            yield arrived
+        finally:
+            arrived()
+
+    def first_byte_wait_s(self, now: float) -> float:
+        """How long the oldest streamed request here has waited for its first byte (0: none waits)."""
+        return now - min(self._awaiting_first.values()) if self._awaiting_first else 0.0
+
     def succeeded(self) -> None:
         self.breaker.record_success()
 
-    def failed(self, detail: str) -> None:
-        """A failure of the instance itself (not of the client's request): counts toward its breaker."""
+    def failed(self, detail: str, is_slow: bool = False) -> None:
+        """A failure of the instance itself (not of the client's request). Hard failures (refused,
+        5xx, broken answers) count toward its breaker; a slow one (a timeout) does not: a slow instance
+        is not a dead one, and health checks, not single timeouts, take it out of service."""
         self._last_error = detail
+        if is_slow:
+            return
         now = time.monotonic()
         was_closed = self.breaker.state(now) == "closed"
         self.breaker.record_failure(now)

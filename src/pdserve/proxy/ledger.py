@@ -12,7 +12,7 @@ are past their lease, the ones to worry about.
 from __future__ import annotations
 
 import time
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -31,6 +31,9 @@ class Handoff:
     state: HandoffState = "open"
     decode_url: str | None = None
     reason: str | None = None  # why it was abandoned
+    # prefill's count of leases that ran out unpulled, as last scraped before this handoff opened
+    prefill_expired_before: float | None = None
+    suspect: str | None = None  # why its KV may have been released before decode read it
 
     @property
     def num_blocks(self) -> int:
@@ -39,6 +42,15 @@ class Handoff:
 
     def age_s(self) -> float:
         return time.monotonic() - self.received_at
+
+    @property
+    def remote_request_id(self) -> str:
+        return str(self.params.get("remote_request_id"))
+
+    def is_past_lease(self, now: float) -> bool:
+        """Whether prefill may have released the KV by ``now`` if no decode heartbeat extended it: the
+        lease began before the proxy had the answer, so the proxy's clock is given a margin."""
+        return now - self.received_at >= self.lease_s - lease_margin_s(self.lease_s)
 
     def is_fresh(self) -> bool:
         """Young enough to hand to another decode: half the lease leaves it time to start its pull."""
@@ -56,7 +68,17 @@ class Handoff:
             "lease_s": self.lease_s,
             "decode_url": self.decode_url,
             "reason": self.reason,
+            "suspect": self.suspect,
         }
+
+
+def lease_margin_s(lease_s: float) -> float:
+    """How much earlier than the proxy's clock says the lease may end: prefill starts it when its engine
+    finishes, a little before its HTTP answer reaches the proxy."""
+    return max(1.0, 0.1 * lease_s)
+
+
+_NUM_LOG_EVENTS = 65536
 
 
 class Ledger:
@@ -67,10 +89,15 @@ class Ledger:
         self.num_issued = 0
         self.num_delivered = 0
         self.abandoned: Counter[str] = Counter()  # by short reason
-        self.log_events: dict[tuple[str, str], KVLogEvent] = {}  # (prefill url, remote_request_id) → event
+        self.suspects: Counter[str] = Counter()  # by kind: why a handoff's KV was not trusted
+        # (prefill url, remote_request_id) → what prefill's log said of it, newest last
+        self._log_events: OrderedDict[tuple[str, str], KVLogEvent] = OrderedDict()
 
-    def open(self, request_id: str, prefill_url: str, params: dict[str, Any]) -> Handoff:
+    def open(
+        self, request_id: str, prefill_url: str, params: dict[str, Any], prefill_expired: float | None = None
+    ) -> Handoff:
         handoff = Handoff(request_id, prefill_url, params, time.monotonic(), self.lease_s)
+        handoff.prefill_expired_before = prefill_expired
         self._open[id(handoff)] = handoff
         self.num_issued += 1
         return handoff
@@ -89,8 +116,28 @@ class Ledger:
         return True
 
     def on_log_event(self, event: KVLogEvent) -> None:
-        """Prefill's log said something about a handoff (see events.py); kept for the integrity checks."""
-        self.log_events[(event.url, event.remote_request_id)] = event
+        """Prefill's log said something about a handoff (see events.py); kept for the lease checks."""
+        self._log_events[(event.url, event.remote_request_id)] = event
+        while len(self._log_events) > _NUM_LOG_EVENTS:
+            self._log_events.popitem(last=False)
+        key = (event.url, event.remote_request_id)
+        for handoff in self.recent:
+            # Too late to retry: the answer went out. Counted, so /metrics shows it happened.
+            is_it = (handoff.prefill_url, handoff.remote_request_id) == key
+            if is_it and handoff.state == "delivered" and handoff.suspect is None:
+                self.mark_suspect(handoff, "log_after_delivery", f"prefill log, after delivery: {event.kind}")
+
+    def log_event(self, handoff: Handoff) -> KVLogEvent | None:
+        """What prefill's log said about this handoff's KV, if anything."""
+        return self._log_events.get((handoff.prefill_url, handoff.remote_request_id))
+
+    def mark_suspect(self, handoff: Handoff, kind: str, why: str) -> None:
+        """The handoff's KV may have been released before decode read it; ``kind`` is counted."""
+        handoff.suspect = why
+        self.suspects[kind] += 1
+        if handoff.state != "open":
+            return
+        self.abandon(handoff, why, "suspect")
 
     def _close(self, handoff: Handoff, state: HandoffState) -> bool:
         if self._open.pop(id(handoff), None) is None:
@@ -113,6 +160,7 @@ class Ledger:
             "issued": self.num_issued,
             "delivered": self.num_delivered,
             "abandoned": dict(self.abandoned),
+            "suspect": dict(self.suspects),
             "open": [h.describe() for h in self._open.values()],
             "overdue": self.num_overdue(),
             "recent": [h.describe() for h in reversed(self.recent)],

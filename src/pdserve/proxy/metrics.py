@@ -64,6 +64,13 @@ def render(state: ProxyState, admission: Admission) -> str:
     t.metric("pdserve_kv_handoffs_total", "counter", "KV handoffs (prefill params issued), by how they ended.",
              [({"state": "issued"}, ledger.num_issued), ({"state": "delivered"}, ledger.num_delivered),
               *(({"state": "abandoned", "reason": k}, n) for k, n in sorted(ledger.abandoned.items()))])  # fmt: skip
+    t.metric("pdserve_kv_handoffs_suspect_total", "counter",
+             "Handoffs whose KV may have been released before decode read it, by evidence "
+             "(late: past the lease while prefill expired leases; log: prefill's log said so).",
+             (({"reason": k}, n) for k, n in sorted(ledger.suspects.items())))  # fmt: skip
+    t.metric("pdserve_panic_total", "counter", "Requests sent to an out-of-service instance because "
+             "every instance of the role was out (panic mode), by role.",
+             (({"role": r}, n) for r, n in sorted(stats.panics.items())))  # fmt: skip
     t.metric("pdserve_kv_handoffs_open", "gauge", "Handoffs whose KV prefill still holds for a decode.",
              [({}, len(ledger.open_handoffs))])  # fmt: skip
     t.metric("pdserve_kv_handoffs_overdue", "gauge", "Open handoffs older than the KV lease.",

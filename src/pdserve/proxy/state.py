@@ -75,12 +75,16 @@ class Stats:
     def __init__(self) -> None:
         self.outcomes: Counter[tuple[Endpoint, Outcome]] = Counter()
         self.retries: Counter[str] = Counter()  # phase → attempts retried on another instance
+        self.panics: Counter[str] = Counter()  # role → requests sent to an out-of-service instance
 
     def finished(self, endpoint: Endpoint, outcome: Outcome) -> None:
         self.outcomes[(endpoint, outcome)] += 1
 
     def retried(self, phase: str) -> None:
         self.retries[phase] += 1
+
+    def panicked(self, role: str) -> None:
+        self.panics[role] += 1
 
 
 class ProxyState:

@@ -20,6 +20,9 @@ from pdserve.config import Role
 from pdserve.errors import UpstreamConnectError, UpstreamError, UpstreamTimeout, UpstreamUnavailable
 
 _JSON_HEADERS = {"Content-Type": "application/json"}
+_KEEPALIVE_S = 4.0
+# Failures of a reused connection that the server had already closed: the request never reached it.
+_STALE = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
 
 
 @dataclass(frozen=True)
@@ -60,9 +63,16 @@ class Upstream(Protocol):
     async def open(self) -> None: ...
     async def close(self) -> None: ...
     async def post(
-        self, path: str, body: bytes, headers: Mapping[str, str], phase: str, timeout: float
+        self,
+        path: str,
+        body: bytes,
+        headers: Mapping[str, str],
+        phase: str,
+        timeout: float,
+        is_repeatable: bool = False,
     ) -> Reply:
-        """POST and read the whole answer within ``timeout`` seconds."""
+        """POST and read the whole answer within ``timeout`` seconds. ``is_repeatable``: the request
+        may be sent again on a fresh connection when a kept-alive one turns out closed."""
         ...
 
     def open_stream(
@@ -121,7 +131,12 @@ class HTTPUpstream:
 
     async def open(self) -> None:
         connector = aiohttp.TCPConnector(
-            limit=self._max_connections, ttl_dns_cache=300, enable_cleanup_closed=True
+            limit=self._max_connections,
+            ttl_dns_cache=300,
+            enable_cleanup_closed=True,
+            # Below vLLM's own keep-alive (uvicorn's 5 s): a connection the server is about to close is
+            # never reused, so a request is not lost to a stale one.
+            keepalive_timeout=_KEEPALIVE_S,
         )
         self._session = aiohttp.ClientSession(
             base_url=self.url,
@@ -146,8 +161,9 @@ class HTTPUpstream:
 
     def translate(self, phase: str, exc: BaseException, limit: float | None = None) -> UpstreamError:
         """The one place where aiohttp's and asyncio's exceptions become pdserve's."""
-        if isinstance(exc, aiohttp.ConnectionTimeoutError):
-            return UpstreamConnectError(phase, self.url, f"cannot connect within {self._connect_timeout:g} s")
+        if isinstance(exc, aiohttp.ConnectionTimeoutError):  # the TCP connect itself (sock_connect)
+            detail = f"cannot connect within {self._connect_timeout:g} s"
+            return UpstreamConnectError(phase, self.url, detail, is_slow=True)
         if isinstance(exc, TimeoutError | aiohttp.ServerTimeoutError):
             shown = self._connect_timeout if limit is None else limit
             return UpstreamTimeout(phase, self.url, f"no answer within {shown:g} s")
@@ -158,13 +174,28 @@ class HTTPUpstream:
         return UpstreamUnavailable(phase, self.url, f"{type(exc).__name__}: {exc}")
 
     async def post(
-        self, path: str, body: bytes, headers: Mapping[str, str], phase: str, timeout: float
+        self,
+        path: str,
+        body: bytes,
+        headers: Mapping[str, str],
+        phase: str,
+        timeout: float,
+        is_repeatable: bool = False,
     ) -> Reply:
+        all_headers = {**_JSON_HEADERS, **headers}
         try:
             async with asyncio.timeout(timeout):
-                async with self._client.post(path, data=body, headers={**_JSON_HEADERS, **headers}) as resp:
-                    payload = await resp.read()
-                    return Reply(resp.status, resp.headers.get("Content-Type", "application/json"), payload)
+                for attempt in (1, 2):
+                    try:
+                        async with self._client.post(path, data=body, headers=all_headers) as resp:
+                            payload = await resp.read()
+                            content_type = resp.headers.get("Content-Type", "application/json")
+                            return Reply(resp.status, content_type, payload)
+                    except _STALE as exc:
+                        # Once more on a fresh connection, invisibly, when sending twice is harmless.
+                        if not is_repeatable or attempt == 2 or isinstance(exc, aiohttp.ClientConnectorError):
+                            raise
+                raise AssertionError("unreachable")
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise self.translate(phase, exc, timeout) from exc
 
@@ -188,8 +219,14 @@ class HTTPUpstream:
     async def get(self, path: str, phase: str, timeout: float) -> Reply:
         try:
             async with asyncio.timeout(timeout):
-                async with self._client.get(path) as resp:
-                    payload = await resp.read()
-                    return Reply(resp.status, resp.headers.get("Content-Type", "text/plain"), payload)
+                for attempt in (1, 2):
+                    try:
+                        async with self._client.get(path) as resp:
+                            payload = await resp.read()
+                            return Reply(resp.status, resp.headers.get("Content-Type", "text/plain"), payload)
+                    except _STALE as exc:
+                        if attempt == 2 or isinstance(exc, aiohttp.ClientConnectorError):
+                            raise
+                raise AssertionError("unreachable")
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise self.translate(phase, exc, timeout) from exc

@@ -1,0 +1,105 @@
+"""The lease guard: an answer that may rest on KV prefill already released never reaches the client;
+the request is prefilled again. In memory (memory_upstream.py), with a short lease and slow decodes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+from memory_upstream import Answer, Script
+from test_flow_memory import COMPLETION, PARAMS, System, decode_text, prefill_ok
+
+from pdserve.config import Timeouts
+from pdserve.events import KVLogEvent
+from pdserve.proxy.health import HealthChecker
+
+LEASE_S = 2.0  # the guard's margin is 1 s: an answer past 1 s after prefill's is "past the lease"
+
+
+def slow_first(text: str, delay_s: float) -> Script:
+    """A decode whose first answer comes only after ``delay_s`` (stalled or queued), then at once."""
+    fast = decode_text(text)
+    calls: list[int] = []
+
+    def answer(body: dict[str, Any]) -> Answer:
+        calls.append(1)
+        quick = fast(body)
+        if len(calls) > 1:
+            return quick
+        return Answer(quick.status, quick.body, quick.chunks, quick.content_type, delay_s=delay_s)
+
+    return answer
+
+
+def expired_metrics(count: int) -> str:
+    return f'vllm:nixl_num_kv_expired_reqs_total{{engine="0"}} {count}.0\n'
+
+
+async def scraped(system: System, expired: int) -> None:
+    """The health checker has read prefill's lease counter (the baseline the guard compares with)."""
+    system.upstreams["http://p0:1"].metrics = expired_metrics(expired)
+    checker = HealthChecker(system.state, interval_s=1, timeout_s=1)
+    await checker.check_all()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_an_answer_past_the_lease_while_prefill_released_leases_is_not_relayed(stream: bool) -> None:
+    system = System([prefill_ok], [slow_first(" right", 1.3)], kv_lease_s=LEASE_S)
+    await scraped(system, expired=4)
+    system.upstreams["http://p0:1"].metrics = expired_metrics(5)  # a lease ran out meanwhile
+    answer = await system.ask({**COMPLETION, "stream": stream})
+    assert answer.status == 200
+    assert b" right" in answer.body
+    assert len(system.calls("http://p0:1")) == 2  # prefilled again
+    assert len(system.calls("http://d0:1")) == 2  # and only the second answer reached the client
+    assert system.state.ledger.suspects["late"] == 1
+    assert system.state.stats.retries["lease"] == 1
+
+
+async def test_a_late_answer_is_trusted_when_no_lease_ran_out_on_prefill() -> None:
+    # A long queue at decode is normal: its heartbeats keep the lease alive, and prefill says so by
+    # not counting an expiry.
+    system = System([prefill_ok], [slow_first(" queued", 1.3)], kv_lease_s=LEASE_S)
+    await scraped(system, expired=4)
+    answer = await system.ask(COMPLETION)
+    assert answer.status == 200 and b" queued" in answer.body
+    assert len(system.calls("http://p0:1")) == 1
+    assert system.state.ledger.suspects == {}
+
+
+async def test_prefills_log_saying_it_released_the_kv_discredits_even_a_quick_answer() -> None:
+    ids = iter(range(100))
+
+    def prefill_fresh_ids(body: dict[str, Any]) -> Answer:  # vLLM names every prefill anew
+        params = {**PARAMS, "remote_request_id": f"cmpl-r-0-{next(ids):08x}"}
+        return Answer(body=orjson.dumps({"choices": [{"text": "x"}], "kv_transfer_params": params}))
+
+    system = System([prefill_fresh_ids], [decode_text(" ok")], kv_lease_s=30)
+    event = KVLogEvent("http://p0:1", "expired", "cmpl-r-0-00000000", at=0.0)
+
+    def decode_after_release(body: dict[str, Any]) -> Answer:
+        if len(system.calls("http://d0:1")) == 1:
+            system.state.on_event(event)  # the log watcher read the line while decode was pulling
+        return decode_text(" ok")(body)
+
+    system.upstreams["http://d0:1"].script = decode_after_release
+    answer = await system.ask(COMPLETION)
+    assert answer.status == 200 and b" ok" in answer.body
+    assert len(system.calls("http://p0:1")) == 2  # the released handoff was replaced by a fresh one
+    assert system.state.ledger.suspects["log"] == 1
+
+
+async def test_the_requests_deadline_bounds_all_its_attempts() -> None:
+    system = System([prefill_ok], [slow_first(" never", 2.0)], timeouts=Timeouts(request=0.5))
+    answer = await system.ask(COMPLETION)
+    assert answer.status == 504
+    assert "deadline" in orjson.loads(answer.body)["error"]["message"]
+
+
+async def test_prompt_logprobs_are_served_by_decode_alone() -> None:
+    system = System([prefill_ok], [decode_text(" alone")])
+    answer = await system.ask({**COMPLETION, "echo": True, "logprobs": 1})
+    assert answer.status == 200
+    assert system.calls("http://p0:1") == []
+    assert "kv_transfer_params" not in system.calls("http://d0:1")[0]
