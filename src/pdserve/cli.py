@@ -32,6 +32,8 @@ def _add_timeouts(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--decode-timeout", type=float, default=d.decode, help="non-streamed decode: the whole call"
     )
+    g.add_argument("--request-timeout", type=float, default=d.request,
+                   help="one request, every attempt and retry together (its overall deadline)")  # fmt: skip
 
 
 def _proxy_default(name: str) -> Any:
@@ -75,7 +77,12 @@ def _routing(a: argparse.Namespace) -> dict[str, Any]:
 
 def _timeouts(a: argparse.Namespace) -> Timeouts:
     return Timeouts(
-        a.connect_timeout, a.prefill_timeout, a.first_token_timeout, a.idle_timeout, a.decode_timeout
+        a.connect_timeout,
+        a.prefill_timeout,
+        a.first_token_timeout,
+        a.idle_timeout,
+        a.decode_timeout,
+        a.request_timeout,
     )
 
 
@@ -154,6 +161,7 @@ def cmd_proxy(a: argparse.Namespace) -> int:
         timeouts=_timeouts(a),
         tokenizer=a.tokenizer,
         prefix_block_size=a.block_size,
+        kv_lease_s=a.kv_lease_s,
         **_routing(a),
     )
     serve(config, a.log_level)
@@ -221,6 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
     proxy.add_argument(
         "--tokenizer", metavar="DIR", help="model dir with tokenizer.json, for prompt-aware routing"
     )
+    proxy.add_argument("--kv-lease", type=float, dest="kv_lease_s", default=_proxy_default("kv_lease_s"),
+                       help="the instances' kv_lease_duration in seconds: the lease guard reasons with it")  # fmt: skip
     proxy.add_argument("--block-size", type=int, default=_proxy_default("prefix_block_size"),
                        help="the engines' KV block size (vLLM --block-size)")  # fmt: skip
     _add_routing(proxy)
