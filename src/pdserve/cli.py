@@ -162,6 +162,7 @@ def cmd_proxy(a: argparse.Namespace) -> int:
         tokenizer=a.tokenizer,
         prefix_block_size=a.block_size,
         kv_lease_s=a.kv_lease_s,
+        colocated=a.colocated,
         **_routing(a),
     )
     serve(config, a.log_level)
@@ -218,9 +219,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.set_defaults(func=cmd_up)
 
     proxy = sub.add_parser("proxy", help="run the proxy in front of existing vLLM instances")
-    proxy.add_argument(
-        "--prefill", action="append", required=True, metavar="URL", help="prefill instance (repeatable)"
-    )
+    proxy.add_argument("--prefill", action="append", default=[], metavar="URL",
+                       help="prefill instance (repeatable; none with --colocated)")  # fmt: skip
+    proxy.add_argument("--colocated", action="store_true",
+                       help="split nothing: each request goes whole to one --decode instance (a baseline)")  # fmt: skip
     proxy.add_argument(
         "--decode", action="append", required=True, metavar="URL", help="decode instance (repeatable)"
     )

@@ -104,10 +104,15 @@ class ProxyConfig:
     prefix_load_cost_tokens: float = 256.0  # prefix_aware: cached tokens worth one more request ahead
     skip_prefill_below_tokens: int = 0  # uncached prompt shorter than this → decode alone; 0: never
     max_body_bytes: int = 32 * 1024 * 1024
+    # No split at all: each request is served whole by one instance of the decode pool. The colocated
+    # baseline that `pdserve bench --compare` measures disaggregation against, through the same proxy.
+    colocated: bool = False
 
     def __post_init__(self) -> None:
-        if not self.prefill_urls:
+        if not self.prefill_urls and not self.colocated:
             raise ConfigError("proxy needs at least one prefill instance (--prefill URL)")
+        if self.prefill_urls and self.colocated:
+            raise ConfigError("a colocated proxy splits nothing: give its instances as --decode only")
         if not self.decode_urls:
             raise ConfigError("proxy needs at least one decode instance (--decode URL)")
         object.__setattr__(self, "prefill_urls", tuple(normalize_url(u) for u in self.prefill_urls))

@@ -126,3 +126,11 @@ async def test_a_stream_whose_first_event_is_an_error_is_retried_unseen_by_the_c
     assert answer.status == 200
     assert b"error" not in answer.body and b" fine" in answer.body
     assert answer.body.endswith(sse.DONE)
+
+
+async def test_a_colocated_proxy_serves_every_request_whole_on_one_instance() -> None:
+    system = System([], [decode_text(" whole")], colocated=True)
+    answer = await system.ask(COMPLETION)
+    assert answer.status == 200
+    assert system.calls("http://d0:1") == [COMPLETION]
+    assert system.state.can_serve()

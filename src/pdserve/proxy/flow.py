@@ -187,7 +187,9 @@ class Flow:
                 self._state.ledger.abandon(call.handoff, trace.error or "request ended", kind)
 
     async def _serve(self, call: Call) -> None:
-        local_reason = protocol.needs_local_prefill(call.body)
+        local_reason = (
+            "colocated: no split" if self._config.colocated else protocol.needs_local_prefill(call.body)
+        )
         call.prompt = self._prompt(call.body)
         tried: list[Instance] = []  # decodes that failed (or were given up on): a retry goes elsewhere
         num_failed = num_lease_retries = 0

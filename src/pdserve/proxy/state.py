@@ -129,8 +129,9 @@ class ProxyState:
         return next((i for i in self.instances if i.url == url), None)
 
     def can_serve(self) -> bool:
-        """At least one instance of each role takes requests now."""
-        return all(pool.available() for pool in self._pools.values())
+        """At least one instance of each role it needs takes requests now."""
+        roles: tuple[Role, ...] = ("decode",) if self._config.colocated else ROLES
+        return all(self._pools[role].available() for role in roles)
 
     def describe(self) -> list[dict[str, object]]:
         return [i.describe() for i in self.instances]
