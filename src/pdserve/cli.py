@@ -59,6 +59,8 @@ def _add_routing(p: argparse.ArgumentParser) -> None:
                    help="when every prefill attempt fails, let decode compute the prompt itself")  # fmt: skip
     g.add_argument("--api-key", help="clients must send Authorization: Bearer KEY")
     g.add_argument("--admin-api-key", help="enables the admin API (/admin/...) with this key")
+    g.add_argument("--otlp-traces-endpoint", metavar="URL",
+                   help="send OpenTelemetry spans of every request to this OTLP/HTTP traces URL (…/v1/traces)")  # fmt: skip
 
 
 def _routing(a: argparse.Namespace) -> dict[str, Any]:
@@ -72,6 +74,7 @@ def _routing(a: argparse.Namespace) -> dict[str, Any]:
         "fallback_to_local_prefill": a.fallback_to_local_prefill,
         "api_key": a.api_key,
         "admin_api_key": a.admin_api_key,
+        "otlp_traces_endpoint": a.otlp_traces_endpoint,
     }
 
 
@@ -105,6 +108,9 @@ def _add_topology(p: argparse.ArgumentParser) -> None:
     p.add_argument("--startup-timeout", type=float, help="seconds for every instance to become healthy")
     p.add_argument("--kv-lease", type=float, dest="kv_lease_s",
                    help="seconds prefill holds KV nobody pulls (vLLM's kv_lease_duration; default 30)")  # fmt: skip
+    p.add_argument("--on-instance-exit", choices=("restart", "stop"),
+                   help="an instance that exits is restarted with backoff while the rest serve (restart, the "
+                        "default), or stops everything (stop)")  # fmt: skip
     p.add_argument(
         "--vllm-arg",
         action="append",
@@ -117,7 +123,8 @@ def _add_topology(p: argparse.ArgumentParser) -> None:
 def _topology(a: argparse.Namespace) -> Topology:
     base = load_topology(a.config) if a.config else Topology()
     names = ("model", "num_prefill", "num_decode", "proxy_port", "host", "first_port", "engine", "sim_profile",
-             "first_side_channel_port", "device", "engine_python", "run_dir", "startup_timeout", "kv_lease_s")  # fmt: skip
+             "first_side_channel_port", "device", "engine_python", "run_dir", "startup_timeout", "kv_lease_s",
+             "on_instance_exit")  # fmt: skip
     given: dict[str, Any] = {n: getattr(a, n) for n in names if getattr(a, n) is not None}
     if a.vllm_args:
         given["vllm_args"] = (*base.vllm_args, *a.vllm_args)
@@ -146,7 +153,9 @@ def cmd_up(a: argparse.Namespace) -> int:
             print("  " + line)
         print("Ctrl-C stops everything.", flush=True)
         while True:
-            stack.check_alive()  # an instance that dies takes the whole stack down, loudly
+            # --on-instance-exit stop: an instance that dies takes the whole stack down, loudly;
+            # restart: the supervisor brings it back and this never raises.
+            stack.check_alive()
             time.sleep(1.0)
 
 

@@ -19,6 +19,7 @@ from pdserve.errors import ConfigError
 Role = Literal["prefill", "decode"]
 Device = Literal["cpu", "cuda"]
 EngineKind = Literal["vllm", "sim"]
+OnInstanceExit = Literal["restart", "stop"]
 ROLES: tuple[Role, ...] = ("prefill", "decode")
 
 
@@ -107,6 +108,7 @@ class ProxyConfig:
     # No split at all: each request is served whole by one instance of the decode pool. The colocated
     # baseline that `pdserve bench --compare` measures disaggregation against, through the same proxy.
     colocated: bool = False
+    otlp_traces_endpoint: str | None = None  # OTLP/HTTP traces URL (…/v1/traces): spans of every request
 
     def __post_init__(self) -> None:
         if not self.prefill_urls and not self.colocated:
@@ -191,6 +193,8 @@ class Topology:
     engine_python: str | None = None  # python of the vLLM venv; None → discovered (engines/venv.py)
     startup_timeout: float = 600.0
     run_dir: str | None = None  # logs go here; None → runs/<timestamp>
+    # restart: `up` restarts an instance that exits (engines/supervisor.py); stop: `up` exits with it
+    on_instance_exit: OnInstanceExit = "restart"
 
     def __post_init__(self) -> None:
         if self.num_prefill < 1 or self.num_decode < 1:
@@ -202,6 +206,10 @@ class Topology:
             raise ConfigError(f"topology.engine must be 'vllm' or 'sim', got {self.engine!r}")
         if self.device not in ("cpu", "cuda"):
             raise ConfigError(f"topology.device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.on_instance_exit not in ("restart", "stop"):
+            raise ConfigError(
+                f"topology.on_instance_exit must be 'restart' or 'stop', got {self.on_instance_exit!r}"
+            )
         for name in ("proxy_port", "first_port", "first_side_channel_port"):
             _check_port("topology", name, getattr(self, name))
         _check_positive(
@@ -245,6 +253,7 @@ def topology_from_mapping(data: dict[str, Any], base: Topology | None = None) ->
         decode: {count: 2}
         proxy_port: 8000
         vllm_args: ["--enforce-eager"]
+        on_instance_exit: restart    # or stop
     """
     values: dict[str, Any] = {}
     for key, value in data.items():

@@ -28,6 +28,7 @@ from pdserve.proxy.policies import PolicyOptions, make_policy
 from pdserve.proxy.routing import Policy
 from pdserve.proxy.state import ProxyState, UpstreamFactory
 from pdserve.proxy.tokens import PromptTokenizer
+from pdserve.proxy.tracing import RequestTracing
 
 log = logging.getLogger("pdserve.proxy")
 
@@ -42,10 +43,11 @@ def create_app(config: ProxyConfig, make_upstream: UpstreamFactory | None = None
     tokenizer = PromptTokenizer.from_model_dir(config.tokenizer) if config.tokenizer else None
     if config.tokenizer and tokenizer is None:
         log.warning("no tokenizer.json in %s: prompt-aware routing falls back to load only", config.tokenizer)
+    tracing = RequestTracing(config.otlp_traces_endpoint) if config.otlp_traces_endpoint else None
     ctx = Context(
         config=config,
         state=state,
-        flow=Flow(state, config, tokenizer),
+        flow=Flow(state, config, tokenizer, tracing),
         admission=Admission(config.max_concurrent, config.max_queued, config.queue_timeout_s),
         health=HealthChecker(state, config.health_interval_s, config.health_timeout_s),
     )
@@ -64,6 +66,8 @@ def create_app(config: ProxyConfig, make_upstream: UpstreamFactory | None = None
             checker.cancel()
             await asyncio.gather(checker, return_exceptions=True)
             await state.close()
+            if tracing is not None:
+                await asyncio.to_thread(tracing.shutdown)  # flushes the last spans
 
     app = Starlette(
         routes=[

@@ -60,8 +60,10 @@ from pdserve.proxy.ledger import Handoff
 from pdserve.proxy.prefix import should_skip_prefill
 from pdserve.proxy.responder import Responder
 from pdserve.proxy.state import Outcome, ProxyState
+from pdserve.proxy.timeline import Timeline
 from pdserve.proxy.tokens import PromptTokenizer
 from pdserve.proxy.trace import Trace
+from pdserve.proxy.tracing import RequestTracing
 from pdserve.proxy.upstream import Reply, Stream
 
 log = logging.getLogger("pdserve.proxy")
@@ -96,6 +98,7 @@ class Call:
     handoff: Handoff | None = None  # the KV handoff in play: opened by prefill, closed by decode
     delivered: Handoff | None = None  # the handoff decode's answer rests on, once it began
     has_error_event: bool = False  # decode streamed vLLM's error event to the client
+    timeline: Timeline = field(default_factory=lambda: Timeline(time.perf_counter()))
 
     @property
     def path(self) -> str:
@@ -144,15 +147,33 @@ class LeaseSuspect:
 
 class Flow:
     def __init__(
-        self, state: ProxyState, config: ProxyConfig, tokenizer: PromptTokenizer | None = None
+        self,
+        state: ProxyState,
+        config: ProxyConfig,
+        tokenizer: PromptTokenizer | None = None,
+        tracing: RequestTracing | None = None,
     ) -> None:
         self._state = state
         self._config = config
         self._tokenizer = tokenizer
         self._t = config.timeouts
         self._guard = LeaseGuard(state, state.ledger)
+        self._tracing = tracing
 
-    async def serve(self, endpoint: Endpoint, raw: bytes, auth: str | None, out: Responder) -> None:
+    async def serve(
+        self,
+        endpoint: Endpoint,
+        raw: bytes,
+        auth: str | None,
+        out: Responder,
+        arrived: float | None = None,
+        arrived_ns: int | None = None,
+    ) -> None:
+        """Serve one request; ``arrived`` (perf_counter) and ``arrived_ns`` (epoch) mark when it came in,
+        before it waited for an admission slot."""
+        admitted = time.perf_counter()
+        arrived = admitted if arrived is None else arrived
+        arrived_ns = time.time_ns() if arrived_ns is None else arrived_ns
         try:
             body = protocol.client_body(protocol.parse_body(raw))
         except BadRequest as exc:
@@ -166,6 +187,12 @@ class Flow:
         if auth is not None:
             headers["Authorization"] = auth
         call = Call(endpoint, body, headers, out, trace, is_stream, time.monotonic() + self._t.request)
+        timeline = call.timeline = Timeline(arrived, admitted, itl=self._state.stats.timings.itl)
+        span = None
+        if self._tracing is not None:
+            span = self._tracing.start(out.request_id, endpoint, is_stream, arrived_ns)
+            self._tracing.inject(span, headers)  # so vLLM's spans join this request's trace
+            trace.trace_id = f"{span.get_span_context().trace_id:032x}"
         begun = time.perf_counter()
         try:
             await self._serve(call)
@@ -176,7 +203,10 @@ class Flow:
             extra = [(b"retry-after", str(retry_after).encode())] if retry_after else []
             await out.error(exc.status, str(exc), exc.error_type, extra=extra)
         finally:
-            trace.total_ms = (time.perf_counter() - begun) * 1000
+            timeline.ended = time.perf_counter()
+            trace.total_ms = (timeline.ended - begun) * 1000
+            trace.timeline = timeline.as_ms()
+            self._state.stats.timed(timeline)
             outcome = self._outcome(call)
             if outcome is Outcome.CLIENT_DISCONNECTED and trace.error is None:
                 trace.error = "client disconnected"
@@ -185,6 +215,11 @@ class Flow:
             if call.handoff is not None:  # still open: decode never started answering
                 kind = "client_gone" if outcome is Outcome.CLIENT_DISCONNECTED else "failed"
                 self._state.ledger.abandon(call.handoff, trace.error or "request ended", kind)
+            if span is not None and self._tracing is not None:
+                attributes = {"pdserve.outcome": outcome.value, "pdserve.prefill_url": trace.prefill_url,
+                              "pdserve.decode_url": trace.decode_url, "http.response.status_code": out.status,
+                              "pdserve.retries": len(trace.retries)}  # fmt: skip
+                self._tracing.finish(span, timeline, arrived_ns, attributes, trace.error)
 
     async def _serve(self, call: Call) -> None:
         local_reason = (
@@ -347,12 +382,14 @@ class Flow:
             begun = time.perf_counter()
             try:
                 limit = self._limit(call, "prefill", prefill.url, self._t.prefill)
+                call.timeline.prefill_sent = time.perf_counter()
                 with prefill.dispatched():
                     # A prefill sent twice costs only compute: a stale keep-alive connection is retried.
                     reply = await prefill.upstream.post(
                         call.path, payload, call.headers, "prefill", limit, is_repeatable=True
                     )
-                trace.prefill_ms = (time.perf_counter() - begun) * 1000
+                call.timeline.prefill_done = time.perf_counter()
+                trace.prefill_ms = (call.timeline.prefill_done - begun) * 1000
                 trace.prefill_status = reply.status
                 if reply.status == 200:
                     try:
@@ -393,6 +430,7 @@ class Flow:
         call.trace.decode_url = decode.url
         handoff = call.handoff
         payload = orjson.dumps(protocol.decode_body(call.body, handoff.params) if handoff else call.body)
+        call.timeline.decode_sent = time.perf_counter()
         with decode.dispatched():
             try:
                 if call.is_stream:
@@ -434,6 +472,7 @@ class Flow:
     ) -> Served | DecodeFailed | LeaseSuspect:
         limit = self._limit(call, "decode", decode.url, self._t.decode)
         reply = await decode.upstream.post(call.path, payload, call.headers, "decode", limit)
+        call.timeline.decode_first_byte = time.perf_counter()
         call.trace.decode_status = reply.status
         if reply.status >= 500:
             return DecodeFailed(reply)
@@ -444,6 +483,7 @@ class Flow:
             await _relay_rejection("decode", decode.url, reply, call)
         else:
             await call.out.relay(200, reply.content_type, protocol.without_transfer_metadata(reply.body))
+        call.timeline.chunk(time.perf_counter())
         return Served()
 
     async def _decode_stream(
@@ -489,6 +529,7 @@ class Flow:
             is_error = watch.feed(chunk)
             if not out.started:
                 first_byte_came()
+                call.timeline.decode_first_byte = time.perf_counter()
                 if is_error and not is_last:
                     return DecodeFailed(Reply(200, resp.content_type, chunk))
                 if (suspect := await self._suspect(call)) is not None:
@@ -505,6 +546,7 @@ class Flow:
             if watch.has_done:
                 self._recheck_before_the_end(call, decode)
             await out.chunk(chunk)
+            call.timeline.chunk(time.perf_counter())
         if not watch.has_done:
             # A stream that stops without [DONE] would look like a short answer to the client.
             raise UpstreamUnavailable("decode", decode.url, "stream ended before it was complete")

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pdserve.proxy.admission import Admission
 from pdserve.proxy.instance import Instance
 from pdserve.proxy.state import ProxyState
+from pdserve.proxy.timeline import PHASES, Histogram
 
 
 def _labels(labels: Mapping[str, str]) -> str:
@@ -32,6 +33,14 @@ class _Text:
         self.lines.append(f"# TYPE {name} {kind}")
         for labels, value in samples:
             self.lines.append(f"{name}{_labels(labels)} {value:g}")
+
+    def histogram(self, name: str, help_text: str, h: Histogram) -> None:
+        self.lines.append(f"# HELP {name} {help_text}")
+        self.lines.append(f"# TYPE {name} histogram")
+        for bound, count in h.cumulative():
+            self.lines.append(f'{name}_bucket{{le="{bound}"}} {count}')
+        self.lines.append(f"{name}_sum {h.sum:g}")
+        self.lines.append(f"{name}_count {h.count}")
 
 
 def render(state: ProxyState, admission: Admission) -> str:
@@ -60,6 +69,9 @@ def render(state: ProxyState, admission: Admission) -> str:
              per_instance(lambda i: i.is_available(now)))  # fmt: skip
     t.metric("pdserve_instance_in_flight", "gauge", "Requests the proxy has in flight at the instance.",
              per_instance(lambda i: i.num_in_flight))  # fmt: skip
+    for phase, help_text in PHASES.items():
+        t.histogram(f"pdserve_{phase}_seconds", help_text, stats.timings.phases[phase])
+    t.histogram("pdserve_itl_seconds", "Gaps between chunks relayed to streaming clients.", stats.timings.itl)
     ledger = state.ledger
     t.metric("pdserve_kv_handoffs_total", "counter", "KV handoffs (prefill params issued), by how they ended.",
              [({"state": "issued"}, ledger.num_issued), ({"state": "delivered"}, ledger.num_delivered),

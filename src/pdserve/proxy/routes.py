@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import time
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -52,6 +53,7 @@ class GenerationEndpoint:
         self._upstream_auth = f"Bearer {config.upstream_api_key}" if config.upstream_api_key else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        arrived, arrived_ns = time.perf_counter(), time.time_ns()
         request_id = header(scope, b"x-request-id") or protocol.new_request_id()
         out = Responder(send, request_id)
         auth = header(scope, b"authorization")
@@ -73,7 +75,7 @@ class GenerationEndpoint:
             return
         try:
             async with self._ctx.admission.slot():
-                work = self._ctx.flow.serve(self._endpoint, raw, auth, out)
+                work = self._ctx.flow.serve(self._endpoint, raw, auth, out, arrived, arrived_ns)
                 if await run_until_disconnect(work, receive, out):
                     log.info("request %s: client disconnected; upstream calls cancelled", request_id)
         except Overloaded as exc:

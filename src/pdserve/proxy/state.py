@@ -22,6 +22,7 @@ from pdserve.proxy.breaker import CircuitBreaker
 from pdserve.proxy.instance import EngineLoad, Instance
 from pdserve.proxy.ledger import Ledger
 from pdserve.proxy.routing import Policy
+from pdserve.proxy.timeline import Timeline, Timings
 from pdserve.proxy.trace import Trace
 from pdserve.proxy.upstream import HTTPUpstream, Upstream
 
@@ -76,6 +77,7 @@ class Stats:
         self.outcomes: Counter[tuple[Endpoint, Outcome]] = Counter()
         self.retries: Counter[str] = Counter()  # phase → attempts retried on another instance
         self.panics: Counter[str] = Counter()  # role → requests sent to an out-of-service instance
+        self.timings = Timings()
 
     def finished(self, endpoint: Endpoint, outcome: Outcome) -> None:
         self.outcomes[(endpoint, outcome)] += 1
@@ -85,6 +87,10 @@ class Stats:
 
     def panicked(self, role: str) -> None:
         self.panics[role] += 1
+
+    def timed(self, timeline: Timeline) -> None:
+        for phase, seconds in timeline.spans().items():
+            self.timings.phases[phase].observe(seconds)
 
 
 class ProxyState:

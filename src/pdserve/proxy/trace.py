@@ -31,6 +31,8 @@ class Trace:
     stream_error_event: bool = False  # decode streamed vLLM's own error event
     retries: list[str] = field(default_factory=list)  # each failed attempt, and why
     outcome: str | None = None  # the label /metrics counted the request under (state.Outcome)
+    timeline: dict[str, float] = field(default_factory=dict)  # each phase in ms (timeline.py)
+    trace_id: str | None = None  # the OpenTelemetry trace, when tracing is on
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)

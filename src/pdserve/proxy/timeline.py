@@ -1,0 +1,137 @@
+"""Where a request's time goes, as the proxy sees it, and the histograms /metrics serves of it.
+
+    arrival ─queue─▶ admitted ─prefill─▶ params ─handoff gap─▶ decode sent ─decode first byte─▶
+            first byte to the client (TTFT) ─ITL × n─▶ end
+
+The handoff gap is the proxy's own share between the two calls (choosing decode, the lease guard, a
+retry's backoff). Prefill and decode first byte are what the instances took, queueing inside vLLM
+included; a decode first byte holds its KV pull. Each request fills one ``Timeline``; ``Timings`` keeps
+the histograms. Cheap on purpose: a chunk costs one clock read and an addition.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass
+from typing import Final
+
+# Seconds; from a 2-core CPU box (a few ms) to a loaded GPU pool (minutes of queueing).
+BUCKETS: Final = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+)
+ITL_BUCKETS: Final = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class Histogram:
+    """A Prometheus histogram: cumulative buckets rendered at scrape time."""
+
+    __slots__ = ("bounds", "count", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.count = 0
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.count += 1
+        self.sum += value
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        out, total = [], 0
+        for bound, n in zip((*map(str, self.bounds), "+Inf"), self.counts, strict=True):
+            total += n
+            out.append((bound, total))
+        return out
+
+
+PHASES: Final = {
+    "queue": "Waiting for an admission slot.",
+    "prefill": "The prefill call (queueing inside prefill included).",
+    "handoff_gap": "Between prefill's answer and decode's request: the proxy's own time, retries included.",
+    "decode_first_byte": "Decode's request until its first byte (its KV pull included).",
+    "ttft": "Arrival until the client's first byte.",
+    "e2e": "Arrival until the client's last byte.",
+}
+
+
+class Timings:
+    """The histograms behind pdserve_<phase>_seconds and pdserve_itl_seconds."""
+
+    def __init__(self) -> None:
+        self.phases = {name: Histogram(BUCKETS) for name in PHASES}
+        self.itl = Histogram(ITL_BUCKETS)
+
+
+@dataclass
+class Timeline:
+    """One request's moments (time.perf_counter() seconds), filled in as it goes."""
+
+    arrived: float
+    admitted: float | None = None
+    prefill_sent: float | None = None
+    prefill_done: float | None = None
+    decode_sent: float | None = None
+    decode_first_byte: float | None = None
+    first_byte: float | None = None  # to the client
+    last_chunk: float | None = None
+    ended: float | None = None
+    num_gaps: int = 0
+    gaps_sum: float = 0.0
+    gap_max: float = 0.0
+    itl: Histogram | None = None  # where each gap between chunks is also counted
+
+    def chunk(self, now: float) -> None:
+        """A chunk went to the client at ``now``."""
+        if self.first_byte is None:
+            self.first_byte = now
+        elif self.last_chunk is not None:
+            gap = now - self.last_chunk
+            if self.itl is not None:
+                self.itl.observe(gap)
+            self.num_gaps += 1
+            self.gaps_sum += gap
+            if gap > self.gap_max:
+                self.gap_max = gap
+        self.last_chunk = now
+
+    def spans(self) -> dict[str, float]:
+        """Each phase's seconds, for those that happened."""
+        pairs = {
+            "queue": (self.arrived, self.admitted),
+            "prefill": (self.prefill_sent, self.prefill_done),
+            "handoff_gap": (self.prefill_done, self.decode_sent),
+            "decode_first_byte": (self.decode_sent, self.decode_first_byte),
+            "ttft": (self.arrived, self.first_byte),
+            "e2e": (self.arrived, self.ended),
+        }
+        return {k: b - a for k, (a, b) in pairs.items() if a is not None and b is not None}
+
+    def as_ms(self) -> dict[str, float]:
+        out = {f"{k}_ms": round(v * 1000, 3) for k, v in self.spans().items()}
+        if self.num_gaps:
+            out["itl_mean_ms"] = round(self.gaps_sum / self.num_gaps * 1000, 3)
+            out["itl_max_ms"] = round(self.gap_max * 1000, 3)
+        return out
+
+
+def now() -> float:
+    return time.perf_counter()
