@@ -188,6 +188,13 @@ def cmd_verify(a: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def cmd_trace(a: argparse.Namespace) -> int:
+    from pdserve.requesttrace import trace_request
+
+    print("\n".join(trace_request(a.url, a.request_id, a.logs, a.admin_api_key)))
+    return 0
+
+
 def cmd_demo(a: argparse.Namespace) -> int:
     from pdserve.demo import run_demo
 
@@ -251,6 +258,13 @@ def build_parser() -> argparse.ArgumentParser:
     ver = sub.add_parser("verify", help="prove through a running proxy that KV moves over NIXL")
     ver.add_argument("url", help="the proxy, e.g. http://127.0.0.1:8000")
     ver.set_defaults(func=cmd_verify)
+
+    tr = sub.add_parser("trace", help="one request's timeline from the proxy and the instances' logs")
+    tr.add_argument("url", help="the proxy, e.g. http://127.0.0.1:8000")
+    tr.add_argument("request_id", metavar="ID", help="the request's X-Request-Id")
+    tr.add_argument("--logs", metavar="RUN_DIR", help="the instances' log directory (`pdserve up` prints it)")
+    tr.add_argument("--admin-api-key", help="the proxy's admin key, if it has one")
+    tr.set_defaults(func=cmd_trace)
 
     demo = sub.add_parser("demo", help="up + verify + a request walk-through, then shut down")
     _add_topology(demo)

@@ -150,3 +150,12 @@ async def test_requests_records_an_instances_rejection_as_the_error(
             await client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, stream=stream)
         _, body = await get_json(http, rig.url + "/requests")
         assert body["requests"][-1]["error"] == "decode answered 500"
+
+
+async def test_requests_can_be_asked_for_one_request_by_id(rig: Rig, http: aiohttp.ClientSession) -> None:
+    for rid in ("wanted", "other"):
+        async with http.post(rig.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2},
+                             headers={"X-Request-Id": rid}) as resp:  # fmt: skip
+            assert resp.status == 200
+    status, body = await get_json(http, rig.url + "/requests?id=wanted")
+    assert status == 200 and [t["request_id"] for t in body["requests"]] == ["wanted"]

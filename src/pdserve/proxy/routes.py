@@ -4,7 +4,7 @@
     GET  /v1/models                              a decode instance's answer
     GET  /health                                 200 when >= 1 prefill and >= 1 decode instance can serve
     GET  /instances                              each instance's role, URL, state, circuit, in-flight, load
-    GET  /requests                               the last requests' walk-through (admin key if set)
+    GET  /requests[?id=X]                        the last requests' walk-through (admin key if set)
     GET  /metrics                                the proxy's Prometheus metrics (metrics.py)
 
 Reads never act: /health and /instances report what the health checker last saw.
@@ -117,7 +117,9 @@ async def requests(request: Request) -> Response:
     ctx = context(request)
     if not is_authorized(request, ctx.config.admin_api_key):
         return error_response(401, "missing or wrong admin API key", "AuthenticationError")
-    return JSONResponse({"requests": [trace.as_dict() for trace in ctx.state.traces]})
+    wanted = request.query_params.get("id")
+    traces = [t for t in ctx.state.traces if wanted is None or t.request_id == wanted]
+    return JSONResponse({"requests": [trace.as_dict() for trace in traces]})
 
 
 async def metrics(request: Request) -> Response:
