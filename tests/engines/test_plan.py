@@ -7,7 +7,7 @@ import json
 import pytest
 
 from pdserve.config import Topology
-from pdserve.engines.plan import InstanceSpec, cpu_list, plan_instances
+from pdserve.engines.plan import InstanceSpec, cpu_list, plan_instances, plan_sim_instances
 from pdserve.errors import ConfigError
 
 
@@ -47,6 +47,15 @@ def test_kv_transfer_config_gives_prefill_producer_and_decode_consumer() -> None
         "kv_buffer_device": "cpu",
     }
     assert json.loads(arg_value(decode, "--kv-transfer-config"))["kv_role"] == "kv_consumer"
+
+
+def test_kv_both_topology_starts_every_instance_able_to_take_either_role_or_a_whole_request() -> None:
+    specs = plan_instances(Topology(kv_both=True), "/models/m", None, [0, 1])
+    assert [json.loads(arg_value(s, "--kv-transfer-config"))["kv_role"] for s in specs] == ["kv_both"] * 2
+    assert [s.role for s in specs] == ["prefill", "decode"]  # their place in the PD topology is kept
+    sims = plan_sim_instances(Topology(engine="sim", kv_both=True))
+    assert [arg_value(s, "--both") for s in sims] == ["1", "1"]
+    assert [arg_value(s, "--prefill") for s in sims] == ["0", "0"]
 
 
 def test_args_order_lets_user_and_role_args_override_the_defaults() -> None:
@@ -152,3 +161,10 @@ def test_kv_lease_reaches_both_roles_as_vllms_kv_lease_duration() -> None:
 def test_a_lease_too_short_for_vllms_heartbeat_is_refused() -> None:
     with pytest.raises(ConfigError, match="kv_lease_s must be >= 6"):
         Topology(kv_lease_s=5)
+
+
+def test_tracing_makes_every_instance_export_its_spans_over_otlp_http() -> None:
+    topology = Topology(otlp_traces_endpoint="http://collector:4318/v1/traces")
+    for spec in plan_instances(topology, "/m", None, [0, 1]):
+        assert spec.args[spec.args.index("--otlp-traces-endpoint") + 1] == "http://collector:4318/v1/traces"
+        assert ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf") in spec.env

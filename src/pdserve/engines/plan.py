@@ -81,14 +81,20 @@ def plan_instances(
             args += ["--max-model-len", str(max_model_len)]
         if topology.device == "cpu":
             args.append("--enforce-eager")  # CUDA-graph-style capture buys nothing on CPU and slows start-up
-        args += ["--kv-transfer-config", kv_transfer_config(role, topology.device, topology.kv_lease_s)]
+        kv_config = kv_transfer_config(role, topology.device, topology.kv_lease_s, is_both=topology.kv_both)
+        args += ["--kv-transfer-config", kv_config]
         args += [*topology.vllm_args, *(topology.prefill_args if role == "prefill" else topology.decode_args)]
+        tracing_env: Env = ()
+        if topology.otlp_traces_endpoint:
+            args += ["--otlp-traces-endpoint", topology.otlp_traces_endpoint]
+            tracing_env = (("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf"),)  # vLLM's default is gRPC
         env = (
             ("VLLM_NIXL_SIDE_CHANNEL_PORT", str(side_channel_port)),
             # The address a peer uses to reach this instance's side channel (decode → prefill).
             ("VLLM_NIXL_SIDE_CHANNEL_HOST", topology.host),
             *_COMMON_ENV,
             *device_env[i],
+            *tracing_env,
         )
         specs.append(InstanceSpec(role, index, topology.host, port, side_channel_port, tuple(args), env))
     return tuple(specs)
@@ -102,9 +108,12 @@ def plan_sim_instances(topology: Topology) -> tuple[InstanceSpec, ...]:
     for i, role in enumerate(roles):
         index = sum(1 for earlier in roles[:i] if earlier == role)
         port = topology.first_port + i
-        counts = (
-            ["--prefill", "1", "--decode", "0"] if role == "prefill" else ["--prefill", "0", "--decode", "1"]
-        )
+        if topology.kv_both:  # role "both": holds KV for a remote decode, pulls it, or serves whole
+            counts = ["--prefill", "0", "--decode", "0", "--both", "1"]
+        elif role == "prefill":
+            counts = ["--prefill", "1", "--decode", "0"]
+        else:
+            counts = ["--prefill", "0", "--decode", "1"]
         args = (
             *counts,
             "--host",
@@ -122,8 +131,12 @@ def plan_sim_instances(topology: Topology) -> tuple[InstanceSpec, ...]:
     return tuple(specs)
 
 
-def kv_transfer_config(role: Role, device: str, kv_lease_s: float | None = None) -> str:
-    """The ``--kv-transfer-config`` JSON: prefill produces KV blocks, decode pulls them.
+def kv_transfer_config(
+    role: Role, device: str, kv_lease_s: float | None = None, is_both: bool = False
+) -> str:
+    """The ``--kv-transfer-config`` JSON: prefill produces KV blocks, decode pulls them; with ``is_both``
+    the instance is ``kv_both`` and can do either, or serve a request whole (vLLM's own NIXL tests run
+    both sides of a PD pair as ``kv_both``).
 
     ``kv_lease_s`` sets vLLM's ``kv_lease_duration`` (default 30 s): how long prefill holds KV nobody
     pulls. vLLM 0.32 frees abandoned KV only when the lease runs out, so this is how early it can go.
@@ -131,7 +144,7 @@ def kv_transfer_config(role: Role, device: str, kv_lease_s: float | None = None)
     """
     config: dict[str, object] = {
         "kv_connector": "NixlConnector",
-        "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+        "kv_role": "kv_both" if is_both else "kv_producer" if role == "prefill" else "kv_consumer",
         "kv_buffer_device": device,
     }
     if kv_lease_s is not None:
