@@ -7,7 +7,9 @@
     ├── ModelBuildError        the embedded tiny model could not be built
     ├── VerifyError            `pdserve verify` could not run its checks (not: a check failed)
     ├── CalibrationError       `pdserve sim calibrate` could not measure or fit the instance
+    ├── BenchError             `pdserve bench` could not run vLLM's benchmark client or read its results
     ├── Unreachable            a blocking HTTP call (httpclient.py) reached no server
+    ├── DiscoveryError         the Kubernetes API could not be read (unreachable, forbidden, no config)
     ├── ClientGone             the client hung up while its request was being read
     ├── RequestRefused         the proxy answers the client itself, before any instance is called
     │   ├── BadRequest         400: not JSON, not an object
@@ -28,8 +30,9 @@
 
 Errors of the libraries underneath are translated into these in exactly one place each: aiohttp in
 ``proxy/upstream.py`` (the proxy), ``sim/transfer.py`` (the simulator's KV pulls), ``sim/calibrate.py``
-and ``bench/`` (measurement clients); urllib in ``httpclient.py``; subprocess in ``engines/launcher.py``;
-yaml in ``config.py``. ``UpstreamError.status`` is the HTTP status the proxy answers the client with.
+and ``bench/`` (measurement clients); urllib in ``httpclient.py``; subprocess in ``engines/launcher.py``
+and ``engines/benchclient.py``; yaml in ``config.py``; lightkube in ``proxy/k8s_watch.py``.
+``UpstreamError.status`` is the HTTP status the proxy answers the client with.
 """
 
 from __future__ import annotations
@@ -63,8 +66,16 @@ class CalibrationError(PDServeError):
     """Calibration could not run: the server is unreachable, answered unexpectedly, or the data cannot be fitted."""
 
 
+class BenchError(PDServeError):
+    """vLLM's benchmark client failed or timed out, or its result file is not what pdserve reads."""
+
+
 class Unreachable(PDServeError):
     """No HTTP server answered at the URL (refused, timed out, name not found)."""
+
+
+class DiscoveryError(PDServeError):
+    """Kubernetes discovery could not list or watch pods; the proxy keeps what it knew and retries."""
 
 
 class ClientGone(PDServeError):

@@ -24,7 +24,7 @@ from pdserve.config import ROLES, normalize_url
 from pdserve.errors import ConfigError
 from pdserve.proxy.context import context
 from pdserve.proxy.instance import Instance
-from pdserve.proxy.models import model_ids
+from pdserve.proxy.models import model_ids, models_in_service
 from pdserve.proxy.routes import error_response, is_authorized
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -82,10 +82,7 @@ async def add(request: Request) -> Response:
     instance = ctx.state.new_instance(role, url)
     await instance.upstream.open()
     served = await model_ids(instance, timeout)
-    expected: set[str] = set()
-    for role_ in ROLES:  # what the pools serve: one instance of each role tells
-        for existing in ctx.state.pool(role_).instances[:1]:
-            expected |= await model_ids(existing, timeout)
+    expected = await models_in_service((ctx.state.pool(r).instances for r in ROLES), timeout)
     if not served or (expected and not served & expected):
         await instance.upstream.close()
         why = (

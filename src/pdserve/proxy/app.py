@@ -52,18 +52,32 @@ def create_app(config: ProxyConfig, make_upstream: UpstreamFactory | None = None
         health=HealthChecker(state, config.health_interval_s, config.health_timeout_s),
     )
 
+    # --- Kubernetes discovery (proxy/discovery.py), only when configured: lightkube is an optional
+    # extra, imported here so a proxy without discovery never needs it; a missing extra or cluster
+    # config fails now, at start, not in the lifespan.
+    discovery = None
+    if config.discovers_pods:
+        from pdserve.proxy.discovery import Discovery
+
+        discovery = Discovery(state, config)
+    # --- end of Kubernetes discovery
+
     @asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
         for warning in lease_warnings(config):
             log.warning("%s", warning)
         await state.open()
         checker = asyncio.create_task(ctx.health.run())
+        discoverer = asyncio.create_task(discovery.run()) if discovery is not None else None  # k8s
         try:
             timeout = config.timeouts.connect + config.health_timeout_s
             await check_models_match(state.pool("prefill").instances, state.pool("decode").instances, timeout)
             yield
         finally:
             checker.cancel()
+            if discoverer is not None:  # k8s discovery: stop before the instances close
+                discoverer.cancel()
+                await asyncio.gather(discoverer, return_exceptions=True)
             await asyncio.gather(checker, return_exceptions=True)
             await state.close()
             if tracing is not None:

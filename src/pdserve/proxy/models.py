@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import orjson
 
@@ -17,6 +17,16 @@ async def model_ids(instance: Instance, timeout: float) -> set[str]:
         return {m["id"] for m in orjson.loads(reply.body)["data"]} if reply.status == 200 else set()
     except (UpstreamError, orjson.JSONDecodeError, KeyError, TypeError):
         return set()
+
+
+async def models_in_service(pools: Iterable[Sequence[Instance]], timeout: float) -> set[str]:
+    """What the pools serve, as a newcomer must (the admin API, discovery): the first instance of each
+    tells, since every instance of a pool serves one model. Empty when none answers."""
+    served: set[str] = set()
+    for instances in pools:
+        for existing in instances[:1]:
+            served |= await model_ids(existing, timeout)
+    return served
 
 
 async def check_models_match(prefill: Iterable[Instance], decode: Iterable[Instance], timeout: float) -> None:
