@@ -1,9 +1,13 @@
 from __future__ import annotations
 
+import os
+import queue
 import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -35,9 +39,21 @@ def test_bad_topology_is_a_clear_error_not_a_traceback(
     assert "unknown topology key 'prefil'" in err and "prefill" in err
 
 
-def test_proxy_requires_both_roles(capsys: pytest.CaptureFixture[str]) -> None:
+def test_instances_are_restarted_unless_up_is_told_to_stop() -> None:
+    assert _topology(build_parser().parse_args(["up"])).on_instance_exit == "restart"
+    stop = _topology(build_parser().parse_args(["up", "--on-instance-exit", "stop"]))
+    assert stop.on_instance_exit == "stop"
+
+
+def test_an_unknown_on_instance_exit_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
-        main(["proxy", "--prefill", "http://127.0.0.1:1"])
+        main(["up", "--on-instance-exit", "ignore"])
+    assert "--on-instance-exit" in capsys.readouterr().err
+
+
+def test_proxy_requires_both_roles(capsys: pytest.CaptureFixture[str]) -> None:
+    # refused at start (exit 2) by ProxyConfig: a decode URL, or a selector to discover decode pods by
+    assert main(["proxy", "--prefill", "http://127.0.0.1:1"]) == 2
     assert "--decode" in capsys.readouterr().err
 
 
@@ -87,5 +103,88 @@ def test_up_with_the_simulator_serves_verifies_and_stops_everything_on_sigterm(t
             proc.kill()
     # Nothing of it is left: nothing listens on any port it used.
     for port in range(first, first + 5):
+        with socket.socket() as probe, pytest.raises(ConnectionRefusedError):
+            probe.connect(("127.0.0.1", port))
+
+
+class _Output:
+    """``pdserve up``'s output, read on a thread so that waiting for a line can time out."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.lines: list[str] = []
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, args=(proc,), daemon=True).start()
+
+    def _read(self, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            self._queue.put(line)
+        self._queue.put(None)
+
+    def wait_for(self, text: str, timeout: float = 60.0) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self._queue.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if line is None:
+                break
+            self.lines.append(line)
+            if text in line:
+                return line
+        raise AssertionError(f"{text!r} never came; output:\n{''.join(self.lines)}")
+
+
+def _sim_instance_pid(port: int) -> int:
+    """The simulator process `up` started for the instance on ``port``."""
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"pdserve.sim" in argv and str(port).encode() in argv:
+                return int(entry)
+    raise AssertionError(f"no simulator process on port {port}")
+
+
+def _up_sim(tmp_path: Path, first: int, *extra: str) -> subprocess.Popen[str]:
+    cmd = [sys.executable, "-m", "pdserve.cli", "up", "--engine", "sim", "--port", str(first),
+           "--first-port", str(first + 1), "--first-side-channel-port", str(first + 5),
+           "--run-dir", str(tmp_path), *extra]  # fmt: skip
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_up_restarts_a_killed_instance_and_keeps_serving(tmp_path: Path) -> None:
+    first = _free_port_block(10)
+    proc = _up_sim(tmp_path, first)
+    try:
+        out = _Output(proc)
+        out.wait_for("Ctrl-C stops everything")
+        os.kill(_sim_instance_pid(first + 1), signal.SIGKILL)  # prefill-0
+        out.wait_for("prefill-0 was killed by SIGKILL; last lines of")
+        out.wait_for("prefill-0 is back")
+        assert proc.poll() is None, "up exited with its instance"
+        assert main(["verify", f"http://127.0.0.1:{first}"]) == 0
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+
+
+def test_up_told_to_stop_on_instance_exit_exits_naming_the_instance(tmp_path: Path) -> None:
+    first = _free_port_block(10)
+    proc = _up_sim(tmp_path, first, "--on-instance-exit", "stop")
+    try:
+        out = _Output(proc)
+        out.wait_for("Ctrl-C stops everything")
+        os.kill(_sim_instance_pid(first + 2), signal.SIGKILL)  # decode-0
+        out.wait_for("decode-0 (pid")
+        assert proc.wait(timeout=30) == 2
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    for port in range(first, first + 3):  # it took the rest down with it
         with socket.socket() as probe, pytest.raises(ConnectionRefusedError):
             probe.connect(("127.0.0.1", port))

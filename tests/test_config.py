@@ -148,6 +148,7 @@ def test_topology_ports_must_stay_below_65536() -> None:
         ("kv_cache_gib", 0),
         ("startup_timeout", 0),
         ("max_model_len", 0),
+        ("on_instance_exit", "ignore"),
     ],
 )
 def test_topology_names_the_bad_field(field: str, value: object) -> None:

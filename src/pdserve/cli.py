@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import shlex
 import signal
 import sys
 import time
@@ -131,6 +132,13 @@ def _topology(a: argparse.Namespace) -> Topology:
     return dataclasses.replace(base, **given)
 
 
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
 def _raise_on_sigterm() -> None:
     """SIGTERM unwinds like Ctrl-C, so every `with Stack(...)` stops its processes."""
 
@@ -159,6 +167,27 @@ def cmd_up(a: argparse.Namespace) -> int:
             time.sleep(1.0)
 
 
+def _add_k8s_discovery(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("Kubernetes discovery (pip install 'pdserve[k8s]'; docs/deploying.md)")
+    g.add_argument("--k8s-prefill-selector", metavar="K=V,…",
+                   help="prefill pods: Ready ones matching these labels join the prefill pool")  # fmt: skip
+    g.add_argument("--k8s-decode-selector", metavar="K=V,…", help="decode pods, as --k8s-prefill-selector")
+    g.add_argument(
+        "--k8s-namespace", help="the pods' namespace (default: the proxy's own, or the kubeconfig's)"
+    )
+    g.add_argument("--k8s-port", default=_proxy_default("k8s_port"), metavar="PORT|NAME",
+                   help="the pods' HTTP port: a number or a container port name (default %(default)s)")  # fmt: skip
+    g.add_argument("--k8s-port-annotation", default=_proxy_default("k8s_port_annotation"), metavar="KEY",
+                   help="a pod annotation whose port number overrides --k8s-port (default %(default)s)")  # fmt: skip
+    g.add_argument("--k8s-api-server", metavar="URL",
+                   help="the API server (e.g. `kubectl proxy`'s); default: in-cluster, then the kubeconfig")  # fmt: skip
+
+
+def _k8s_discovery(a: argparse.Namespace) -> dict[str, Any]:
+    names = ("prefill_selector", "decode_selector", "namespace", "port", "port_annotation", "api_server")
+    return {f"k8s_{name}": getattr(a, f"k8s_{name}") for name in names}
+
+
 def cmd_proxy(a: argparse.Namespace) -> int:
     from pdserve.proxy.server import serve
 
@@ -172,10 +201,67 @@ def cmd_proxy(a: argparse.Namespace) -> int:
         prefix_block_size=a.block_size,
         kv_lease_s=a.kv_lease_s,
         colocated=a.colocated,
+        **_k8s_discovery(a),
         **_routing(a),
     )
     serve(config, a.log_level)
     return 0
+
+
+def cmd_k8s_render(a: argparse.Namespace) -> int:
+    from pdserve.k8s.manifests import to_yaml
+    from pdserve.k8s.spec import ClusterSpec, parse_env
+
+    spec = ClusterSpec(
+        model=a.model, name=a.name, namespace=a.namespace, image=a.image, proxy_image=a.proxy_image,
+        num_prefill=a.prefill, num_decode=a.decode, gpus_per_pod=a.gpus_per_pod,
+        pods_per_instance=a.pods_per_instance, device=a.device, kv_lease_s=a.kv_lease,
+        vllm_args=tuple(shlex.split(a.vllm_args)), prefill_args=tuple(shlex.split(a.prefill_args)),
+        decode_args=tuple(shlex.split(a.decode_args)), env=parse_env(a.env),
+    )  # fmt: skip
+    sys.stdout.write(to_yaml(spec))
+    return 0
+
+
+def _add_k8s(sub: Any) -> None:
+    from pdserve.k8s.spec import ClusterSpec
+
+    k8s = sub.add_parser("k8s", help="Kubernetes: `pdserve k8s render` writes the manifests to apply")
+    render = k8s.add_subparsers(dest="k8s_command", required=True).add_parser(
+        "render",
+        help="print prefill/decode Deployments (or LeaderWorkerSets), the proxy, its Service and RBAC",
+    )
+    d = {f.name: f.default for f in dataclasses.fields(ClusterSpec)}
+    render.add_argument(
+        "--model", required=True, help="what `vllm serve` loads in every pod (hub name or path)"
+    )
+    render.add_argument("--name", default=d["name"], help="prefix of every object (default %(default)s)")
+    render.add_argument("--namespace", default=d["namespace"], help="(default %(default)s)")
+    render.add_argument("--image", default=d["image"], help="the vLLM image (default %(default)s)")
+    render.add_argument("--proxy-image", default=d["proxy_image"],
+                        help="an image with pdserve[k8s] installed (default %(default)s)")  # fmt: skip
+    render.add_argument(
+        "--prefill", type=int, default=d["num_prefill"], metavar="N", help="prefill instances"
+    )
+    render.add_argument("--decode", type=int, default=d["num_decode"], metavar="M", help="decode instances")
+    render.add_argument("--gpus-per-pod", type=int, default=d["gpus_per_pod"], metavar="G",
+                        help="nvidia.com/gpu per pod, and vLLM's --tensor-parallel-size (default %(default)s)")  # fmt: skip
+    render.add_argument("--pods-per-instance", type=int, default=d["pods_per_instance"], metavar="K",
+                        help="K > 1: each instance a LeaderWorkerSet group of K pods, vLLM on Ray")  # fmt: skip
+    render.add_argument("--device", choices=("cuda", "cpu"), default=d["device"])
+    render.add_argument(
+        "--kv-lease", type=float, metavar="S", help="vLLM's kv_lease_duration (default vLLM's 30 s)"
+    )
+    render.add_argument(
+        "--vllm-args", default="", metavar="'ARGS'", help="extra `vllm serve` arguments, one string"
+    )
+    render.add_argument(
+        "--prefill-args", default="", metavar="'ARGS'", help="extra arguments for prefill only"
+    )
+    render.add_argument("--decode-args", default="", metavar="'ARGS'", help="extra arguments for decode only")
+    render.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                        help="environment for the vLLM containers (repeatable), e.g. UCX_TLS=all")  # fmt: skip
+    render.set_defaults(func=cmd_k8s_render)
 
 
 def cmd_verify(a: argparse.Namespace) -> int:
@@ -188,11 +274,40 @@ def cmd_verify(a: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def cmd_top(a: argparse.Namespace) -> int:
+    from pdserve.top import run
+
+    return run(a.url, a.interval, a.once)
+
+
 def cmd_trace(a: argparse.Namespace) -> int:
     from pdserve.requesttrace import trace_request
 
     print("\n".join(trace_request(a.url, a.request_id, a.logs, a.admin_api_key)))
     return 0
+
+
+def cmd_doctor(a: argparse.Namespace) -> int:
+    from pdserve.doctor.report import render
+    from pdserve.doctor.run import diagnose
+
+    say = (lambda m: print(m, file=sys.stderr, flush=True)) if a.json else (lambda m: print(m, flush=True))
+    report = diagnose(a.url, a.logs or (), a.prompt_tokens, a.admin_api_key, say=say)
+    print(report.to_json() if a.json else "\n".join(render(report)))
+    return report.exit_code
+
+
+def cmd_bench(a: argparse.Namespace) -> int:
+    from pdserve.bench.command import run_bench_command
+
+    _raise_on_sigterm()
+    return run_bench_command(a, _topology(a), {})
+
+
+def cmd_plan(a: argparse.Namespace) -> int:
+    from pdserve.bench.command import run_plan_command
+
+    return run_plan_command(a)
 
 
 def cmd_demo(a: argparse.Namespace) -> int:
@@ -240,7 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
     proxy.add_argument("--colocated", action="store_true",
                        help="split nothing: each request goes whole to one --decode instance (a baseline)")  # fmt: skip
     proxy.add_argument(
-        "--decode", action="append", required=True, metavar="URL", help="decode instance (repeatable)"
+        "--decode", action="append", default=[], metavar="URL", help="decode instance (repeatable)"
     )
     proxy.add_argument("--port", type=int, default=_proxy_default("port"))
     proxy.add_argument("--host", default=_proxy_default("host"))
@@ -251,9 +366,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the instances' kv_lease_duration in seconds: the lease guard reasons with it")  # fmt: skip
     proxy.add_argument("--block-size", type=int, default=_proxy_default("prefix_block_size"),
                        help="the engines' KV block size (vLLM --block-size)")  # fmt: skip
+    _add_k8s_discovery(proxy)
     _add_routing(proxy)
     _add_timeouts(proxy)
     proxy.set_defaults(func=cmd_proxy)
+
+    _add_k8s(sub)
 
     ver = sub.add_parser("verify", help="prove through a running proxy that KV moves over NIXL")
     ver.add_argument("url", help="the proxy, e.g. http://127.0.0.1:8000")
@@ -265,6 +383,39 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--logs", metavar="RUN_DIR", help="the instances' log directory (`pdserve up` prints it)")
     tr.add_argument("--admin-api-key", help="the proxy's admin key, if it has one")
     tr.set_defaults(func=cmd_trace)
+
+    top = sub.add_parser("top", help="a live view of the instances behind a proxy, refreshed in place")
+    top.add_argument("url", help="the proxy, e.g. http://127.0.0.1:8000")
+    top.add_argument(
+        "--interval", type=_positive_float, default=2.0, metavar="S", help="seconds between refreshes"
+    )
+    top.add_argument(
+        "--once", action="store_true", help="print one frame (rates over one --interval) and exit"
+    )
+    top.set_defaults(func=cmd_top)
+
+    doc = sub.add_parser("doctor", help="per prefill→decode pair: does the handoff work, and does it pay?")
+    doc.add_argument("url", help="the proxy, e.g. http://127.0.0.1:8000")
+    doc.add_argument("--logs", action="append", metavar="RUN_DIR",
+                     help="the instances' log directory (`pdserve up` prints it; default: the newest under ./runs)")  # fmt: skip
+    doc.add_argument("--prompt-tokens", type=int, default=1500, metavar="N",
+                     help="canary prompt length, kept within max_model_len (default %(default)s)")  # fmt: skip
+    doc.add_argument("--admin-api-key", help="the proxy's admin key, if it has one (to read /requests)")
+    doc.add_argument("--json", action="store_true", help="the report as JSON on stdout")
+    doc.set_defaults(func=cmd_doctor)
+
+    from pdserve.bench.command import add_bench_arguments, add_plan_arguments
+
+    bench = sub.add_parser(
+        "bench", help="vLLM's benchmark client against a URL, or --compare: PD vs colocated"
+    )
+    add_bench_arguments(bench)
+    _add_topology(bench)
+    bench.set_defaults(func=cmd_bench)
+
+    plan = sub.add_parser("plan", help="the P:D ratio for a target rate and SLOs, or the advice to colocate")
+    add_plan_arguments(plan)
+    plan.set_defaults(func=cmd_plan)
 
     demo = sub.add_parser("demo", help="up + verify + a request walk-through, then shut down")
     _add_topology(demo)

@@ -7,6 +7,7 @@ Each ``__post_init__`` raises ``ConfigError`` naming the field, so a bad flag fa
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -52,6 +53,38 @@ def normalize_url(url: str) -> str:
     if parts.path not in ("", "/") or parts.query or parts.fragment:
         raise ConfigError(f"instance URL {url!r} must be just http://host:port (no path or query)")
     return candidate
+
+
+# Kubernetes label syntax: an optional DNS-subdomain prefix and "/", then a name of at most 63 characters.
+_LABEL_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
+_LABEL_PREFIX = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
+_PORT_NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,13}[a-z0-9])?")  # a container port's name (IANA_SVC_NAME)
+
+
+def _is_label_key(key: str) -> bool:
+    prefix, _, name = key.rpartition("/")
+    return bool(_LABEL_NAME.fullmatch(name)) and (not prefix or bool(_LABEL_PREFIX.fullmatch(prefix)))
+
+
+def label_selector(text: str) -> dict[str, str]:
+    """``"app=vllm,role=prefill"`` → ``{"app": "vllm", "role": "prefill"}``; ConfigError if malformed.
+
+    Equality only (``=`` or ``==``), as vllm-router and the SGLang gateway take them: the proxy sends the
+    selector to the API server and checks it again on every pod, and equality is all both sides agree on.
+    An empty selector would match every pod in the namespace, so at least one label is required.
+    """
+    pairs: dict[str, str] = {}
+    for part in (p.strip() for p in text.split(",")):
+        key, sep, value = part.replace("==", "=").partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or "!" in key or not _is_label_key(key) or (value and not _LABEL_NAME.fullmatch(value)):
+            raise ConfigError(
+                f"label selector {text!r}: {part!r} is not key=value with Kubernetes label syntax"
+            )
+        if key in pairs:
+            raise ConfigError(f"label selector {text!r} names {key!r} twice")
+        pairs[key] = value
+    return pairs
 
 
 @dataclass(frozen=True)
@@ -109,14 +142,27 @@ class ProxyConfig:
     # baseline that `pdserve bench --compare` measures disaggregation against, through the same proxy.
     colocated: bool = False
     otlp_traces_endpoint: str | None = None  # OTLP/HTTP traces URL (…/v1/traces): spans of every request
+    # Kubernetes discovery (proxy/discovery.py): Ready pods matching a role's label selector join its pool.
+    k8s_prefill_selector: str | None = None  # "key=value,…" (label_selector); None: no prefill discovery
+    k8s_decode_selector: str | None = None
+    k8s_namespace: str | None = None  # None: the client's own (in a pod, the pod's namespace)
+    k8s_port: str = "8000"  # the pods' HTTP port: a number, or the name of a container port
+    k8s_port_annotation: str = "pdserve/port"  # a pod annotation with a port number overrides k8s_port
+    k8s_api_server: str | None = None  # None: in-cluster, then $KUBECONFIG, then ~/.kube/config
 
     def __post_init__(self) -> None:
-        if not self.prefill_urls and not self.colocated:
-            raise ConfigError("proxy needs at least one prefill instance (--prefill URL)")
-        if self.prefill_urls and self.colocated:
+        # With discovery a role's pool may start empty: its pods join once they are Ready.
+        if not self.prefill_urls and not self.colocated and self.k8s_prefill_selector is None:
+            raise ConfigError(
+                "proxy needs at least one prefill instance (--prefill URL or --k8s-prefill-selector)"
+            )
+        if (self.prefill_urls or self.k8s_prefill_selector is not None) and self.colocated:
             raise ConfigError("a colocated proxy splits nothing: give its instances as --decode only")
-        if not self.decode_urls:
-            raise ConfigError("proxy needs at least one decode instance (--decode URL)")
+        if not self.decode_urls and self.k8s_decode_selector is None:
+            raise ConfigError(
+                "proxy needs at least one decode instance (--decode URL or --k8s-decode-selector)"
+            )
+        self._check_discovery()
         object.__setattr__(self, "prefill_urls", tuple(normalize_url(u) for u in self.prefill_urls))
         object.__setattr__(self, "decode_urls", tuple(normalize_url(u) for u in self.decode_urls))
         _check_port("proxy", "port", self.port)
@@ -141,6 +187,27 @@ class ProxyConfig:
             raise ConfigError("proxy.max_queued must be >= 0 and proxy.queue_timeout_s > 0")
         if self.retry_backoff_s < 0 or self.breaker_cooldown_s < 0:
             raise ConfigError("proxy.retry_backoff_s and proxy.breaker_cooldown_s must be >= 0")
+
+    @property
+    def discovers_pods(self) -> bool:
+        return self.k8s_prefill_selector is not None or self.k8s_decode_selector is not None
+
+    def _check_discovery(self) -> None:
+        selectors = [label_selector(s) for s in (self.k8s_prefill_selector, self.k8s_decode_selector) if s]
+        if len(selectors) == 2 and selectors[0] == selectors[1]:
+            raise ConfigError("proxy.k8s_prefill_selector and k8s_decode_selector must differ")
+        port = self.k8s_port
+        if port.isdigit():
+            if not 0 < int(port) <= 65535:
+                raise ConfigError(f"proxy.k8s_port must be 1-65535 or a port name, got {port!r}")
+        elif not _PORT_NAME.fullmatch(port) or not any(c.isalpha() for c in port):
+            raise ConfigError(f"proxy.k8s_port must be a number or a container port name, got {port!r}")
+        if not _is_label_key(self.k8s_port_annotation):
+            raise ConfigError(
+                f"proxy.k8s_port_annotation {self.k8s_port_annotation!r} is not an annotation key"
+            )
+        if self.k8s_api_server is not None and urlsplit(self.k8s_api_server).scheme not in ("http", "https"):
+            raise ConfigError(f"proxy.k8s_api_server must be an http(s) URL, got {self.k8s_api_server!r}")
 
 
 def lease_warnings(config: ProxyConfig) -> list[str]:
@@ -183,7 +250,11 @@ class Topology:
     first_port: int = 8100  # instance i (prefill first, then decode) listens on first_port + i
     first_side_channel_port: int = 5600  # NIXL side channel of instance i: first_side_channel_port + i
     device: Device = "cpu"
-    gpus_per_instance: int = 1  # CUDA_VISIBLE_DEVICES slices on GPU hosts
+    # GPU placement (device cuda). gpus_per_instance >= 1 (whole) gives each instance its own GPUs;
+    # below 1 (0.5, 0.25) instances share one GPU, as does instances_per_gpu: N. Neither set: one GPU
+    # each when there are enough, else the instances share them evenly (the single-GPU 1P1D demo).
+    gpus_per_instance: float | None = None
+    instances_per_gpu: int | None = None
     kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE on CPU hosts
     kv_lease_s: float | None = None  # vLLM's kv_lease_duration (whole seconds); None: vLLM's 30 s
     max_model_len: int | None = None  # None: 2048 for the embedded model, the model's own otherwise
@@ -193,8 +264,14 @@ class Topology:
     engine_python: str | None = None  # python of the vLLM venv; None → discovered (engines/venv.py)
     startup_timeout: float = 600.0
     run_dir: str | None = None  # logs go here; None → runs/<timestamp>
+    # vLLM exports its own spans here (--otlp-traces-endpoint, OTLP/HTTP); the proxy's join them
+    otlp_traces_endpoint: str | None = None
     # restart: `up` restarts an instance that exits (engines/supervisor.py); stop: `up` exits with it
     on_instance_exit: OnInstanceExit = "restart"
+    # Every instance kv_both (the simulator's role "both"): each can prefill for a remote decode, decode
+    # from a remote prefill, or serve a request whole, so `bench --compare` can measure PD and colocated
+    # serving on the very same instances, one run after the other, without restarting anything.
+    kv_both: bool = False
 
     def __post_init__(self) -> None:
         if self.num_prefill < 1 or self.num_decode < 1:
@@ -212,12 +289,8 @@ class Topology:
             )
         for name in ("proxy_port", "first_port", "first_side_channel_port"):
             _check_port("topology", name, getattr(self, name))
-        _check_positive(
-            "topology",
-            gpus_per_instance=self.gpus_per_instance,
-            kv_cache_gib=self.kv_cache_gib,
-            startup_timeout=self.startup_timeout,
-        )
+        _check_positive("topology", kv_cache_gib=self.kv_cache_gib, startup_timeout=self.startup_timeout)
+        self._check_gpu_placement()
         if self.max_model_len is not None:
             _check_positive("topology", max_model_len=self.max_model_len)
         if self.kv_lease_s is not None and self.kv_lease_s < 6:
@@ -232,6 +305,30 @@ class Topology:
             raise ConfigError(
                 "topology ports overlap: proxy_port, the HTTP ports from first_port and the side-channel "
                 "ports from first_side_channel_port must all differ"
+            )
+
+    def _check_gpu_placement(self) -> None:
+        per_instance, per_gpu = self.gpus_per_instance, self.instances_per_gpu
+        if per_instance is not None and per_gpu is not None:
+            raise ConfigError(
+                f"topology sets both gpus_per_instance ({per_instance}) and instances_per_gpu ({per_gpu}); "
+                "set one of them"
+            )
+        if per_gpu is not None and (isinstance(per_gpu, bool) or not isinstance(per_gpu, int) or per_gpu < 1):
+            raise ConfigError(f"topology.instances_per_gpu must be a whole number >= 1, got {per_gpu!r}")
+        if per_instance is None:
+            return
+        if isinstance(per_instance, bool) or not isinstance(per_instance, int | float) or per_instance <= 0:
+            raise ConfigError(f"topology.gpus_per_instance must be a number > 0, got {per_instance!r}")
+        if per_instance >= 1 and per_instance != int(per_instance):
+            raise ConfigError(
+                f"topology.gpus_per_instance must be a whole number of GPUs when >= 1, got {per_instance}"
+            )
+        # Below 1 a GPU is split between N instances: 0.5 is two, 0.25 four. 0.3 splits nothing evenly.
+        if per_instance < 1 and abs(1 / per_instance - round(1 / per_instance)) > 1e-6:
+            raise ConfigError(
+                f"topology.gpus_per_instance={per_instance} is not 1/N of a GPU for a whole N "
+                f"(0.5, 0.25, ...); to put N instances on each GPU set instances_per_gpu: N instead"
             )
 
     @property

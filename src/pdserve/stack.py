@@ -3,6 +3,10 @@
 ``Stack`` is what `pdserve up`, `pdserve demo` and the end-to-end test fixture share: resolve the engine
 venv and model, plan instances, start them (engines/launcher.py), then serve the proxy on a thread of
 its own. Leaving the ``with`` block stops the proxy and every instance, whatever happened inside.
+
+With ``topology.on_instance_exit == "restart"`` (the default) a Supervisor restarts instances that exit
+and tells the proxy; a LogWatcher follows prefill logs for lease evidence either way. Both feed the
+proxy through ``ProxyThread.deliver``.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import os
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
@@ -24,9 +29,11 @@ import uvloop
 from pdserve import httpclient
 from pdserve.config import ProxyConfig, Timeouts, Topology, lease_warnings
 from pdserve.engines.launcher import DEFAULT_ENTRYPOINT, EngineGroup
+from pdserve.engines.logwatch import LogWatcher
 from pdserve.engines.model import ResolvedModel, resolve_model
-from pdserve.engines.plan import InstanceSpec, plan_instances, plan_sim_instances
-from pdserve.engines.venv import find_engine_python
+from pdserve.engines.plan import InstanceSpec, plan_instances, plan_sim_instances, visible_gpus
+from pdserve.engines.supervisor import RestartPolicy, Supervisor
+from pdserve.engines.venv import engine_vllm_version, find_engine_python, version_warning
 from pdserve.errors import EngineError
 from pdserve.events import InstanceEvent, KVLogEvent
 from pdserve.proxy.app import create_app
@@ -104,8 +111,10 @@ class Stack:
         timeouts: Timeouts | None = None,
         proxy_log_level: str = "warning",
         proxy_options: dict[str, Any] | None = None,
+        restart_policy: RestartPolicy | None = None,
     ) -> None:
         self.topology = topology
+        self._restart_policy = restart_policy
         self._say = say
         self._timeouts = timeouts or Timeouts()
         self._proxy_log_level = proxy_log_level
@@ -117,8 +126,13 @@ class Stack:
         self.run_dir = Path(topology.run_dir) if topology.run_dir else new_run_dir()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.model: ResolvedModel | None = None
+        self.vllm_version: str | None = None  # the engine venv's, learnt at start (None: unknown)
         self.group: EngineGroup | None = None
         self.proxy: ProxyThread | None = None
+        self.supervisor: Supervisor | None = None
+        self.log_watcher: LogWatcher | None = None
+        # (time.monotonic(), event), newest last: what the supervisor did, for callers that wait on it
+        self.instance_events: deque[tuple[float, InstanceEvent]] = deque(maxlen=256)
 
     @property
     def specs(self) -> tuple[InstanceSpec, ...]:
@@ -134,6 +148,9 @@ class Stack:
         return self.proxy.url
 
     def start(self) -> None:
+        endpoint = self._proxy_options.get("otlp_traces_endpoint")
+        if endpoint and not self.topology.otlp_traces_endpoint:  # one trace: the engines export too
+            self.topology = dataclasses.replace(self.topology, otlp_traces_endpoint=endpoint)
         if self.topology.engine == "sim":
             specs = plan_sim_instances(self.topology)
             profile = load_profile(self.topology.sim_profile)
@@ -142,12 +159,17 @@ class Stack:
             self._say(f"simulator, profile {self.topology.sim_profile}; logs in {self.run_dir}/")
             self._start(specs, SIM_ENTRYPOINT)
             return
+        self.vllm_version = engine_vllm_version(self.engine_python)
+        warning = version_warning(self.vllm_version, self.engine_python)
+        self._say(f"warning: {warning}" if warning else f"vLLM {self.vllm_version} ({self.engine_python})")
         self._say("preparing model ...")
         self.model = resolve_model(self.topology.model, self.engine_python)
         topology = self.topology
-        if self.model.is_embedded and not any(a.startswith("--dtype") for a in topology.vllm_args):
+        is_cpu = topology.device == "cpu"
+        if self.model.is_embedded and is_cpu and not any(a.startswith("--dtype") for a in topology.vllm_args):
             # float32, not vLLM CPU's bf16 default: greedy text must match across CPUs with and without
             # bf16 support, and the equality oracle holds only when every instance uses one dtype.
+            # GPUs all do bf16, and Hopper's attention kernels (FA3) take no float32.
             topology = dataclasses.replace(topology, vllm_args=("--dtype", "float32", *topology.vllm_args))
         specs = plan_instances(
             topology,
@@ -189,8 +211,31 @@ class Stack:
         self.proxy.start()
         for warning in lease_warnings(config):
             self._say(f"warning: {warning}")
+        # The simulator's logs are followed too: they cost nothing when they never hold the lines.
+        prefill_logs = {s.url: self.group.log_path(s) for s in specs if s.role == "prefill"}
+        self.log_watcher = LogWatcher(prefill_logs, self._deliver)
+        self.log_watcher.start()
+        if self.topology.on_instance_exit == "restart":
+            self.supervisor = Supervisor(self.group, self._on_instance_event, self._say, self._restart_policy)
+            self.supervisor.start()
+
+    def _deliver(self, event: InstanceEvent | KVLogEvent) -> None:
+        proxy = self.proxy
+        if proxy is not None:
+            proxy.deliver(event)
+
+    def _on_instance_event(self, event: InstanceEvent) -> None:
+        self.instance_events.append((time.monotonic(), event))
+        self._deliver(event)
 
     def stop(self) -> None:
+        # Supervision first: nothing may restart an instance that is being stopped.
+        if self.supervisor is not None:
+            self.supervisor.stop()
+            self.supervisor = None
+        if self.log_watcher is not None:
+            self.log_watcher.stop()
+            self.log_watcher = None
         if self.proxy is not None:
             self.proxy.stop()
             self.proxy = None
@@ -198,7 +243,8 @@ class Stack:
             self.group.stop()
 
     def check_alive(self) -> None:
-        if self.group is not None:
+        """Raise EngineError if an instance exited, unless the supervisor restarts them."""
+        if self.group is not None and self.supervisor is None:
             self.group.check_alive()
 
     def describe(self) -> list[str]:
@@ -224,10 +270,12 @@ class Stack:
         self.stop()
 
 
-def _visible_gpus() -> list[int]:
-    """GPU ids on an NVIDIA host (from /proc, no driver call); none on this CPU-only machine."""
+def _visible_gpus() -> list[str]:
+    """GPU ids on an NVIDIA host (from /proc, no driver call), as CUDA_VISIBLE_DEVICES narrows them;
+    none on a CPU-only machine."""
     root = Path("/proc/driver/nvidia/gpus")
-    return list(range(len(list(root.iterdir())))) if root.is_dir() else []
+    num_host_gpus = len(list(root.iterdir())) if root.is_dir() else None
+    return visible_gpus(os.environ.get("CUDA_VISIBLE_DEVICES"), num_host_gpus)
 
 
 def wait_http_ok(url: str, timeout: float) -> bool:

@@ -16,7 +16,10 @@ from pdserve.config import Timeouts, Topology
 from pdserve.stack import Stack
 
 # Ports away from `pdserve up`'s defaults, so a developer's running system does not collide with the suite.
-E2E_TOPOLOGY = Topology(proxy_port=18000, first_port=18100, first_side_channel_port=15600)
+# Supervised as `pdserve up` is: the fault tests kill instances and wait for the supervisor's restart.
+E2E_TOPOLOGY = Topology(
+    proxy_port=18000, first_port=18100, first_side_channel_port=15600, on_instance_exit="restart"
+)
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,7 @@
-"""Key faults on real vLLM: every request ends promptly with a clear error, prefill's KV comes back,
-and the system serves again afterwards. Kills and restarts instances, so it runs last in the session
-(modules run in name order)."""
+"""Key faults on real vLLM: every request ends promptly with an answer or a clear error, prefill's KV
+comes back, the session Stack's supervisor restarts a killed instance (as `pdserve up` does), and the
+system serves again afterwards. Kills instances, so it runs last in the session (modules run in name
+order)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import pytest
 from pdserve.config import ProxyConfig, Timeouts
 from pdserve.engines.metrics import scrape, transfer_counts
 from pdserve.engines.plan import InstanceSpec
+from pdserve.events import InstanceEvent
 from pdserve.prometheus import KV_USAGE
 from pdserve.stack import ProxyThread, Stack, wait_http_ok
 from pdserve.verify import wait_for_transfers
@@ -25,6 +27,7 @@ pytestmark = pytest.mark.vllm
 
 LEASE_S = 30.0  # vLLM's default kv_lease_duration: un-pulled KV is held at most this long
 QUICK = Timeouts(connect=2, prefill=10, first_token=10, idle=5, decode=20)
+RESTART_S = 300.0  # vLLM takes ~45 s to start here; far more on a loaded machine
 
 
 def _prompt(tag: str, words: int = 60) -> str:
@@ -68,16 +71,105 @@ def quick(stack: Stack) -> Iterator[tuple[ProxyThread, openai.OpenAI]]:
         proxy.stop()
 
 
-def _serves_again(stack: Stack, client: openai.OpenAI, model: str) -> None:
-    """After a fault: the instances are healthy and a request moves its KV over NIXL once."""
+def _serves_again(
+    stack: Stack, client: openai.OpenAI, model: str, decode_alone: openai.OpenAI | None = None, num: int = 1
+) -> None:
+    """After a fault: the instances are healthy and each request moves its KV over NIXL once, with the
+    greedy answer decode alone gives (asked second: first, it would cache the prompt and pull nothing)."""
     assert wait_http_ok(f"{stack.proxy_url}/health", timeout=60), (
         "the proxy never saw both roles healthy again"
     )
-    before = transfer_counts(stack.urls("decode"))
-    answer = client.completions.create(model=model, prompt=_prompt("again"), max_tokens=8, temperature=0)
-    assert answer.choices[0].text
-    delta = wait_for_transfers(stack.urls("decode"), before, expected=1)
-    assert (delta.successful, delta.failed) == (1, 0)
+    for _ in range(num):
+        prompt = _prompt("again")
+        before = transfer_counts(stack.urls("decode"))
+        answer = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0)
+        assert answer.choices[0].text
+        delta = wait_for_transfers(stack.urls("decode"), before, expected=1)
+        assert (delta.successful, delta.failed) == (1, 0)
+        if decode_alone is not None:
+            alone = decode_alone.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0)
+            assert answer.choices[0].text == alone.choices[0].text
+
+
+def _supervisor_event(
+    stack: Stack, url: str, kind: str, since: float, timeout: float
+) -> tuple[float, InstanceEvent]:
+    """The first event of ``kind`` for ``url`` the session's supervisor reported after ``since``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for at, event in list(stack.instance_events):
+            if at >= since and event.url == url and event.kind == kind:
+                return at, event
+        seen = [(e.kind, e.detail) for at, e in stack.instance_events if at >= since]
+        assert time.monotonic() < deadline, f"no {kind!r} for {url} within {timeout:.0f} s; saw {seen}"
+        time.sleep(0.2)
+
+
+def _restarted_by_the_supervisor(stack: Stack, spec: InstanceSpec, killed_at: float) -> float:
+    """Seconds from the kill until the supervisor had the instance back; asserts what it reported."""
+    _, exited = _supervisor_event(stack, spec.url, "exited", killed_at, timeout=10)
+    assert exited.detail == "was killed by SIGKILL"
+    _supervisor_event(stack, spec.url, "restarting", killed_at, timeout=60)
+    ready_at, _ = _supervisor_event(stack, spec.url, "ready", killed_at, timeout=RESTART_S)
+    took = ready_at - killed_at
+    print(f"[e2e] {spec.name} back {took:.1f} s after SIGKILL", flush=True)
+    return took
+
+
+class _Load:
+    """A few clients sending one request after another through the session proxy while a fault runs.
+
+    Every request must end: with decode alone's greedy answer, or with a clear 5xx error. One prompt
+    for all, so one expected answer (decode's prefix cache makes most of them pull nothing: that is fine,
+    transfers are checked afterwards)."""
+
+    def __init__(self, client: openai.OpenAI, decode_alone: openai.OpenAI, model: str, num: int = 2) -> None:
+        self._client, self._model = client, model
+        self._prompt = _prompt("load")
+        self.expected = self._ask(decode_alone)
+        self.outcomes: list[str | openai.APIError] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(num)]
+
+    def _ask(self, client: openai.OpenAI) -> str:
+        answer = client.completions.create(
+            model=self._model, prompt=self._prompt, max_tokens=8, temperature=0
+        )
+        return answer.choices[0].text
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.outcomes.append(self._ask(self._client))
+            except openai.APIError as exc:
+                self.outcomes.append(exc)
+            self._stop.wait(0.3)  # two cores: the instance restarting needs them
+
+    def __enter__(self) -> _Load:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *_exc: object) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=150)
+        if exc_type is None:  # else the test already failed: that failure is the one to read
+            assert not any(t.is_alive() for t in self._threads), "a request hung"
+
+    def assert_answered_or_clearly_refused(self) -> list[openai.APIStatusError]:
+        """Returns the errors; each is an HTTP 5xx with a message, never a hang or a wrong answer."""
+        errors = [o for o in self.outcomes if not isinstance(o, str)]
+        codes = sorted({e.status_code for e in errors if isinstance(e, openai.APIStatusError)})
+        print(
+            f"[e2e] load: {len(self.outcomes) - len(errors)} answered, {len(errors)} errors {codes}",
+            flush=True,
+        )
+        unclear = [e for e in errors if not (isinstance(e, openai.APIStatusError) and e.status_code >= 500)]
+        assert not unclear, f"requests ended without a clear HTTP error: {unclear}"
+        wrong = [o for o in self.outcomes if isinstance(o, str) and o != self.expected]
+        assert not wrong, f"answers differ from decode alone's {self.expected!r}: {wrong}"
+        return [e for e in errors if isinstance(e, openai.APIStatusError)]
 
 
 def test_client_leaving_between_phases_gets_its_kv_back_on_prefill_within_the_lease(
@@ -103,13 +195,11 @@ def test_client_leaving_between_phases_gets_its_kv_back_on_prefill_within_the_le
     _serves_again(stack, client, model_name)
 
 
-def test_prefill_killed_mid_request_is_a_prompt_clear_error_and_serving_resumes_after_restart(
-    stack: Stack, quick: tuple[ProxyThread, openai.OpenAI], client: openai.OpenAI, model_name: str
-) -> None:
-    _, quick_client = quick
-    spec = _spec(stack, "prefill")
-    pgid = _pgid(stack, "prefill")
-    os.killpg(pgid, signal.SIGSTOP)  # the request is certainly inside prefill when the kill comes
+def _kill_during_a_request(
+    quick_client: openai.OpenAI, model_name: str, pgid: int, spec: InstanceSpec
+) -> float:
+    """SIGKILL the (stopped) prefill while a request waits on it: the request ends at once, with an
+    error naming prefill. Returns the time of the kill."""
     outcome: dict[str, object] = {}
 
     def request() -> None:
@@ -130,34 +220,63 @@ def test_prefill_killed_mid_request_is_a_prompt_clear_error_and_serving_resumes_
     assert isinstance(error, openai.APIStatusError) and error.status_code in (502, 504)
     assert "prefill" in str(error) and spec.url in str(error)
     assert float(outcome["at"]) - killed_at < 5  # type: ignore[arg-type]
-    assert stack.group is not None
-    stack.group.restart(spec)
-    _serves_again(stack, client, model_name)
+    return killed_at
 
 
-def test_decode_killed_mid_stream_ends_the_stream_with_an_error_and_serving_resumes(
-    stack: Stack, quick: tuple[ProxyThread, openai.OpenAI], client: openai.OpenAI, model_name: str
+def test_prefill_killed_mid_request_is_a_prompt_clear_error_and_up_restarts_it_and_transfers_resume(
+    stack: Stack,
+    quick: tuple[ProxyThread, openai.OpenAI],
+    client: openai.OpenAI,
+    decode_alone: openai.OpenAI,
+    model_name: str,
+) -> None:
+    _, quick_client = quick
+    spec = _spec(stack, "prefill")
+    pgid = _pgid(stack, "prefill")
+    load = _Load(client, decode_alone, model_name)
+    with load:
+        time.sleep(2.0)  # the load is under way
+        os.killpg(pgid, signal.SIGSTOP)  # the request is certainly inside prefill when the kill comes
+        killed_at = _kill_during_a_request(quick_client, model_name, pgid, spec)
+        _restarted_by_the_supervisor(stack, spec, killed_at)
+    # While prefill was down the proxy said so (503 naming the phase), and nothing hung.
+    errors = load.assert_answered_or_clearly_refused()
+    assert any(e.status_code == 503 and "prefill" in str(e) for e in errors), errors
+    # The new prefill has a new NIXL engine id: decode handshakes again and pulls from it.
+    _serves_again(stack, client, model_name, decode_alone, num=3)
+
+
+def test_decode_killed_mid_stream_ends_the_stream_with_an_error_and_up_restarts_it(
+    stack: Stack,
+    quick: tuple[ProxyThread, openai.OpenAI],
+    client: openai.OpenAI,
+    decode_alone: openai.OpenAI,
+    model_name: str,
 ) -> None:
     _, quick_client = quick
     spec = _spec(stack, "decode")
     pgid = _pgid(stack, "decode")
     prefill = stack.urls("prefill")[0]
-    stream = quick_client.completions.create(
-        model=model_name, prompt=_prompt("midstream", 16), max_tokens=1500, temperature=0, stream=True
-    )
-    received = 0
-    killed_at = 0.0
-    with pytest.raises(openai.APIError):
-        for chunk in stream:
-            received += sum(1 for c in chunk.choices if c.text)
-            if received == 10:
-                killed_at = time.monotonic()
-                os.killpg(pgid, signal.SIGKILL)
-    assert killed_at, "the stream ended before decode could be killed"
-    assert time.monotonic() - killed_at < QUICK.idle + 3
-    assert received < 1500  # cut short, and the client was told so rather than handed a short answer
-    # The KV was pulled before the first token, so prefill holds nothing for this request.
+    load = _Load(client, decode_alone, model_name)
+    with load:
+        stream = quick_client.completions.create(
+            model=model_name, prompt=_prompt("midstream", 16), max_tokens=1500, temperature=0, stream=True
+        )
+        received = 0
+        killed_at = 0.0
+        with pytest.raises(openai.APIError):
+            for chunk in stream:
+                received += sum(1 for c in chunk.choices if c.text)
+                if received == 10:
+                    killed_at = time.monotonic()
+                    os.killpg(pgid, signal.SIGKILL)
+        assert killed_at, "the stream ended before decode could be killed"
+        assert time.monotonic() - killed_at < QUICK.idle + 3
+        assert received < 1500  # cut short, and the client was told so rather than handed a short answer
+        _restarted_by_the_supervisor(stack, spec, killed_at)
+    errors = load.assert_answered_or_clearly_refused()
+    assert any(e.status_code == 503 and "decode" in str(e) for e in errors), errors
+    # The stream's KV was pulled before its first token, and the load's handoffs that died with decode
+    # are released by their lease: prefill ends up holding nothing.
     assert _wait_until(lambda: _kv_usage(prefill) == 0.0, timeout=LEASE_S + 15)
-    assert stack.group is not None
-    stack.group.restart(spec)
-    _serves_again(stack, client, model_name)
+    _serves_again(stack, client, model_name, decode_alone, num=3)

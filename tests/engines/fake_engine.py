@@ -5,11 +5,14 @@ Takes the vLLM flags the launcher passes (--host, --port) plus its own:
   --crash-after S    print an error and exit with code 3 after S seconds instead of serving
   --ignore-sigterm   keep running on SIGTERM (a wedged engine)
   --child            fork a child that sleeps, like vLLM's engine-core process
+  --crash-if-exists PATH   as --crash-after 0.1 when PATH exists at start (a restart that keeps failing)
+  --slow-if-exists PATH    as --delay 60 when PATH exists at start (a restart that takes long)
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import subprocess
 import sys
@@ -35,7 +38,13 @@ def main() -> None:
     parser.add_argument("--crash-after", type=float, default=None)
     parser.add_argument("--ignore-sigterm", action="store_true")
     parser.add_argument("--child", action="store_true")
+    parser.add_argument("--crash-if-exists")
+    parser.add_argument("--slow-if-exists")
     args, _unknown = parser.parse_known_args()
+    if args.crash_if_exists and os.path.exists(args.crash_if_exists):
+        args.crash_after = 0.1
+    if args.slow_if_exists and os.path.exists(args.slow_if_exists):
+        args.delay = 60.0
 
     if args.ignore_sigterm:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)

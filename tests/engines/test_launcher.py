@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 import signal
@@ -10,6 +11,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -262,3 +264,74 @@ def _leader_running(pid: int) -> bool:
     except OSError:
         return False
     return stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3] not in (b"Z", b"X")
+
+
+def test_exited_lists_dead_instances_without_raising(make_group: MakeGroup) -> None:
+    prefill, decode = fake_spec("prefill", 0), fake_spec("decode", 0)
+    group = make_group(prefill, decode)
+    group.start()
+    assert group.exited() == ()
+    pid = group.pid(prefill)
+    assert pid is not None
+    os.killpg(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while not group.exited() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert group.exited() == (prefill,)
+    assert group.exit_status(prefill) == "was killed by SIGKILL"
+    group.stop()
+    assert group.exited() == ()  # exits after stop() are expected
+
+
+def test_stop_interrupts_a_restart_waiting_for_health(make_group: MakeGroup, tmp_path: Path) -> None:
+    slow = tmp_path / "slow"
+    spec = fake_spec("decode", 0, "--slow-if-exists", str(slow))
+    group = make_group(spec, startup_timeout=120.0)
+    group.start()
+    slow.touch()
+    outcome: list[BaseException] = []
+
+    def restart() -> None:
+        try:
+            group.restart(spec)
+        except EngineStartError as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=restart)
+    thread.start()
+    time.sleep(1.0)
+    began = time.monotonic()
+    group.stop(timeout=2.0)
+    thread.join(timeout=5)
+    assert not thread.is_alive() and time.monotonic() - began < 3
+    assert outcome and "interrupted" in str(outcome[0])
+    pid = group.pid(spec)
+    assert pid is not None and not group_is_running(pid)
+
+
+def test_instances_sharing_a_gpu_start_one_after_the_other(
+    make_group: MakeGroup, messages: list[str]
+) -> None:
+    first = dataclasses.replace(fake_spec("prefill", 0, "--delay", "0.8"), start_stage=0)
+    second = dataclasses.replace(fake_spec("decode", 0, "--delay", "0.2"), start_stage=1)
+    group = make_group(second, first)  # the stage decides the order, not the list
+    began = time.monotonic()
+    group.start()
+    assert time.monotonic() - began >= 1.0  # 0.8 s, then 0.2 s: one after the other
+    assert health_status(first) == health_status(second) == 200
+    order = [m for m in messages if m.startswith(("starting", "prefill-0 up", "decode-0 up"))]
+    assert [m.split(" after")[0].split(" (")[0] for m in order] == [
+        "starting prefill-0",
+        "prefill-0 up",
+        "starting decode-0",
+        "decode-0 up",
+    ]
+
+
+def test_a_first_stage_that_crashes_never_starts_the_next(make_group: MakeGroup) -> None:
+    crashing = dataclasses.replace(fake_spec("prefill", 0, "--crash-after", "0.2"), start_stage=0)
+    waiting = dataclasses.replace(fake_spec("decode", 0), start_stage=1)
+    group = make_group(crashing, waiting)
+    with pytest.raises(EngineStartError, match=r"prefill-0 .* exited with code 3 while starting"):
+        group.start()
+    assert group.pid(waiting) is None  # its GPU was never asked for memory

@@ -6,8 +6,15 @@ import json
 
 import pytest
 
-from pdserve.config import Topology
-from pdserve.engines.plan import InstanceSpec, cpu_list, plan_instances, plan_sim_instances
+from pdserve.config import Topology, topology_from_mapping
+from pdserve.engines.plan import (
+    InstanceSpec,
+    cpu_list,
+    gpu_memory_share,
+    plan_instances,
+    plan_sim_instances,
+    visible_gpus,
+)
 from pdserve.errors import ConfigError
 
 
@@ -135,7 +142,7 @@ def test_cuda_with_too_few_gpus_is_a_config_error() -> None:
     topology = Topology(num_prefill=2, num_decode=2, device="cuda", gpus_per_instance=2)
     with pytest.raises(ConfigError, match=r"needs 8 GPUs .* but 7 are available"):
         plan_instances(topology, "/m", None, [0, 1], gpu_ids=range(7))
-    with pytest.raises(ConfigError, match="needs 2 GPUs"):
+    with pytest.raises(ConfigError, match="no GPU is visible"):
         plan_instances(Topology(device="cuda"), "/m", None, [0, 1])
 
 
@@ -168,3 +175,127 @@ def test_tracing_makes_every_instance_export_its_spans_over_otlp_http() -> None:
     for spec in plan_instances(topology, "/m", None, [0, 1]):
         assert spec.args[spec.args.index("--otlp-traces-endpoint") + 1] == "http://collector:4318/v1/traces"
         assert ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf") in spec.env
+
+
+# --- GPU placement ------------------------------------------------------------------------------------
+
+
+def gpus_of(specs: tuple[InstanceSpec, ...]) -> list[str]:
+    return [dict(s.env)["CUDA_VISIBLE_DEVICES"] for s in specs]
+
+
+def memory_of(specs: tuple[InstanceSpec, ...]) -> list[str | None]:
+    return [
+        arg_value(s, "--gpu-memory-utilization") if "--gpu-memory-utilization" in s.args else None
+        for s in specs
+    ]
+
+
+def test_1p1d_on_a_one_gpu_host_is_the_single_gpu_demo_both_on_gpu_0_at_045_started_in_turn() -> None:
+    specs = plan_instances(Topology(device="cuda"), "/m", None, [0, 1], gpu_ids=["0"])
+    assert gpus_of(specs) == ["0", "0"]
+    assert memory_of(specs) == ["0.45", "0.45"]
+    assert [s.start_stage for s in specs] == [0, 1]  # decode starts once prefill is healthy
+
+
+def test_with_enough_gpus_the_default_gives_each_instance_its_own_started_together() -> None:
+    specs = plan_instances(Topology(device="cuda"), "/m", None, [0, 1], gpu_ids=[0, 1])
+    assert gpus_of(specs) == ["0", "1"]
+    assert memory_of(specs) == [None, None]  # vLLM's own 0.9
+    assert [s.start_stage for s in specs] == [0, 0]
+
+
+def test_four_instances_at_half_a_gpu_fill_two_gpus_in_order_two_stages() -> None:
+    topology = Topology(num_prefill=2, num_decode=2, device="cuda", gpus_per_instance=0.5)
+    specs = plan_instances(topology, "/m", None, [0, 1], gpu_ids=[0, 1])
+    assert [(s.name, g) for s, g in zip(specs, gpus_of(specs), strict=True)] == [
+        ("prefill-0", "0"),
+        ("prefill-1", "0"),
+        ("decode-0", "1"),
+        ("decode-1", "1"),
+    ]
+    assert memory_of(specs) == ["0.45"] * 4
+    assert [s.start_stage for s in specs] == [0, 1, 0, 1]  # the two GPUs start side by side
+
+
+def test_instances_per_gpu_splits_vllms_memory_share_rounded_down() -> None:
+    topology = Topology(num_prefill=1, num_decode=2, device="cuda", instances_per_gpu=3)
+    specs = plan_instances(topology, "/m", None, [0, 1], gpu_ids=[0])
+    assert gpus_of(specs) == ["0", "0", "0"]
+    assert memory_of(specs) == ["0.30"] * 3
+    assert [s.start_stage for s in specs] == [0, 1, 2]
+    assert gpu_memory_share(4) == "0.22"
+
+
+def test_a_memory_share_the_user_set_is_left_alone() -> None:
+    topology = Topology(device="cuda", decode_args=("--gpu-memory-utilization=0.6",))
+    prefill, decode = plan_instances(topology, "/m", None, [0, 1], gpu_ids=[0])
+    assert arg_value(prefill, "--gpu-memory-utilization") == "0.45"
+    assert [a for a in decode.args if a.startswith("--gpu-memory")] == ["--gpu-memory-utilization=0.6"]
+
+
+def test_cuda_visible_devices_is_respected_in_its_order() -> None:
+    gpus = visible_gpus("3,5", num_host_gpus=8)
+    assert gpus == ["3", "5"]
+    specs = plan_instances(Topology(device="cuda"), "/m", None, [0, 1], gpu_ids=gpus)
+    assert gpus_of(specs) == ["3", "5"]
+    specs = plan_instances(Topology(device="cuda"), "/m", None, [0, 1], gpu_ids=visible_gpus("5", 8))
+    assert gpus_of(specs) == ["5", "5"]
+
+
+def test_visible_gpus_reads_cuda_visible_devices_as_cuda_does() -> None:
+    assert visible_gpus(None, 2) == ["0", "1"]
+    assert visible_gpus(None, None) == []
+    assert visible_gpus("", 4) == []  # set but empty hides every GPU
+    assert visible_gpus("1, 0", 4) == ["1", "0"]
+    assert visible_gpus("0,7,1", 4) == ["0"]  # CUDA stops at the first invalid entry
+    assert visible_gpus("0,-1,1", 4) == ["0"]
+    assert visible_gpus("GPU-8f2a,MIG-1c", 1) == ["GPU-8f2a", "MIG-1c"]
+    assert visible_gpus("6", None) == ["6"]  # host GPUs unknown: trust the variable
+
+
+@pytest.mark.parametrize(
+    ("placement", "num_gpus", "message"),
+    [
+        ({"gpus_per_instance": 0.5}, 0, r"needs 1 GPUs \(2 instances, 2 per GPU\), but 0 are available"),
+        ({"instances_per_gpu": 1}, 1, r"needs 2 GPUs \(2 instances, 1 per GPU\), but 1 are available \(visible GPUs: 0\)"),
+        ({"gpus_per_instance": 1}, 1, r"needs 2 GPUs \(2 instances x gpus_per_instance=1\)"),
+    ],
+)  # fmt: skip
+def test_too_few_visible_gpus_names_what_is_needed_and_what_is_there(
+    placement: dict[str, float], num_gpus: int, message: str
+) -> None:
+    topology = Topology(device="cuda", **placement)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=message):
+        plan_instances(topology, "/m", None, [0, 1], gpu_ids=range(num_gpus))
+
+
+@pytest.mark.parametrize(
+    ("placement", "message"),
+    [
+        ({"gpus_per_instance": 0.3}, r"gpus_per_instance=0.3 is not 1/N .* instances_per_gpu: N"),
+        ({"gpus_per_instance": 1.5}, r"whole number of GPUs when >= 1, got 1.5"),
+        ({"gpus_per_instance": 0}, r"gpus_per_instance must be a number > 0, got 0"),
+        ({"instances_per_gpu": 0}, r"instances_per_gpu must be a whole number >= 1, got 0"),
+        ({"instances_per_gpu": 1.5}, r"instances_per_gpu must be a whole number >= 1, got 1.5"),
+        (
+            {"gpus_per_instance": 0.5, "instances_per_gpu": 2},
+            r"sets both gpus_per_instance .* set one of them",
+        ),
+    ],
+)
+def test_a_gpu_placement_that_cannot_be_honoured_is_refused_naming_the_field(
+    placement: dict[str, float], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        Topology(device="cuda", **placement)  # type: ignore[arg-type]
+
+
+def test_gpu_placement_comes_from_the_topology_file_as_written() -> None:
+    topology = topology_from_mapping({"device": "cuda", "gpus_per_instance": 0.25})
+    specs = plan_instances(topology, "/m", None, [0], gpu_ids=[0])
+    assert memory_of(specs) == ["0.22", "0.22"] and [s.start_stage for s in specs] == [0, 1]
+
+
+def test_cpu_instances_all_start_together() -> None:
+    assert [s.start_stage for s in plan_instances(Topology(num_decode=3), "/m", None, range(4))] == [0] * 4

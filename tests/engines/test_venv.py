@@ -78,3 +78,45 @@ def test_missing_or_non_executable_explicit_path_is_a_config_error(fake_python: 
 def test_repo_root_is_this_checkout() -> None:
     root = real_repo_root()
     assert root is not None and (root / "src" / "pdserve" / "engines" / "venv.py").is_file()
+
+
+# --- the engine's vLLM version ------------------------------------------------------------------------
+
+
+def fake_vllm(root: Path, version: str) -> None:
+    package = root / "vllm"
+    package.mkdir(parents=True)
+    # Importing the package would fail: the probe must read _version.py alone (no torch import).
+    (package / "__init__.py").write_text("raise RuntimeError('vllm imported')\n")
+    (package / "_version.py").write_text(f"__version__ = version = {version!r}\n")
+
+
+def test_the_version_is_read_without_importing_vllm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_vllm(tmp_path, "0.26.0")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    assert venv.engine_vllm_version(sys.executable) == "0.26.0"
+
+
+def test_no_vllm_or_no_python_gives_no_version(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # an empty dir: nothing named vllm there
+    assert venv.engine_vllm_version(str(tmp_path / "missing-python")) is None
+
+
+@pytest.mark.parametrize("version", ["0.26.0", "0.26.3", "0.32.0", "0.32.1+cpu"])
+def test_tested_versions_get_no_warning(version: str) -> None:
+    assert venv.version_warning(version, "/venv/bin/python") is None
+
+
+@pytest.mark.parametrize("version", ["0.25.1", "0.30.0", "0.33.0", "1.0.0", "dev"])
+def test_other_versions_are_warned_about_naming_the_tested_ones(version: str) -> None:
+    warning = venv.version_warning(version, "/venv/bin/python")
+    assert warning is not None
+    assert (
+        f"vLLM {version} (/venv/bin/python) is not a version pdserve is tested with (0.26.x, 0.32.x)"
+        in warning
+    )
+
+
+def test_an_unknown_version_is_warned_about_too() -> None:
+    warning = venv.version_warning(None, "/venv/bin/python")
+    assert warning is not None and "could not learn the vLLM version of /venv/bin/python" in warning

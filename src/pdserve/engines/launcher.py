@@ -63,13 +63,19 @@ class EngineGroup:
     def log_path(self, spec: InstanceSpec) -> Path:
         return self._run_dir / f"{spec.name}.log"
 
+    @property
+    def startup_timeout(self) -> float:
+        return self._startup_timeout
+
     def pid(self, spec: InstanceSpec) -> int | None:
         """PID (and process-group id) of the instance's API server, None if it was never spawned."""
         proc = self._procs.get(spec.name)
         return proc.pid if proc else None
 
     def start(self) -> None:
-        """Spawn every instance at once and return when all answer GET /health with 200.
+        """Spawn the instances stage by stage (``InstanceSpec.start_stage``) and return when all answer
+        GET /health with 200. A stage's instances start together, the next stage once they are healthy;
+        the startup timeout applies to each stage.
 
         Raises ConfigError if a port is taken, EngineStartError (after stopping every instance) if one
         exits or the startup timeout passes.
@@ -78,11 +84,19 @@ class EngineGroup:
             raise EngineError("an EngineGroup starts once; make a new one to start again")
         _check_ports_free(self._specs)
         self._run_dir.mkdir(parents=True, exist_ok=True)
-        started = time.monotonic()
+        stages = sorted({spec.start_stage for spec in self._specs})
         try:
-            for spec in self._specs:
-                self._spawn(spec)
-            self._wait_healthy(started)
+            for stage in stages:
+                batch = [spec for spec in self._specs if spec.start_stage == stage]
+                if len(stages) > 1:
+                    self._on_progress(
+                        f"starting {', '.join(s.name for s in batch)} (stage {stage + 1} of {len(stages)}: "
+                        "instances sharing a GPU start one after the other)"
+                    )
+                started = time.monotonic()
+                for spec in batch:
+                    self._spawn(spec)
+                self._wait_healthy(started, batch)
         except BaseException:
             self.stop()
             raise
@@ -112,9 +126,57 @@ class EngineGroup:
         """Raise EngineError naming every instance whose process has exited (no-op once stopping)."""
         if self._is_stopping:
             return
-        dead = [s for s in self._specs if s.name in self._procs and _has_exited(self._procs[s.name])]
+        dead = self.exited()
         if dead:
             raise EngineError("\n\n".join(self._describe_exit(spec) for spec in dead))
+
+    def exited(self) -> tuple[InstanceSpec, ...]:
+        """The instances whose API server has exited (none once stopping); raises nothing."""
+        if self._is_stopping:
+            return ()
+        return tuple(s for s in self._specs if s.name in self._procs and _has_exited(self._procs[s.name]))
+
+    def exit_status(self, spec: InstanceSpec) -> str:
+        """How the instance's API server ended, e.g. ``was killed by SIGKILL``."""
+        proc = self._procs.get(spec.name)
+        code = proc.poll() if proc else None
+        if code is None:
+            return "is running" if proc else "was never started"
+        return f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+
+    def kill(self, spec: InstanceSpec) -> None:
+        """SIGKILL whatever is left of the instance's process group; returns at once."""
+        proc = self._procs.get(spec.name)
+        if proc is not None and _group_alive(proc):
+            _signal_group(proc.pid, signal.SIGKILL)
+
+    def can_respawn(self, spec: InstanceSpec) -> bool:
+        """Whether ``respawn`` can start the instance now: its processes are gone and its ports free."""
+        return self.respawn_blocker(spec) is None
+
+    def respawn_blocker(self, spec: InstanceSpec) -> str | None:
+        """Why ``respawn`` cannot start the instance yet, or None when it can."""
+        if self._is_stopping:
+            return "the instances are being stopped"
+        proc = self._procs.get(spec.name)
+        if proc is not None and _group_alive(proc):
+            members = ", ".join(_running_members(proc.pid)) or "(not listed)"
+            return f"processes of its old process group {proc.pid} still run: {members}"
+        try:
+            _check_ports_free([spec])
+        except ConfigError as exc:
+            return str(exc)
+        return None
+
+    def respawn(self, spec: InstanceSpec) -> None:
+        """Start a stopped instance again, appending to its log; does not wait for it to be healthy.
+
+        The thread that calls this must live as long as the instance (PR_SET_PDEATHSIG, see the class).
+        """
+        self._spawn(spec, mode="ab")
+
+    def is_healthy(self, spec: InstanceSpec) -> bool:
+        return _is_healthy(spec.url)
 
     def __enter__(self) -> EngineGroup:
         self.start()
@@ -131,7 +193,7 @@ class EngineGroup:
             log.write(f"# pdserve: {' '.join(command)}\n# env: {dict(spec.env)}\n".encode())
             log.flush()
             try:
-                self._procs[spec.name] = subprocess.Popen(
+                proc = self._procs[spec.name] = subprocess.Popen(
                     command,
                     stdin=subprocess.DEVNULL,
                     stdout=log,
@@ -142,27 +204,27 @@ class EngineGroup:
                 )
             except OSError as exc:
                 raise EngineStartError(f"{spec.name}: cannot run {self._engine_python}: {exc}") from exc
+        # stop() may have taken its list of processes while this one was being spawned (from another
+        # thread, or a signal handler): then nobody else would ever stop it.
+        if self._is_stopping:
+            _signal_group(proc.pid, signal.SIGKILL)
+            raise EngineStartError(f"{spec.name}: not started, the instances are being stopped")
 
     def restart(self, spec: InstanceSpec, timeout: float = 20.0) -> None:
         """Stop one instance (whatever state it is in) and start it again; returns once it is healthy.
 
-        Its log is appended to, so what happened before the restart stays readable.
+        Its log is appended to, so what happened before the restart stays readable. ``stop()`` from
+        another thread interrupts it with EngineStartError. Under a Supervisor, leave restarts to it.
         """
-        proc = self._procs.get(spec.name)
         deadline = time.monotonic() + timeout
-        if proc is not None and _group_alive(proc):
-            _signal_group(proc.pid, signal.SIGKILL)
-            while _group_alive(proc) and time.monotonic() < deadline:
-                time.sleep(_POLL_INTERVAL / 5)
+        self.kill(spec)
         # A killed process can hold its listening sockets a moment longer than it shows as running.
-        while time.monotonic() < deadline:
-            try:
-                _check_ports_free([spec])
-                break
-            except ConfigError:
-                time.sleep(_POLL_INTERVAL)
+        while not self.can_respawn(spec) and time.monotonic() < deadline:
+            if self._is_stopping:
+                raise EngineStartError(f"restart of {spec.name} interrupted: the instances were stopped")
+            time.sleep(_POLL_INTERVAL / 5)
         _check_ports_free([spec])
-        self._spawn(spec, mode="ab")
+        self.respawn(spec)
         self._wait_healthy(time.monotonic(), [spec])
 
     def _wait_healthy(self, started: float, specs: Sequence[InstanceSpec] | None = None) -> None:
@@ -189,25 +251,24 @@ class EngineGroup:
                 names = ", ".join(s.name for s in waiting)
                 raise EngineStartError(
                     f"not healthy after {self._startup_timeout:.0f} s: {names}\n\n"
-                    + "\n\n".join(f"last lines of {self.log_path(s)}:\n{self._log_tail(s)}" for s in waiting)
+                    + "\n\n".join(f"last lines of {self.log_path(s)}:\n{self.log_tail(s)}" for s in waiting)
                 )
             if now >= next_heartbeat:
                 next_heartbeat = now + _HEARTBEAT_INTERVAL
                 for spec in waiting:
-                    last = self._log_tail(spec, 1) or "(no output yet)"
+                    last = self.log_tail(spec, 1) or "(no output yet)"
                     self._on_progress(f"{spec.name} still starting after {now - started:.0f} s: {last}")
             time.sleep(_POLL_INTERVAL)
 
     def _describe_exit(self, spec: InstanceSpec, during_start: bool = False) -> str:
-        code = self._procs[spec.name].returncode
-        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
         when = " while starting" if during_start else ""
         return (
-            f"{spec.name} (pid {self._procs[spec.name].pid}) {how}{when}; "
-            f"last lines of {self.log_path(spec)}:\n{self._log_tail(spec)}"
+            f"{spec.name} (pid {self._procs[spec.name].pid}) {self.exit_status(spec)}{when}; "
+            f"last lines of {self.log_path(spec)}:\n{self.log_tail(spec)}"
         )
 
-    def _log_tail(self, spec: InstanceSpec, num_lines: int = _LOG_TAIL_LINES) -> str:
+    def log_tail(self, spec: InstanceSpec, num_lines: int = _LOG_TAIL_LINES) -> str:
+        """The last non-blank lines of the instance's log (all its runs: restarts append)."""
         try:
             with open(self.log_path(spec), "rb") as log:
                 log.seek(max(0, log.seek(0, os.SEEK_END) - 64 * 1024))
@@ -256,6 +317,12 @@ def _group_alive(proc: subprocess.Popen[bytes]) -> bool:
 
 
 def _has_running_member(pgid: int) -> bool:
+    return bool(_running_members(pgid))
+
+
+def _running_members(pgid: int) -> list[str]:
+    """``pid (comm, state)`` of each process of group ``pgid`` that is not a zombie."""
+    members = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -267,8 +334,9 @@ def _has_running_member(pgid: int) -> bool:
         # Fields after the parenthesised command name: state, ppid, pgrp, ...
         state, _ppid, pgrp = stat[stat.rindex(b")") + 2 :].split(b" ", 3)[:3]
         if int(pgrp) == pgid and state not in (b"Z", b"X"):
-            return True
-    return False
+            comm = stat[stat.index(b"(") + 1 : stat.rindex(b")")].decode(errors="replace")
+            members.append(f"{entry} ({comm}, {state.decode()})")
+    return members
 
 
 def _has_exited(proc: subprocess.Popen[bytes]) -> bool:

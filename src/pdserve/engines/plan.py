@@ -2,11 +2,17 @@
 
 Pure: no processes, sockets or files. The launcher runs what this plans, and tests check it with plain
 values. Prefill instances come first (instance i listens on ``first_port + i``), then decode.
+
+On GPUs instance i goes to GPU ``i // instances_per_gpu`` of the visible ones (so the 1P1D demo on one
+GPU puts both there). Instances that share a GPU split vLLM's memory budget and start one after the
+other (``start_stage``): started together, one of them dies in vLLM's memory profiling, which reads
+another process's allocations as its own ("Error in memory profiling").
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -15,6 +21,8 @@ from pdserve.errors import ConfigError
 
 # Flags the plan owns: a user value would silently break the ports or roles the proxy relies on.
 _RESERVED_FLAGS = ("--model", "--host", "--port", "--kv-transfer-config")
+_GPU_MEMORY_FLAG = "--gpu-memory-utilization"
+_VLLM_GPU_MEMORY_PERCENT = 90  # vLLM's default --gpu-memory-utilization, split between sharers
 
 Env = tuple[tuple[str, str], ...]
 
@@ -28,6 +36,15 @@ _COMMON_ENV: Env = (
 
 
 @dataclass(frozen=True)
+class GpuSlot:
+    """Where one instance runs on a GPU host."""
+
+    visible_devices: str  # its CUDA_VISIBLE_DEVICES: ids (or UUIDs) of the host's devices, comma-separated
+    num_sharers: int  # instances planned per GPU: 1, or N when N instances share one
+    start_stage: int  # its place among the instances of its GPU: 0 starts first
+
+
+@dataclass(frozen=True)
 class InstanceSpec:
     role: Role
     index: int  # 0.. within its role
@@ -36,6 +53,9 @@ class InstanceSpec:
     side_channel_port: int  # NIXL side channel (VLLM_NIXL_SIDE_CHANNEL_PORT); decode connects to prefill's
     args: tuple[str, ...]  # vLLM CLI args after `python -m vllm.entrypoints.openai.api_server`
     env: Env  # added to the launcher's environment for this instance
+    # The launcher starts stage 0, waits until it is healthy, then stage 1, ...: instances sharing a GPU
+    # get consecutive stages. Instances on their own cores or GPUs are all stage 0 (started together).
+    start_stage: int = 0
 
     @property
     def name(self) -> str:
@@ -53,21 +73,23 @@ def plan_instances(
     cpu_ids: Sequence[int],
     *,
     default_max_model_len: int | None = None,
-    gpu_ids: Sequence[int] = (),
+    gpu_ids: Sequence[int | str] = (),
 ) -> tuple[InstanceSpec, ...]:
     """Plan every instance of ``topology``.
 
-    ``cpu_ids`` are the cores instances may use (``os.sched_getaffinity(0)``), ``gpu_ids`` the GPUs on a
-    cuda topology. ``default_max_model_len`` applies when the topology sets none (the embedded model
-    needs 2048; other models use their own).
+    ``cpu_ids`` are the cores instances may use (``os.sched_getaffinity(0)``), ``gpu_ids`` the visible
+    GPUs on a cuda topology, in order (``visible_gpus``). ``default_max_model_len`` applies when the
+    topology sets none (the embedded model needs 2048; other models use their own).
     """
     _check_user_args(topology)
     roles: list[Role] = [r for r in ROLES for _ in range(_count(topology, r))]
     indices = [sum(1 for earlier in roles[:i] if earlier == role) for i, role in enumerate(roles)]
+    slots: list[GpuSlot] = []
     if topology.device == "cpu":
         device_env = _cpu_env(topology, len(roles), cpu_ids)
     else:
-        device_env = _cuda_env(topology, len(roles), gpu_ids)
+        slots = place_on_gpus(topology, len(roles), gpu_ids)
+        device_env = [(("CUDA_VISIBLE_DEVICES", slot.visible_devices),) for slot in slots]
     max_model_len = topology.max_model_len or default_max_model_len
     specs = []
     for i, (role, index) in enumerate(zip(roles, indices, strict=True)):
@@ -81,9 +103,16 @@ def plan_instances(
             args += ["--max-model-len", str(max_model_len)]
         if topology.device == "cpu":
             args.append("--enforce-eager")  # CUDA-graph-style capture buys nothing on CPU and slows start-up
+        role_args = (
+            *topology.vllm_args,
+            *(topology.prefill_args if role == "prefill" else topology.decode_args),
+        )
+        if slots and slots[i].num_sharers > 1 and not _sets_flag(role_args, _GPU_MEMORY_FLAG):
+            # vLLM's share is of the whole GPU's memory: sharers must split it or the second cannot start.
+            args += [_GPU_MEMORY_FLAG, gpu_memory_share(slots[i].num_sharers)]
         kv_config = kv_transfer_config(role, topology.device, topology.kv_lease_s, is_both=topology.kv_both)
         args += ["--kv-transfer-config", kv_config]
-        args += [*topology.vllm_args, *(topology.prefill_args if role == "prefill" else topology.decode_args)]
+        args += role_args
         tracing_env: Env = ()
         if topology.otlp_traces_endpoint:
             args += ["--otlp-traces-endpoint", topology.otlp_traces_endpoint]
@@ -96,7 +125,10 @@ def plan_instances(
             *device_env[i],
             *tracing_env,
         )
-        specs.append(InstanceSpec(role, index, topology.host, port, side_channel_port, tuple(args), env))
+        stage = slots[i].start_stage if slots else 0
+        specs.append(
+            InstanceSpec(role, index, topology.host, port, side_channel_port, tuple(args), env, stage)
+        )
     return tuple(specs)
 
 
@@ -167,6 +199,10 @@ def _count(topology: Topology, role: Role) -> int:
     return topology.num_prefill if role == "prefill" else topology.num_decode
 
 
+def _sets_flag(args: Sequence[str], flag: str) -> bool:
+    return any(arg.split("=", 1)[0] == flag for arg in args)
+
+
 def _check_user_args(topology: Topology) -> None:
     for field in ("vllm_args", "prefill_args", "decode_args"):
         for arg in getattr(topology, field):
@@ -204,13 +240,54 @@ def _cpu_env(topology: Topology, num_instances: int, cpu_ids: Sequence[int]) -> 
     return envs
 
 
-def _cuda_env(topology: Topology, num_instances: int, gpu_ids: Sequence[int]) -> list[Env]:
-    per_instance = topology.gpus_per_instance
-    needed = num_instances * per_instance
-    if needed > len(gpu_ids):
+def gpu_memory_share(num_sharers: int) -> str:
+    """vLLM's default 0.9 of GPU memory split between ``num_sharers``, rounded down: 2 → "0.45"."""
+    return f"{_VLLM_GPU_MEMORY_PERCENT // num_sharers / 100:.2f}"
+
+
+def visible_gpus(cuda_visible_devices: str | None, num_host_gpus: int | None) -> list[str]:
+    """The GPUs pdserve may use, as ids for the instances' own CUDA_VISIBLE_DEVICES.
+
+    A child's CUDA_VISIBLE_DEVICES is read against the host's devices, not the parent's view, so with
+    ``CUDA_VISIBLE_DEVICES=3,5`` the instances get "3" and "5", in that order. As CUDA does, the list
+    ends at the first entry that is neither an index nor a UUID (``GPU-…``, ``MIG-…``); set but empty
+    hides every GPU. Unset: all ``num_host_gpus`` (None: unknown, i.e. none unless the variable names them).
+    """
+    if cuda_visible_devices is None:
+        return [str(i) for i in range(num_host_gpus or 0)]
+    ids: list[str] = []
+    for entry in (e.strip() for e in cuda_visible_devices.split(",")):
+        is_index = entry.isdigit() and (num_host_gpus is None or int(entry) < num_host_gpus)
+        if not (is_index or entry.startswith(("GPU-", "MIG-"))):
+            break
+        ids.append(entry)
+    return ids
+
+
+def place_on_gpus(topology: Topology, num_instances: int, gpu_ids: Sequence[int | str]) -> list[GpuSlot]:
+    """One GpuSlot per instance, in instance order. ConfigError when the visible GPUs do not suffice."""
+    gpus = [str(g) for g in gpu_ids]
+    seen = f"visible GPUs: {', '.join(gpus)}" if gpus else "no GPU is visible (CUDA_VISIBLE_DEVICES, driver)"
+    per_instance, per_gpu = topology.gpus_per_instance, topology.instances_per_gpu
+    if per_instance is not None and per_instance >= 1:
+        whole = int(per_instance)
+        needed = num_instances * whole
+        if needed > len(gpus):
+            raise ConfigError(
+                f"topology needs {needed} GPUs ({num_instances} instances x gpus_per_instance={whole}), "
+                f"but {len(gpus)} are available ({seen})"
+            )
+        return [GpuSlot(",".join(gpus[i * whole : (i + 1) * whole]), 1, 0) for i in range(num_instances)]
+    if per_instance is not None:
+        per_gpu = round(1 / per_instance)
+    elif per_gpu is None:  # neither set: one GPU each if there are enough, else share them evenly
+        if not gpus:
+            raise ConfigError(f"topology.device is cuda but {seen}")
+        per_gpu = math.ceil(num_instances / len(gpus))
+    needed = math.ceil(num_instances / per_gpu)
+    if needed > len(gpus):
         raise ConfigError(
-            f"topology needs {needed} GPUs ({num_instances} instances x gpus_per_instance={per_instance}), "
-            f"but {len(gpu_ids)} are available"
+            f"topology needs {needed} GPUs ({num_instances} instances, {per_gpu} per GPU), "
+            f"but {len(gpus)} are available ({seen})"
         )
-    slices = [gpu_ids[i * per_instance : (i + 1) * per_instance] for i in range(num_instances)]
-    return [(("CUDA_VISIBLE_DEVICES", ",".join(str(g) for g in ids)),) for ids in slices]
+    return [GpuSlot(gpus[i // per_gpu], per_gpu, i % per_gpu) for i in range(num_instances)]

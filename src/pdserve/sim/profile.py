@@ -81,6 +81,23 @@ class Profile:
     def pull_seconds(self, num_blocks: int) -> float:
         return self.kv_pull_base_s + self.kv_pull_per_block_s * num_blocks
 
+    @property
+    def block_bytes(self) -> int:
+        """KV bytes of one full block: what one block of a pull moves."""
+        return self.block_size * self.kv_bytes_per_token
+
+    @property
+    def kv_bandwidth_bytes_per_s(self) -> float:
+        """The link bandwidth the pull model implies (inf when pulls cost nothing per block)."""
+        return self.block_bytes / self.kv_pull_per_block_s if self.kv_pull_per_block_s > 0 else float("inf")
+
+    def with_kv_bandwidth(self, bytes_per_s: float) -> Profile:
+        """This profile with pulls over a link of ``bytes_per_s`` (the per-block cost derived from it):
+        the knob for a slow link (TCP loopback, a congested NIC) or a fast one (NVLink)."""
+        if not bytes_per_s > 0:
+            raise ConfigError(f"profile {self.name!r}: KV bandwidth must be > 0 bytes/s, got {bytes_per_s}")
+        return dataclasses.replace(self, kv_pull_per_block_s=self.block_bytes / bytes_per_s)
+
     def to_mapping(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

@@ -1,0 +1,633 @@
+"""The GPU run of issue 10 on a lent H200, in one device call: `scripts/gpu-run.sh` starts this.
+
+Steps, each bounded in time, each recorded whether it passed, failed or was skipped (a failure never
+stops the steps that do not need it), all within ``--deadline-s``:
+
+  facts      GPU, driver, NVLink count, torch/vLLM/NIXL versions, the plan pdserve makes for this host
+  model      Llama-3-8B-shaped random weights built on the GPU (benchmarks/llama8b_random.py), in the
+             background while ``nixl`` runs; ``--model tiny`` serves pdserve's embedded model instead
+  nixl       the transfer-path experiment (benchmarks/nixl_transfer.py): NIXL READ/WRITE between two
+             processes on the GPU under UCX settings, torch CUDA IPC and a device copy as the ceiling
+  demo       `pdserve demo --device cuda --keep`: 1P1D on the one GPU (started one after the other),
+             `verify`, the walk-through; the pair then stays up for the steps below. ``--pair-ucx auto``
+             gives the pair the UCX setting the nixl step found fastest
+  doctor     `pdserve doctor` on the pair (when this checkout has it)
+  calibrate  `pdserve sim calibrate` on the decode instance → llama3-8b-h200.yaml (KV pull cost patched
+             in from the load step's NIXL counters)
+  load       16 streams of 2,000-token unique prompts, 128 tokens out, through the PD proxy, a colocated
+             proxy over the same two instances, and one instance alone (TTFT, ITL, KV GB/s)
+  bench      `pdserve bench --compare` (when this checkout has it and time is left: it starts its own pair)
+
+Writes to --out (at most 8 files come back): gpu_run.json (everything), gpu_run.txt (the same in words),
+nixl_transfer.json, llama3-8b-h200.yaml, logs.tar.gz (instance, nixl and step logs, tails only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+PY = sys.executable
+# vLLM 0.26's defaults for the OpenAI server on a GPU of >= 70 GiB that is no A100 (engine/arg_utils.py
+# get_batch_defaults); calibrate cannot read them from the server.
+H200_SETS = (
+    "max_num_seqs=1024",
+    "max_num_batched_tokens=8192",
+    "served_model_name=meta-llama/Meta-Llama-3-8B",
+)
+# A 16-token block of Llama-3-8B: 16 tokens x 128 KiB (2 (K,V) x 32 layers x 8 KV heads x 128 x 2 B)
+KV_BLOCK_BYTES = 16 * 131072
+STEPS = ("facts", "model", "nixl", "demo", "doctor", "calibrate", "load", "bench")
+
+
+class Run:
+    def __init__(self, a: argparse.Namespace) -> None:
+        self.a = a
+        self.out, self.work = a.out, a.work
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.deadline = time.monotonic() + a.deadline_s
+        self.steps = set(a.steps.split(","))
+        self.record: dict[str, Any] = {"args": {k: str(v) for k, v in vars(a).items()}, "steps": {}}
+        self.lines: list[str] = []
+        # pdserve's defaults: the proxy on 8000, prefill on 8100, decode on 8101; the colocated proxy next
+        urls = (a.proxy_port, a.proxy_port + 1, a.first_port, a.first_port + 1)
+        self.proxy, self.colocated, self.prefill, self.decode = (f"http://127.0.0.1:{p}" for p in urls)
+        self.demo: subprocess.Popen[bytes] | None = None
+        self.model_dir: str | None = None
+        # The UCX environment of the vLLM pair: given, or chosen by the nixl step (--pair-ucx auto)
+        self.pair_env: dict[str, str] = (
+            {}
+            if a.pair_ucx in ("auto", "default")
+            else dict(kv.split("=", 1) for kv in a.pair_ucx.split(","))
+        )
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def say(self, text: str) -> None:
+        stamp = f"[{self.a.deadline_s - self.left():5.0f} s] "
+        for line in text.splitlines() or [""]:
+            print(stamp + line, flush=True)
+            self.lines.append(stamp + line)
+
+    def save(self) -> None:
+        (self.out / "gpu_run.json").write_text(json.dumps(self.record, indent=1, default=str))
+        (self.out / "gpu_run.txt").write_text("\n".join(self.lines) + "\n")
+
+    def do(self, name: str, fn: Callable[[Run], dict[str, Any]], need_s: float) -> bool:
+        """Run one step if selected and time allows; record its outcome either way."""
+        if name not in self.steps:
+            return False
+        entry: dict[str, Any] = {"status": "skipped"}
+        if self.left() < need_s:
+            entry["why"] = f"needs {need_s:.0f} s, {self.left():.0f} s left"
+            self.say(f"== {name}: skipped ({entry['why']})")
+        else:
+            self.say(f"== {name}")
+            started = time.monotonic()
+            try:
+                entry = {"status": "ok", **fn(self)}
+            except Exception as exc:
+                entry = {"status": "failed", "error": f"{type(exc).__name__}: {exc}"}
+                entry["traceback"] = traceback.format_exc()[-3000:]
+                self.say(f"{name} FAILED: {entry['error']}")
+            entry["seconds"] = round(time.monotonic() - started, 1)
+            self.say(f"-- {name}: {entry['status']} in {entry['seconds']} s")
+        self.record["steps"][name] = entry
+        self.save()
+        return entry["status"] == "ok"
+
+
+def _pdeathsig() -> Callable[[], None]:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    return lambda: libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG: die with the driver
+
+
+def spawn(argv: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    with open(log, "ab") as f:
+        return subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env={**os.environ, **(env or {})}, start_new_session=True,
+                                preexec_fn=_pdeathsig())  # fmt: skip
+
+
+def stop(proc: subprocess.Popen[bytes], grace: float = 30.0) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def call(
+    run: Run, name: str, argv: list[str], timeout: float, env: dict[str, str] | None = None
+) -> tuple[int | None, str]:
+    """Run a command with its output in work/<name>.log; (exit code or None on timeout, output tail)."""
+    log = run.work / f"{name}.log"
+    proc = spawn(argv, log, env)
+    try:
+        rc: int | None = proc.wait(max(1.0, min(timeout, run.left() - 5)))
+    except subprocess.TimeoutExpired:
+        stop(proc, 10)
+        rc = None
+    return rc, log.read_text(errors="replace")[-6000:]
+
+
+def result_line(text: str) -> Any:
+    found = [ln for ln in text.splitlines() if ln.startswith("RESULT ")]
+    return json.loads(found[-1][7:]) if found else None
+
+
+def cli_has(*words: str) -> bool:
+    proc = subprocess.run(
+        [PY, "-m", "pdserve.cli", *words[:-1], "--help"], capture_output=True, text=True, timeout=60
+    )
+    return proc.returncode == 0 and words[-1] in proc.stdout
+
+
+# --- steps --------------------------------------------------------------------------------------------
+
+
+def step_facts(run: Run) -> dict[str, Any]:
+    from pdserve.config import Topology
+    from pdserve.engines.plan import plan_instances
+    from pdserve.engines.venv import engine_vllm_version, version_warning
+    from pdserve.stack import _visible_gpus
+
+    facts: dict[str, Any] = {}
+    for key, argv in {
+        "gpu": [
+            "nvidia-smi",
+            "--query-gpu=name,driver_version,memory.total,memory.used",
+            "--format=csv,noheader",
+        ],
+        "nvlink": ["nvidia-smi", "nvlink", "--status"],
+        "topology": ["nvidia-smi", "topo", "-m"],
+        "tmp_fs": ["df", "-hT", "/tmp"],
+    }.items():
+        try:
+            proc = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+            facts[key] = (proc.stdout + proc.stderr).strip()[-1500:]
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            facts[key] = f"unavailable: {exc}"
+    try:
+        import torch
+
+        facts["torch"] = (
+            f"{torch.__version__} cuda {torch.version.cuda} available={torch.cuda.is_available()}"
+        )
+    except ImportError as exc:
+        facts["torch"] = f"not importable: {exc}"
+    facts["vllm"] = engine_vllm_version(PY)
+    facts["vllm_warning"] = version_warning(facts["vllm"], PY)
+    try:
+        import pynvml  # nvidia-ml-py: what UCX asks NVML before it allows cuda_ipc GET
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        value = pynvml.nvmlDeviceGetFieldValues(handle, [pynvml.NVML_FI_DEV_NVLINK_LINK_COUNT])[0]
+        facts["nvml_nvlink_link_count"] = (value.nvmlReturn, value.value.uiVal)
+    except Exception as exc:
+        facts["nvml_nvlink_link_count"] = f"unknown: {exc}"
+    from importlib.metadata import version
+
+    facts["nixl"] = {d: _dist_version(version, d) for d in ("nixl", "nixl-cu13", "nixl-cu12")}
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")  # locates the source without importing vLLM
+    root = Path(next(iter(spec.submodule_search_locations or ()), ".")) if spec else Path(".")
+    nixl_dir = root / "distributed/kv_transfer/kv_connector/v1/nixl"
+    sources = {p.name: p.read_text() for p in nixl_dir.glob("*.py")} if nixl_dir.is_dir() else {}
+    facts["vllm_source"] = {
+        "kv_lease_duration": any("kv_lease_duration" in t for t in sources.values()),
+        "NixlPushConnector": "NixlPushConnector" in sources.get("connector.py", ""),
+        "heartbeats": any("_send_heartbeats" in t for t in sources.values()),
+    }
+    gpus = _visible_gpus()
+    specs = plan_instances(
+        Topology(device=run.a.device), "/model", None, sorted(os.sched_getaffinity(0)), gpu_ids=gpus
+    )
+    facts["visible_gpus"] = gpus
+    facts["default_plan"] = [
+        {"name": s.name, "env": dict(s.env).get("CUDA_VISIBLE_DEVICES"), "stage": s.start_stage,
+         "memory": s.args[s.args.index("--gpu-memory-utilization") + 1] if "--gpu-memory-utilization" in s.args else None}
+        for s in specs
+    ]  # fmt: skip
+    for key in (
+        "gpu",
+        "torch",
+        "vllm",
+        "vllm_warning",
+        "nvml_nvlink_link_count",
+        "nixl",
+        "vllm_source",
+        "default_plan",
+    ):
+        run.say(f"{key}: {facts[key]}")
+    return facts
+
+
+def _dist_version(version: Callable[[str], str], dist: str) -> str | None:
+    try:
+        return version(dist)
+    except Exception:
+        return None
+
+
+def start_model(run: Run) -> threading.Thread | None:
+    """The 8B build runs on a thread (its subprocess writes 16 GB) while the nixl step measures."""
+    if run.a.model != "8b" or "model" not in run.steps:
+        run.model_dir = None if run.a.model in ("8b", "tiny") else run.a.model
+        return None
+    target = run.work / "llama8b"
+
+    def build() -> None:
+        started = time.monotonic()
+        rc, text = call(
+            run,
+            "model",
+            [run.a.bench_python, str(HERE / "llama8b_random.py"), str(target), "--device", "cuda"],
+            300,
+        )
+        timings = result_line(text)
+        run.record["model_build"] = {
+            "rc": rc,
+            "timings": timings,
+            "wall_s": round(time.monotonic() - started, 1),
+        }
+        if rc == 0:
+            run.model_dir = str(target)
+        else:
+            run.record["model_build"]["tail"] = text[-2000:]
+
+    thread = threading.Thread(target=build, name="model-build", daemon=True)
+    thread.start()
+    return thread
+
+
+def step_model(run: Run, thread: threading.Thread | None) -> dict[str, Any]:
+    if thread is not None:
+        thread.join(max(1.0, run.left() - 200))
+        if thread.is_alive():
+            raise TimeoutError("the model build is still running")
+    build = run.record.get("model_build", {})
+    run.say(f"model: {run.model_dir or 'embedded tiny model'}; build: {json.dumps(build.get('timings'))}")
+    if run.a.model == "8b" and run.model_dir is None:
+        raise RuntimeError(f"model build failed (exit {build.get('rc')}): {build.get('tail', '')[-500:]}")
+    return {"model_dir": run.model_dir, **build}
+
+
+def step_nixl(run: Run) -> dict[str, Any]:
+    out = run.work / "nixl"
+    budget = min(run.a.nixl_budget_s, run.left() - 260)
+    argv = [
+        run.a.bench_python,
+        str(HERE / "nixl_transfer.py"),
+        "--out",
+        str(out),
+        "--budget-s",
+        str(budget),
+        "--mem",
+        run.a.nixl_mem,
+    ]
+    rc, text = call(run, "nixl", argv, budget + 90)
+    for line in text.splitlines():
+        if (
+            "GB/s" in line
+            or "ERROR" in line
+            or "DATA WRONG" in line
+            or line.startswith(("torch", "nixl plugins", "skipped"))
+        ):
+            run.say("  " + line)
+    report_path = out / "nixl_transfer.json"
+    if not report_path.exists():
+        raise RuntimeError(f"no nixl_transfer.json (exit {rc}): {text[-800:]}")
+    (run.out / "nixl_transfer.json").write_bytes(report_path.read_bytes())
+    report = json.loads(report_path.read_text())
+    run.pair_env = choose_pair_env(run, report)
+    return {"rc": rc, "pair_env": run.pair_env}
+
+
+def read_gb_per_s(report: dict[str, Any], setting: str) -> float | None:
+    for pair in report.get("pairs", []):
+        if pair["setting"] == setting and pair["mem"] == "vram":
+            for r in pair.get("results", []):
+                if r["op"] == "READ" and r["layout"] == "blocks" and r.get("read_data_ok"):
+                    return float(r["gb_per_s"])
+    return None
+
+
+def choose_pair_env(run: Run, report: dict[str, Any]) -> dict[str, str]:
+    """``--pair-ucx``: default (nothing), KEY=V,... (given), or auto: turn cuda_ipc GET on when the
+    experiment showed it correct and at least 3x the default READ of vLLM-sized (32 KiB) descriptors."""
+    if run.a.pair_ucx != "auto":
+        return run.pair_env
+    before, after = read_gb_per_s(report, "default"), read_gb_per_s(report, "get-zcopy-on")
+    run.say(
+        f"pair UCX (auto): READ in 32 KiB blocks {before} GB/s by default, {after} GB/s with cuda_ipc GET on"
+    )
+    if before is not None and after is not None and after >= 3 * before:
+        return {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
+    return {}
+
+
+def step_demo(run: Run) -> dict[str, Any]:
+    argv = [PY, "-m", "pdserve.cli", "demo", "--device", run.a.device, "--keep", "--run-dir", str(run.work / "run"),
+            "--on-instance-exit", "stop", "--vllm-arg=--enforce-eager", f"--port={run.a.proxy_port}",
+            f"--first-port={run.a.first_port}", f"--first-side-channel-port={run.a.side_port}"]  # fmt: skip
+    if run.model_dir:
+        argv += ["--model", run.model_dir]
+    env = {"UCX_PROTO_INFO": "y", **run.pair_env}  # the pair's logs then say which transport moved the KV
+    run.say(f"pair env: {run.pair_env or '(UCX defaults)'}")
+    log = run.work / "demo.log"
+    run.demo = spawn(argv, log, env)
+    deadline = time.monotonic() + min(run.a.demo_timeout_s, run.left() - 60)
+    while time.monotonic() < deadline:
+        text = log.read_text(errors="replace")
+        if "--keep: still running" in text or run.demo.poll() is not None:
+            break
+        time.sleep(1.0)
+    text = log.read_text(errors="replace")
+    keep = [
+        ln
+        for ln in text.splitlines()
+        if any(
+            m in ln
+            for m in (
+                "up after",
+                "stage",
+                "warning",
+                "vLLM ",
+                "PASS",
+                "FAIL",
+                "demo:",
+                "verify:",
+                "transfer",
+                "<-",
+                "->",
+                "HTTP",
+            )
+        )
+    ]
+    for line in keep[-60:]:
+        run.say("  " + line)
+    if run.demo.poll() is not None or "--keep: still running" not in text:
+        raise RuntimeError(f"demo is not up (exit {run.demo.poll()}): {text[-1500:]}")
+    return {"verdict": next((ln for ln in text.splitlines() if ln.startswith("demo:")), None), "lines": keep}
+
+
+def need_pair(run: Run) -> None:
+    if run.demo is None or run.demo.poll() is not None:
+        raise RuntimeError("the pair is not running (demo step failed or was skipped)")
+
+
+def step_doctor(run: Run) -> dict[str, Any]:
+    need_pair(run)
+    if not cli_has("doctor", "--logs"):
+        run.say("doctor: this checkout has no `pdserve doctor`; skipped")
+        return {"present": False}
+    rc, text = call(
+        run, "doctor", [PY, "-m", "pdserve.cli", "doctor", run.proxy, "--logs", str(run.work / "run")], 150
+    )
+    run.say(text[-4000:])
+    return {"present": True, "exit": rc}
+
+
+def step_calibrate(run: Run) -> dict[str, Any]:
+    need_pair(run)
+    if run.a.model == "tiny":
+        run.say("calibrate: the tiny model is no Llama-3-8B; skipped")
+        return {"skipped": "tiny model"}
+    quick = ["--quick"] if run.left() < 300 else []
+    sets = [f"--set={s}" for s in H200_SETS]
+    rc, text = call(
+        run,
+        "calibrate",
+        [
+            PY,
+            "-m",
+            "pdserve.cli",
+            "sim",
+            "calibrate",
+            run.decode,
+            "--out",
+            str(run.work / "llama3-8b-h200.yaml"),
+            *sets,
+            *quick,
+        ],
+        200,
+    )
+    run.say(text[-1500:])
+    if rc != 0:
+        raise RuntimeError(f"calibrate exited {rc}")
+    return {"quick": bool(quick)}
+
+
+def step_load(run: Run) -> dict[str, Any]:
+    need_pair(run)
+    from pdserve.engines.metrics import scrape
+    from pdserve.prometheus import BYTES_SUM, XFER_COUNT, XFER_TIME_SUM
+
+    colocated = spawn(
+        [
+            PY,
+            "-m",
+            "pdserve.cli",
+            "proxy",
+            "--colocated",
+            "--decode",
+            run.prefill,
+            "--decode",
+            run.decode,
+            "--port",
+            str(run.a.proxy_port + 1),
+        ],
+        run.work / "colocated.log",
+    )
+    try:
+        arms: dict[str, Any] = {}
+        for name, url in (
+            ("disaggregated", run.proxy),
+            ("colocated", run.colocated),
+            ("one-instance", run.decode),
+        ):
+            if run.left() < 70:
+                arms[name] = {"skipped": f"{run.left():.0f} s left"}
+                continue
+            before = scrape(run.decode)
+            summary = run_arm(run, url)
+            after = scrape(run.decode)
+            delta = {
+                k: after.get(k, 0.0) - before.get(k, 0.0) for k in (XFER_COUNT, XFER_TIME_SUM, BYTES_SUM)
+            }
+            kv = {"transfers": delta[XFER_COUNT], "bytes": delta[BYTES_SUM], "seconds": delta[XFER_TIME_SUM]}
+            if delta[XFER_COUNT] and delta[XFER_TIME_SUM]:
+                kv["gb_per_s"] = delta[BYTES_SUM] / delta[XFER_TIME_SUM] / 1e9
+                kv["ms_per_transfer"] = 1e3 * delta[XFER_TIME_SUM] / delta[XFER_COUNT]
+            arms[name] = {**summary, "kv": kv}
+            run.say(f"  {name:<13} TTFT p50 {summary['ttft_median_ms']:.0f} ms p90 {summary['ttft_p90_ms']:.0f}  ITL p50 {summary['itl_median_ms']:.1f} ms  "
+                    f"{summary['num_ok']} ok {summary['num_failed']} failed  KV {json.dumps({k: round(v, 3) for k, v in kv.items()})}")  # fmt: skip
+        return {
+            "workload": {
+                "concurrency": run.a.concurrency,
+                "requests": run.a.requests,
+                "prompt_tokens": run.a.prompt_tokens,
+                "output_tokens": run.a.output_tokens,
+            },
+            "arms": arms,
+        }
+    finally:
+        stop(colocated, 10)
+
+
+def run_arm(run: Run, url: str) -> dict[str, Any]:
+    from pdserve.bench.load import Job, run_load
+    from pdserve.stack import wait_http_ok
+
+    if not wait_http_ok(f"{url}/health", 30):
+        raise RuntimeError(f"{url} is not healthy")
+    vocab, context = model_limits(run)
+    prompt_tokens = min(run.a.prompt_tokens, context - run.a.output_tokens - 8)
+    rng = random.Random(url)  # fresh random token ids per arm: no prefix-cache hits across arms
+    jobs = [Job("/v1/completions", {"prompt": [rng.randrange(300, vocab) for _ in range(prompt_tokens)],
+                                    "max_tokens": run.a.output_tokens, "temperature": 0, "ignore_eos": True})
+            for _ in range(run.a.requests)]  # fmt: skip
+    summary, _ = asyncio.run(run_load(url, jobs, run.a.concurrency, timeout=min(120.0, run.left() - 10)))
+    return dict(summary.as_row())
+
+
+def model_limits(run: Run) -> tuple[int, int]:
+    """(vocab size, usable context) of the served model: prompts are random ids below the vocab size."""
+    if run.model_dir:
+        config = json.loads((Path(run.model_dir) / "config.json").read_text())
+        return int(config["vocab_size"]), int(config.get("max_position_embeddings", 8192))
+    from pdserve.engines.model import embedded_model_dir
+
+    config = json.loads((embedded_model_dir() / "config.json").read_text())
+    return int(config["vocab_size"]), 2048  # pdserve serves its tiny model with --max-model-len 2048
+
+
+def step_bench(run: Run) -> dict[str, Any]:
+    if not cli_has("bench", "--compare"):
+        run.say("bench: this checkout has no `pdserve bench --compare`; skipped")
+        return {"present": False}
+    if run.demo is not None:
+        stop(run.demo)  # bench --compare starts its own pair on the same GPU
+    help_text = subprocess.run(
+        [PY, "-m", "pdserve.cli", "bench", "--help"], capture_output=True, text=True
+    ).stdout
+    argv = [PY, "-m", "pdserve.cli", "bench", "--compare"]
+    for flag, value in (
+        ("--device", "cuda"),
+        ("--model", run.model_dir),
+        ("--vllm-arg", "--enforce-eager"),
+        ("--out", str(run.work / "bench")),
+    ):
+        if value and flag in help_text:
+            argv += [f"{flag}={value}"]
+    rc, text = call(run, "bench", argv, run.left() - 30, {"UCX_PROTO_INFO": "y", **run.pair_env})
+    run.say(text[-3000:])
+    return {"present": True, "exit": rc, "argv": argv}
+
+
+def finish(run: Run) -> None:
+    if run.demo is not None:
+        stop(run.demo)
+    profile = run.work / "llama3-8b-h200.yaml"
+    if profile.exists():
+        text = profile.read_text()
+        kv = run.record["steps"].get("load", {}).get("arms", {}).get("disaggregated", {}).get("kv", {})
+        if kv.get("ms_per_transfer") and kv.get("bytes"):
+            blocks = kv["bytes"] / kv["transfers"] / KV_BLOCK_BYTES
+            per_block = kv["ms_per_transfer"] / 1e3 / blocks
+            note = f"  # measured: NIXL {kv['gb_per_s']:.2f} GB/s, {kv['ms_per_transfer']:.1f} ms per {blocks:.0f}-block transfer (UCX {run.pair_env or 'defaults'})"
+            text = (
+                "\n".join(
+                    f"kv_pull_per_block_s: {per_block:.4g}{note}"
+                    if ln.startswith("kv_pull_per_block_s:")
+                    else ln
+                    for ln in text.splitlines()
+                )
+                + "\n"
+            )
+        (run.out / "llama3-8b-h200.yaml").write_text(text)
+    with tarfile.open(run.out / "logs.tar.gz", "w:gz") as tar:
+        for path in sorted(run.work.rglob("*")):
+            if (
+                path.is_file()
+                and path.suffix in (".log", ".json", ".yaml", ".txt", ".csv", ".md")
+                and "llama8b" not in path.parts
+            ):
+                data = path.read_bytes()[-2_000_000:]  # tails: vLLM logs grow fast, 16 MiB come back
+                info = tarfile.TarInfo(str(path.relative_to(run.work)))
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    run.save()
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/gpu-run-out")))
+    p.add_argument("--work", type=Path, default=Path("/tmp/gpurun"))
+    p.add_argument("--deadline-s", type=float, default=560.0, help="every step ends within this")
+    p.add_argument("--steps", default=",".join(STEPS), help=f"comma-separated, of {','.join(STEPS)}")
+    p.add_argument(
+        "--model", default="8b", help="8b (built here), tiny (pdserve's embedded model) or a model dir"
+    )
+    p.add_argument("--pair-ucx", default="auto", help="auto, default, or KEY=VALUE,... for the vLLM pair")
+    p.add_argument("--nixl-budget-s", type=float, default=110.0)
+    p.add_argument("--demo-timeout-s", type=float, default=300.0)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--prompt-tokens", type=int, default=2000)
+    p.add_argument("--output-tokens", type=int, default=128)
+    p.add_argument("--proxy-port", type=int, default=8000)
+    p.add_argument("--first-port", type=int, default=8100)
+    p.add_argument("--side-port", type=int, default=5600)
+    p.add_argument("--device", default="cuda", help="cuda; cpu only to try this driver on a CPU machine")
+    p.add_argument("--bench-python", default=PY, help="python with torch and nixl (on the H200: this one)")
+    p.add_argument("--nixl-mem", default="vram,dram", help="memory kinds for the nixl step")
+    run = Run(p.parse_args())
+    signal.signal(signal.SIGTERM, _interrupt)  # `timeout` ends us: still stop the pair and write results
+    try:
+        thread = start_model(run)
+        run.do("facts", step_facts, 20)
+        run.do("nixl", step_nixl, 300)
+        run.do("model", lambda r: step_model(r, thread), 200)
+        run.do("demo", step_demo, 180)
+        run.do("doctor", step_doctor, 120)
+        run.do("calibrate", step_calibrate, 80)
+        run.do("load", step_load, 80)
+        run.do("bench", step_bench, 280)
+    except KeyboardInterrupt:
+        run.say("interrupted: stopping and writing what was measured")
+    finally:
+        finish(run)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

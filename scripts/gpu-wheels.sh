@@ -1,0 +1,16 @@
+#!/bin/bash
+# Wheels pdserve needs on the lent H200 that neither its image nor ../shared/gpu's carry holds: the
+# OpenTelemetry packages the proxy imports (and protobuf, used only if the image's is too old).
+# usage, from the repo root: bash scripts/gpu-wheels.sh [DIR=.gpu/whl]   (DIR must be ignored by git)
+set -euo pipefail
+dir=${1:-.gpu/whl}
+mkdir -p "$dir"
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+  --platform manylinux1_x86_64 -d "$dir" \
+  opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 opentelemetry-semantic-conventions==0.66b2 \
+  opentelemetry-exporter-otlp-proto-http==1.45.2 opentelemetry-exporter-otlp-proto-common==1.45.2 \
+  opentelemetry-proto==1.45.2 opentelemetry-exporter-http-transport==0.66b2 \
+  opentelemetry-exporter-otlp-common==0.66b2 googleapis-common-protos==1.76.0 protobuf==7.36.2 \
+  2>&1 | grep -v "is ignored" || true
+du -sh "$dir"

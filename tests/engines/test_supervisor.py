@@ -1,0 +1,198 @@
+"""The Supervisor against fake engines (tests/engines/fake_engine.py): crashes, backoff, crash loops, stop."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from test_launcher import FAKE_ENGINE, fake_spec, group_is_running, health_status, port_is_free
+
+from pdserve.engines.launcher import EngineGroup
+from pdserve.engines.plan import InstanceSpec
+from pdserve.engines.supervisor import RestartPolicy, Supervisor
+from pdserve.errors import ConfigError
+from pdserve.events import InstanceEvent
+
+FAST = RestartPolicy(first_backoff_s=0.2, max_backoff_s=5.0, poll_s=0.05)
+
+
+class Recorder:
+    """What the supervisor reported, in order, with the time each event arrived."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[float, InstanceEvent]] = []
+        self.messages: list[str] = []
+        self._changed = threading.Condition()
+
+    def on_event(self, event: InstanceEvent) -> None:
+        with self._changed:
+            self.events.append((time.monotonic(), event))
+            self._changed.notify_all()
+
+    def kinds(self, url: str) -> list[str]:
+        return [e.kind for _, e in self.events if e.url == url]
+
+    def wait_for(self, url: str, kind: str, count: int = 1, timeout: float = 15.0) -> InstanceEvent:
+        with self._changed:
+            ok = self._changed.wait_for(lambda: self.kinds(url).count(kind) >= count, timeout)
+        assert ok, f"no {kind!r} #{count} for {url} within {timeout} s; saw {self.kinds(url)}"
+        return [e for _, e in self.events if e.url == url and e.kind == kind][count - 1]
+
+
+@pytest.fixture
+def recorder() -> Recorder:
+    return Recorder()
+
+
+@pytest.fixture
+def supervised(tmp_path: Path, recorder: Recorder) -> Iterator[Callable[..., tuple[EngineGroup, Supervisor]]]:
+    made: list[tuple[EngineGroup, Supervisor]] = []
+
+    def make(*specs: InstanceSpec, policy: RestartPolicy = FAST) -> tuple[EngineGroup, Supervisor]:
+        group = EngineGroup(specs, sys.executable, tmp_path, 10.0, entrypoint=(FAKE_ENGINE,))
+        group.start()
+        supervisor = Supervisor(group, recorder.on_event, recorder.messages.append, policy)
+        supervisor.start()
+        made.append((group, supervisor))
+        return group, supervisor
+
+    yield make
+    for group, supervisor in made:
+        supervisor.stop()
+        group.stop(timeout=2.0)
+
+
+def _kill(group: EngineGroup, spec: InstanceSpec) -> int:
+    pid = group.pid(spec)
+    assert pid is not None
+    os.killpg(pid, signal.SIGKILL)
+    return pid
+
+
+def test_a_killed_instance_is_restarted_on_its_port_and_reported_back(
+    supervised: Callable[..., tuple[EngineGroup, Supervisor]], recorder: Recorder
+) -> None:
+    prefill, decode = fake_spec("prefill", 0), fake_spec("decode", 0)
+    group, _ = supervised(prefill, decode)
+    prefill_pid = group.pid(prefill)
+    old_pid = _kill(group, decode)
+    exited = recorder.wait_for(decode.url, "exited")
+    assert exited.detail == "was killed by SIGKILL"
+    ready = recorder.wait_for(decode.url, "ready")
+    assert recorder.kinds(decode.url) == ["exited", "restarting", "ready"]
+    assert "healthy" in ready.detail
+    assert health_status(decode) == 200
+    assert group.pid(decode) not in (None, old_pid)
+    assert group.pid(prefill) == prefill_pid and recorder.kinds(prefill.url) == []  # left alone
+    # The operator sees why it went down: the end of its log, the run before the crash included.
+    said = "\n".join(recorder.messages)
+    assert "decode-0 was killed by SIGKILL; last lines of" in said and "fake engine serving" in said
+    assert "decode-0 is back" in said
+    assert group.log_path(decode).read_text().count("# pdserve:") == 2
+
+
+def test_restarts_back_off_exponentially_while_the_instance_keeps_failing(
+    supervised: Callable[..., tuple[EngineGroup, Supervisor]], recorder: Recorder, tmp_path: Path
+) -> None:
+    broken = tmp_path / "broken"
+    spec = fake_spec("prefill", 0, "--crash-if-exists", str(broken))
+    policy = RestartPolicy(first_backoff_s=0.3, max_backoff_s=1.2, max_restarts=10, poll_s=0.05)
+    group, _ = supervised(spec, policy=policy)
+    broken.touch()  # from now on every start fails
+    _kill(group, spec)
+    recorder.wait_for(spec.url, "restarting", count=5, timeout=30)
+    times = {kind: [t for t, e in recorder.events if e.kind == kind] for kind in ("exited", "restarting")}
+    waits = [restart - exit_ for exit_, restart in zip(times["exited"], times["restarting"], strict=False)]
+    for wait, expected in zip(waits, (0.3, 0.6, 1.2, 1.2, 1.2), strict=True):  # doubling, capped
+        assert expected - 0.05 <= wait < expected + 0.5, waits
+    broken.unlink()  # fixed: the next restart succeeds
+    recorder.wait_for(spec.url, "ready", timeout=15)
+    assert health_status(spec) == 200
+
+
+def test_a_crash_loop_is_given_up_on_while_the_rest_keep_serving(
+    supervised: Callable[..., tuple[EngineGroup, Supervisor]], recorder: Recorder, tmp_path: Path
+) -> None:
+    broken = tmp_path / "broken"
+    looping = fake_spec("decode", 0, "--crash-if-exists", str(broken))
+    steady = fake_spec("decode", 1)
+    policy = RestartPolicy(first_backoff_s=0.1, max_backoff_s=0.2, max_restarts=2, poll_s=0.05)
+    group, _ = supervised(looping, steady, policy=policy)
+    broken.touch()
+    _kill(group, looping)
+    gave_up = recorder.wait_for(looping.url, "gave_up", timeout=20)
+    assert "3 exits within 600 s" in gave_up.detail and "exited with code 3" in gave_up.detail
+    assert recorder.kinds(looping.url).count("restarting") == 2
+    time.sleep(1.0)  # it stays down: no further restart
+    assert recorder.kinds(looping.url)[-1] == "gave_up"
+    assert port_is_free(looping.port)
+    assert health_status(steady) == 200 and recorder.kinds(steady.url) == []
+    assert "RuntimeError: fake engine failed to allocate KV cache" in "\n".join(recorder.messages)
+
+
+def test_stop_interrupts_a_restart_in_progress_and_leaves_no_process(
+    supervised: Callable[..., tuple[EngineGroup, Supervisor]], recorder: Recorder, tmp_path: Path
+) -> None:
+    slow = tmp_path / "slow"
+    spec = fake_spec("prefill", 0, "--slow-if-exists", str(slow), "--child")
+    group, supervisor = supervised(spec)
+    slow.touch()  # the restart will take a minute to become healthy
+    _kill(group, spec)
+    recorder.wait_for(spec.url, "restarting")
+    new_pid = group.pid(spec)
+    assert new_pid is not None and group_is_running(new_pid)
+    began = time.monotonic()
+    supervisor.stop()
+    group.stop(timeout=2.0)
+    assert time.monotonic() - began < 3
+    assert not group_is_running(new_pid)
+    assert "ready" not in recorder.kinds(spec.url)
+
+
+def test_stop_during_the_backoff_restarts_nothing(
+    supervised: Callable[..., tuple[EngineGroup, Supervisor]], recorder: Recorder
+) -> None:
+    spec = fake_spec("prefill", 0)
+    group, supervisor = supervised(spec, policy=RestartPolicy(first_backoff_s=30, poll_s=0.05))
+    old_pid = _kill(group, spec)
+    recorder.wait_for(spec.url, "exited")
+    began = time.monotonic()
+    supervisor.stop()
+    assert time.monotonic() - began < 1
+    assert recorder.kinds(spec.url) == ["exited"] and group.pid(spec) == old_pid
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("first_backoff_s", 0), ("max_backoff_s", 0.5), ("max_restarts", 0), ("window_s", -1), ("poll_s", 0)],
+)
+def test_a_bad_restart_policy_names_the_field(field: str, value: float) -> None:
+    with pytest.raises(ConfigError, match=field):
+        RestartPolicy(**{field: value})  # type: ignore[arg-type]
+
+
+def test_a_restart_held_up_by_a_taken_port_says_why_and_goes_ahead_once_it_is_free(
+    supervised: Callable[..., tuple[EngineGroup, Supervisor]], recorder: Recorder
+) -> None:
+    spec = fake_spec("prefill", 0)
+    group, _ = supervised(spec, policy=RestartPolicy(first_backoff_s=1.0, poll_s=0.05))
+    _kill(group, spec)
+    recorder.wait_for(spec.url, "exited")
+    with socket.socket() as squatter:
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        squatter.bind(("127.0.0.1", spec.side_channel_port))
+        squatter.listen()
+        deadline = time.monotonic() + 15
+        while not any("cannot restart yet" in m for m in recorder.messages) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        said = [m for m in recorder.messages if "cannot restart yet" in m]
+        assert said and f"port {spec.side_channel_port}" in said[0], recorder.messages
+        assert "restarting" not in recorder.kinds(spec.url)
+    recorder.wait_for(spec.url, "ready")
