@@ -95,6 +95,8 @@ def test_up_with_the_simulator_serves_verifies_and_stops_everything_on_sigterm(t
                 break
         out = "".join(lines)
         assert f"proxy    http://127.0.0.1:{first}" in out and out.count("decode   http://") == 2, out
+        # The brief doctor ran before `up` said it was ready: one canary line per prefill→decode pair.
+        assert sum(line.strip().startswith("doctor http://") for line in lines) == 4, out
         assert main(["verify", f"http://127.0.0.1:{first}"]) == 0
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)

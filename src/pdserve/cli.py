@@ -159,6 +159,13 @@ def cmd_up(a: argparse.Namespace) -> int:
         print("\npdserve is up:")
         for line in stack.describe():
             print("  " + line)
+        if a.doctor:
+            # Brief: one canary per pair, so a link that makes the split cost more than it saves is
+            # said at start-up, not found by users later (`pdserve doctor` says more).
+            from pdserve.doctor.run import brief
+
+            for line in brief(stack.proxy_url, [str(stack.run_dir)]):
+                print("  " + line)
         print("Ctrl-C stops everything.", flush=True)
         while True:
             # --on-instance-exit stop: an instance that dies takes the whole stack down, loudly;
@@ -347,6 +354,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_topology(up)
     _add_routing(up)
     _add_timeouts(up)
+    up.add_argument("--no-doctor", dest="doctor", action="store_false",
+                    help="skip the brief `pdserve doctor` (one canary handoff per pair) once everything is up")  # fmt: skip
     up.set_defaults(func=cmd_up)
 
     proxy = sub.add_parser("proxy", help="run the proxy in front of existing vLLM instances")
