@@ -9,13 +9,15 @@ stops the steps that do not need it), all within ``--deadline-s``:
   nixl       the transfer-path experiment (benchmarks/nixl_transfer.py): NIXL READ/WRITE between two
              processes on the GPU under UCX settings, torch CUDA IPC and a device copy as the ceiling
   demo       `pdserve demo --device cuda --keep`: 1P1D on the one GPU (started one after the other),
-             `verify`, the walk-through; the pair then stays up for the steps below. ``--pair-ucx auto``
-             gives the pair the UCX setting the nixl step found fastest
+             `verify`, the walk-through; the pair then stays up for the steps below. It runs with the UCX
+             settings `up` plans (UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y); ``--pair-ucx KEY=V,...`` adds others
+             (``UCX_TLS=^cuda_ipc`` gives the old tcp path), ``auto`` what the nixl step found fastest
   doctor     `pdserve doctor` on the pair (when this checkout has it)
-  calibrate  `pdserve sim calibrate` on the decode instance → llama3-8b-h200.yaml (KV pull cost patched
-             in from the load step's NIXL counters)
   load       16 streams of 2,000-token unique prompts, 128 tokens out, through the PD proxy, a colocated
              proxy over the same two instances, and one instance alone (TTFT, ITL, KV GB/s)
+  benchurl   `pdserve bench URL` (vLLM's own client) on the load workload: the PD proxy, one instance
+  calibrate  `pdserve sim calibrate` on the decode instance → llama3-8b-h200.yaml (KV pull cost patched
+             in from the load step's NIXL counters)
   bench      `pdserve bench --compare` (when this checkout has it and time is left: it starts its own pair)
 
 Writes to --out (at most 8 files come back): gpu_run.json (everything), gpu_run.txt (the same in words),
@@ -52,7 +54,7 @@ H200_SETS = (
 )
 # A 16-token block of Llama-3-8B: 16 tokens x 128 KiB (2 (K,V) x 32 layers x 8 KV heads x 128 x 2 B)
 KV_BLOCK_BYTES = 16 * 131072
-STEPS = ("facts", "model", "nixl", "demo", "doctor", "calibrate", "load", "bench")
+STEPS = ("facts", "model", "nixl", "demo", "doctor", "load", "benchurl", "calibrate", "bench")
 
 
 class Run:
@@ -532,21 +534,52 @@ def step_bench(run: Run) -> dict[str, Any]:
         return {"present": False}
     if run.demo is not None:
         stop(run.demo)  # bench --compare starts its own pair on the same GPU
-    help_text = subprocess.run(
-        [PY, "-m", "pdserve.cli", "bench", "--help"], capture_output=True, text=True
-    ).stdout
-    argv = [PY, "-m", "pdserve.cli", "bench", "--compare"]
-    for flag, value in (
-        ("--device", "cuda"),
-        ("--model", run.model_dir),
-        ("--vllm-arg", "--enforce-eager"),
-        ("--out", str(run.work / "bench")),
-    ):
-        if value and flag in help_text:
-            argv += [f"{flag}={value}"]
+    argv = [PY, "-m", "pdserve.cli", "bench", "--compare", f"--device={run.a.device}",
+            "--vllm-arg=--enforce-eager", f"--run-dir={run.work / 'bench-run'}",
+            f"--port={run.a.proxy_port}", f"--first-port={run.a.first_port}",
+            f"--first-side-channel-port={run.a.side_port}", *bench_workload(run, "compare")]  # fmt: skip
+    if run.model_dir:
+        argv += [f"--model={run.model_dir}"]
     rc, text = call(run, "bench", argv, run.left() - 30, {"UCX_PROTO_INFO": "y", **run.pair_env})
     run.say(text[-3000:])
-    return {"present": True, "exit": rc, "argv": argv}
+    return {"present": True, "exit": rc, "argv": argv, "report": bench_report(run.work / "bench-compare")}
+
+
+def bench_workload(run: Run, name: str) -> list[str]:
+    """The load step's workload, for `vllm bench serve` through `pdserve bench`."""
+    return ["--dataset=random", f"--num-prompts={run.a.requests}", f"--input-len={run.a.prompt_tokens}",
+            f"--output-len={run.a.output_tokens}", f"--max-concurrency={run.a.concurrency}",
+            "--num-warmups=2", "--no-plots", f"--result-dir={run.work / ('bench-' + name)}"]  # fmt: skip
+
+
+def bench_report(result_dir: Path) -> dict[str, Any]:
+    """vLLM's JSON results of a `pdserve bench` run, the per-request arrays left out."""
+    found: dict[str, Any] = {}
+    for path in sorted(result_dir.glob("*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict):
+            found[path.name] = {k: v for k, v in data.items() if not isinstance(v, list)}
+    return found
+
+
+def step_bench_url(run: Run) -> dict[str, Any]:
+    """`pdserve bench URL` (vLLM's own client) against the running pair's proxy and one instance alone."""
+    need_pair(run)
+    out: dict[str, Any] = {}
+    for name, url in (("disaggregated", run.proxy), ("one-instance", run.decode)):
+        if run.left() < 45:
+            out[name] = {"skipped": f"{run.left():.0f} s left"}
+            continue
+        argv = [PY, "-m", "pdserve.cli", "bench", url, *bench_workload(run, name)]
+        if run.model_dir:
+            argv += [f"--tokenizer={run.model_dir}"]
+        rc, text = call(run, f"bench-{name}", argv, min(150.0, run.left() - 20))
+        run.say(f"  bench {name} (exit {rc}):\n" + text[-1200:])
+        out[name] = {"exit": rc, "report": bench_report(run.work / f"bench-{name}")}
+    return out
 
 
 def finish(run: Run) -> None:
@@ -559,7 +592,7 @@ def finish(run: Run) -> None:
         if kv.get("ms_per_transfer") and kv.get("bytes"):
             blocks = kv["bytes"] / kv["transfers"] / KV_BLOCK_BYTES
             per_block = kv["ms_per_transfer"] / 1e3 / blocks
-            note = f"  # measured: NIXL {kv['gb_per_s']:.2f} GB/s, {kv['ms_per_transfer']:.1f} ms per {blocks:.0f}-block transfer (UCX {run.pair_env or 'defaults'})"
+            note = f"  # measured: NIXL {kv['gb_per_s']:.2f} GB/s, {kv['ms_per_transfer']:.1f} ms per {blocks:.0f}-block transfer (UCX as `up` plans it{', plus ' + str(run.pair_env) if run.pair_env else ''})"
             text = (
                 "\n".join(
                     f"kv_pull_per_block_s: {per_block:.4g}{note}"
@@ -597,8 +630,10 @@ def main() -> int:
     p.add_argument(
         "--model", default="8b", help="8b (built here), tiny (pdserve's embedded model) or a model dir"
     )
-    p.add_argument("--pair-ucx", default="auto", help="auto, default, or KEY=VALUE,... for the vLLM pair")
-    p.add_argument("--nixl-budget-s", type=float, default=110.0)
+    p.add_argument("--pair-ucx", default="default",
+                   help="default (what `up` plans), auto, or KEY=VALUE,... added for the vLLM pair "
+                        "(the plan's own UCX variables win over these)")  # fmt: skip
+    p.add_argument("--nixl-budget-s", type=float, default=100.0)
     p.add_argument("--demo-timeout-s", type=float, default=300.0)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--requests", type=int, default=32)
@@ -619,8 +654,9 @@ def main() -> int:
         run.do("model", lambda r: step_model(r, thread), 200)
         run.do("demo", step_demo, 180)
         run.do("doctor", step_doctor, 120)
-        run.do("calibrate", step_calibrate, 80)
         run.do("load", step_load, 80)
+        run.do("benchurl", step_bench_url, 90)
+        run.do("calibrate", step_calibrate, 80)
         run.do("bench", step_bench, 280)
     except KeyboardInterrupt:
         run.say("interrupted: stopping and writing what was measured")

@@ -1,10 +1,12 @@
 """How fast does NIXL move a KV-sized buffer between two processes, and over which UCX transport?
 
 vLLM's NixlConnector has the decode process READ the prompt's KV from the prefill process. On the lent
-H200 (one GPU, two vLLM processes on it) that moved at 0.5 GiB/s over tcp/lo while the GPU copies at
-4.3 TB/s. This reproduces the transfer without vLLM: a *target* process registers a buffer with NIXL, an
-*initiator* process READs it (and WRITEs it back), both with the UCX backend, under several
-environments. Each setting is a fresh pair of processes, so UCX reads its variables anew.
+H200 (one GPU, two vLLM processes on it) that moved at 0.5 GB/s over tcp/lo while the GPU copies at
+1.8 TB/s; here READ ran at 0.5 GB/s by default and 0.8-1.2 TB/s with UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y
+(2026-12-03, BENCHMARKS.md "GPU (one H200)"). This reproduces the transfer without vLLM: a *target*
+process registers a buffer with NIXL, an *initiator* process READs it (and WRITEs it back), both with the
+UCX backend, under several environments. Each setting is a fresh pair of processes, so UCX reads its
+variables anew.
 
 Layouts: ``whole`` is one descriptor of the whole buffer; ``blocks`` cuts it into 32 KiB descriptors,
 the size of one KV block of one layer for Llama-3-8B (16 tokens x 8 KV heads x 128 x bf16), which is
@@ -43,18 +45,20 @@ _WAIT_S = 60.0
 # to a software GET over tcp while WRITE (PUT) may still take cuda_ipc. The rest vary what the earlier
 # run varied (UCX_TLS, RNDV) and what else can steer the choice (memtype cache, protocol v1).
 SETTINGS: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
+    # Most telling first: the budget may end the list early.
     "default": ({}, ("vram", "dram")),
-    "debug-log": ({"UCX_LOG_LEVEL": "debug"}, ("vram",)),  # confirms the reason in UCX's own words
     "get-zcopy-on": ({"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}, ("vram",)),
-    "tls-ipc-copy-tcp": ({"UCX_TLS": "cuda_ipc,cuda_copy,tcp"}, ("vram",)),
+    "debug-log": ({"UCX_LOG_LEVEL": "debug"}, ("vram",)),  # confirms the reason in UCX's own words
     "tls-ipc-copy-tcp+get-zcopy": (
         {"UCX_TLS": "cuda_ipc,cuda_copy,tcp", "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"},
         ("vram",),
     ),
-    "tls-all": ({"UCX_TLS": "all"}, ("vram",)),
-    "rndv-get-zcopy": ({"UCX_RNDV_SCHEME": "get_zcopy"}, ("vram",)),
-    "memtype-cache-off": ({"UCX_MEMTYPE_CACHE": "n"}, ("vram",)),
+    "tls-ipc-copy-tcp": ({"UCX_TLS": "cuda_ipc,cuda_copy,tcp"}, ("vram",)),
+    "proto-emulation-off": ({"UCX_PROTO_EMULATION_ENABLE": "n"}, ("vram",)),  # no software GET over AM
     "proto-v1": ({"UCX_PROTO_ENABLE": "n"}, ("vram",)),
+    "rndv-get-zcopy": ({"UCX_RNDV_SCHEME": "get_zcopy"}, ("vram",)),
+    "tls-all": ({"UCX_TLS": "all"}, ("vram",)),
+    "memtype-cache-off": ({"UCX_MEMTYPE_CACHE": "n"}, ("vram",)),
     "tls-sm-tcp": ({"UCX_TLS": "sm,self,tcp"}, ("dram",)),  # kv_buffer_device cpu: host memory
     "tls-tcp": ({"UCX_TLS": "tcp"}, ("dram",)),
 }

@@ -21,7 +21,7 @@ say "carry unpacked and checked in $((SECONDS - start)) s"
 # pdserve's own needs that neither the image nor the carry has: OpenTelemetry (the proxy imports it).
 # protobuf only if the image's is too old for opentelemetry-proto: it would shadow the image's otherwise.
 if [ -d .gpu/whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/pdsite \
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/pdsite \
     $(ls .gpu/whl/*.whl | grep -v /protobuf-) 2>&1 | grep -v "is ignored" | tail -3
 fi
 export PYTHONPATH=$PWD/src:$PYTHONPATH:/tmp/pdsite

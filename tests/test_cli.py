@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from pdserve import httpclient
 from pdserve.cli import _topology, build_parser, main
 
 
@@ -37,6 +38,15 @@ def test_bad_topology_is_a_clear_error_not_a_traceback(
     assert main(["up", "--config", str(topo)]) == 2
     err = capsys.readouterr().err
     assert "unknown topology key 'prefil'" in err and "prefill" in err
+
+
+def test_up_gives_each_instance_the_address_named_for_it(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["up", "--prefill", "2", "--prefill-host", "10.0.0.2", "--prefill-host", "10.0.0.3"]
+    topology = _topology(build_parser().parse_args([*args, "--decode-host", "10.0.0.4"]))
+    assert topology.instance_hosts == ("10.0.0.2", "10.0.0.3", "10.0.0.4")
+    # decode left at 127.0.0.1 could not reach prefill's side channel: refused before anything starts
+    assert main(["up", "--prefill-host", "10.0.0.2"]) == 2
+    assert "mixes loopback" in capsys.readouterr().err
 
 
 def test_instances_are_restarted_unless_up_is_told_to_stop() -> None:
@@ -168,6 +178,28 @@ def test_up_restarts_a_killed_instance_and_keeps_serving(tmp_path: Path) -> None
         out.wait_for("prefill-0 was killed by SIGKILL; last lines of")
         out.wait_for("prefill-0 is back")
         assert proc.poll() is None, "up exited with its instance"
+        assert main(["verify", f"http://127.0.0.1:{first}"]) == 0
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+
+
+def test_up_serves_instances_at_the_addresses_given_for_them(tmp_path: Path) -> None:
+    first = _free_port_block(10)
+    proc = _up_sim(tmp_path, first, "--prefill-host", "127.0.0.2", "--decode-host", "127.0.0.3")
+    try:
+        out = _Output(proc)
+        out.wait_for("Ctrl-C stops everything")
+        text = "".join(out.lines)
+        assert (
+            f"prefill  http://127.0.0.2:{first + 1}" in text
+            and f"decode   http://127.0.0.3:{first + 2}" in text
+        )
+        listing = httpclient.get(f"http://127.0.0.1:{first}/instances", 10).json()
+        assert sorted(i["url"] for i in listing) == [
+            f"http://127.0.0.2:{first + 1}",
+            f"http://127.0.0.3:{first + 2}",
+        ]
         assert main(["verify", f"http://127.0.0.1:{first}"]) == 0
     finally:
         proc.send_signal(signal.SIGTERM)

@@ -245,3 +245,34 @@ def test_unreadable_topology_file_is_an_error(tmp_path: Path, text: str, match: 
 def test_missing_topology_file_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read topology file"):
         load_topology(tmp_path / "absent.yaml")
+
+
+# --- instance addresses (prefill_hosts / decode_hosts) -------------------------------------------------
+
+
+def test_each_instance_can_have_its_own_address_given_in_the_topology_file() -> None:
+    topology = topology_from_mapping(
+        {"prefill": {"count": 2, "hosts": ["10.0.0.2", "10.0.0.3"]}, "decode": {"hosts": ["gpu-b.lan"]}}
+    )
+    assert topology.instance_hosts == ("10.0.0.2", "10.0.0.3", "gpu-b.lan")
+
+
+@pytest.mark.parametrize(
+    ("hosts", "match"),
+    [
+        ({"prefill_hosts": ("10.0.0.2", "10.0.0.3")}, r"prefill_hosts names 2 address\(es\) for 1 prefill"),
+        ({"prefill_hosts": ("0.0.0.0",), "decode_hosts": ("10.0.0.3",)}, "not an address a peer can dial"),
+        ({"prefill_hosts": ("10.0.0.2",), "decode_hosts": ("http://10.0.0.3:80",)}, "'http://10.0.0.3:80'"),
+        # decode falls back to host 127.0.0.1: it could not reach prefill, nor prefill's side channel it
+        ({"prefill_hosts": ("10.0.0.2",)}, r"mixes loopback \(127\.0\.0\.1\) and other instance addresses"),
+        ({"prefill_hosts": ("localhost",), "decode_hosts": ("10.0.0.3",)}, "mixes loopback"),
+    ],
+)
+def test_an_address_a_peer_cannot_dial_is_refused(hosts: dict[str, tuple[str, ...]], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        Topology(**hosts)  # type: ignore[arg-type]
+
+
+def test_a_wildcard_host_is_reached_and_advertised_as_loopback() -> None:
+    # vLLM would advertise 0.0.0.0 verbatim as prefill's side channel, and decode would dial itself.
+    assert Topology(host="0.0.0.0").instance_hosts == ("127.0.0.1", "127.0.0.1")

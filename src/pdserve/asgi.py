@@ -117,13 +117,21 @@ async def run_until_disconnect(
     """
     work_task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(wait_for_disconnect(receive))
-    try:
-        await asyncio.wait((work_task, watcher), return_when=asyncio.FIRST_COMPLETED)
+
+    def on_disconnect(_: object) -> None:
         if not work_task.done() and not responder.finished:
             work_task.cancel()
+
+    # A callback, not asyncio.wait: this runs once per request, and wait's bookkeeping showed up.
+    watcher.add_done_callback(on_disconnect)
+    try:
         # Cancelled work still runs its cleanup (closing upstream connections) before we return.
-        with contextlib.suppress(asyncio.CancelledError):
+        try:
             await work_task
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():
+                raise  # this task itself is being cancelled, not only the work
         if await_close is not None and await_close():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(watcher), close_wait_s)

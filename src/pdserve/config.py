@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from pdserve.addresses import check_addresses, reachable
 from pdserve.errors import ConfigError
 
 Role = Literal["prefill", "decode"]
@@ -249,6 +250,10 @@ class Topology:
     proxy_port: int = 8000
     first_port: int = 8100  # instance i (prefill first, then decode) listens on first_port + i
     first_side_channel_port: int = 5600  # NIXL side channel of instance i: first_side_channel_port + i
+    # One address per instance of the role (empty: all at host): it binds HTTP and its NIXL side channel
+    # there, and prefill advertises it to decode as the side channel to dial (addresses.py).
+    prefill_hosts: tuple[str, ...] = ()
+    decode_hosts: tuple[str, ...] = ()
     device: Device = "cpu"
     # GPU placement (device cuda). gpus_per_instance >= 1 (whole) gives each instance its own GPUs;
     # below 1 (0.5, 0.25) instances share one GPU, as does instances_per_gpu: N. Neither set: one GPU
@@ -272,8 +277,15 @@ class Topology:
     # from a remote prefill, or serve a request whole, so `bench --compare` can measure PD and colocated
     # serving on the very same instances, one run after the other, without restarting anything.
     kv_both: bool = False
+    # A Ray cluster's address ("10.0.0.2:6379", "auto"): each instance then runs as a Ray actor on a node
+    # with its role's resources (custom ones, e.g. {"pdserve_prefill": 1}; GPUs on cuda), at that node's
+    # IP (engines/ray_cluster.py). None: on this host.
+    ray: str | None = None
+    prefill_resources: tuple[tuple[str, float], ...] = ()  # Ray resources per prefill instance
+    decode_resources: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
+        self._check_ray()
         if self.num_prefill < 1 or self.num_decode < 1:
             raise ConfigError(
                 f"topology needs >= 1 prefill and >= 1 decode instance, got "
@@ -290,6 +302,11 @@ class Topology:
         for name in ("proxy_port", "first_port", "first_side_channel_port"):
             _check_port("topology", name, getattr(self, name))
         _check_positive("topology", kv_cache_gib=self.kv_cache_gib, startup_timeout=self.startup_timeout)
+        roles = (
+            ("prefill", self.prefill_hosts, self.num_prefill),
+            ("decode", self.decode_hosts, self.num_decode),
+        )
+        check_addresses(self.host, roles, self.instance_hosts)
         self._check_gpu_placement()
         if self.max_model_len is not None:
             _check_positive("topology", max_model_len=self.max_model_len)
@@ -306,6 +323,31 @@ class Topology:
                 "topology ports overlap: proxy_port, the HTTP ports from first_port and the side-channel "
                 "ports from first_side_channel_port must all differ"
             )
+
+    @property
+    def instance_hosts(self) -> tuple[str, ...]:
+        """The address of each instance in plan order (prefill first): its own, else ``host``; a
+        wildcard ``host`` (0.0.0.0) is bound as given but reached and advertised as 127.0.0.1."""
+        prefill = self.prefill_hosts or (reachable(self.host),) * self.num_prefill
+        return (*prefill, *(self.decode_hosts or (reachable(self.host),) * self.num_decode))
+
+    def _check_ray(self) -> None:
+        if self.ray is not None and (not isinstance(self.ray, str) or not self.ray.strip()):
+            raise ConfigError(f"topology.ray must be a Ray address such as 10.0.0.2:6379 or auto, got {self.ray!r}")
+        if self.ray is not None and (self.prefill_hosts or self.decode_hosts):
+            raise ConfigError(
+                "topology sets ray and prefill/decode hosts: on Ray each instance runs at the IP of the node "
+                "Ray places it on; name the nodes with resources (prefill.resources) instead"
+            )
+        for role in ROLES:
+            resources = getattr(self, f"{role}_resources")
+            if resources and self.ray is None:
+                raise ConfigError(f"topology.{role}.resources are Ray resources: they need topology.ray")
+            for name, amount in resources:
+                if not isinstance(name, str) or not name or isinstance(amount, bool) or not amount > 0:
+                    raise ConfigError(
+                        f"topology.{role}.resources: {name!r}: {amount!r} must be a name and an amount > 0"
+                    )
 
     def _check_gpu_placement(self) -> None:
         per_instance, per_gpu = self.gpus_per_instance, self.instances_per_gpu
@@ -337,7 +379,7 @@ class Topology:
 
 
 _TOPOLOGY_FIELDS = {f.name for f in dataclasses.fields(Topology)}
-_TUPLE_FIELDS = ("vllm_args", "prefill_args", "decode_args")
+_TUPLE_FIELDS = ("vllm_args", "prefill_args", "decode_args", "prefill_hosts", "decode_hosts")
 
 
 def topology_from_mapping(data: dict[str, Any], base: Topology | None = None) -> Topology:
@@ -346,21 +388,27 @@ def topology_from_mapping(data: dict[str, Any], base: Topology | None = None) ->
     Accepted shape (every key optional)::
 
         model: /path/to/model
-        prefill: {count: 2, args: ["--max-num-seqs", "64"]}
+        prefill: {count: 2, args: ["--max-num-seqs", "64"], hosts: [10.0.0.2, 10.0.0.3]}
         decode: {count: 2}
         proxy_port: 8000
         vllm_args: ["--enforce-eager"]
         on_instance_exit: restart    # or stop
+        ray: 10.0.0.2:6379           # on a Ray cluster, with per role: resources: {pdserve_prefill: 1}
     """
     values: dict[str, Any] = {}
     for key, value in data.items():
         if key in ROLES:
-            if not isinstance(value, dict) or set(value) - {"count", "args"}:
-                raise ConfigError(f"topology.{key} must be a mapping with 'count' and/or 'args'")
+            if not isinstance(value, dict) or set(value) - {"count", "args", "hosts", "resources"}:
+                raise ConfigError(
+                    f"topology.{key} must be a mapping with 'count', 'args', 'hosts' and/or 'resources'"
+                )
             if "count" in value:
                 values[f"num_{key}"] = value["count"]
-            if "args" in value:
-                values[f"{key}_args"] = value["args"]
+            if "resources" in value:
+                values[f"{key}_resources"] = resource_pairs(f"topology.{key}.resources", value["resources"])
+            for part in ("args", "hosts"):
+                if part in value:
+                    values[f"{key}_{part}"] = value[part]
         elif key in _TOPOLOGY_FIELDS:
             values[key] = value
         else:
@@ -375,6 +423,16 @@ def topology_from_mapping(data: dict[str, Any], base: Topology | None = None) ->
         return dataclasses.replace(base or Topology(), **values)
     except TypeError as exc:
         raise ConfigError(f"invalid topology: {exc}") from exc
+
+
+def resource_pairs(where: str, value: object) -> tuple[tuple[str, float], ...]:
+    """A YAML mapping of Ray resources ({pdserve_prefill: 1}) as the Topology's sorted pairs."""
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where} must be a mapping of Ray resource names to amounts, got {value!r}")
+    try:
+        return tuple(sorted((str(name), float(amount)) for name, amount in value.items()))
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}: every amount must be a number ({exc})") from exc
 
 
 def load_topology(path: str | Path, base: Topology | None = None) -> Topology:

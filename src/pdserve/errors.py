@@ -28,8 +28,9 @@
         ├── EngineStoppedError the engine stopped while a request was in it
         └── ConnectionDropped  raised out of an app to make the server close the connection
 
-Errors of the libraries underneath are translated into these in exactly one place each: aiohttp in
-``proxy/upstream.py`` (the proxy), ``sim/transfer.py`` (the simulator's KV pulls), ``sim/calibrate.py``
+Errors of the libraries underneath are translated into these in exactly one place each: connection,
+OS and timeout errors of the proxy's own HTTP client (``proxy/connection.py``) in ``proxy/upstream.py``;
+aiohttp in ``sim/transfer.py`` (the simulator's KV pulls), ``sim/calibrate.py``
 and ``bench/`` (measurement clients); urllib in ``httpclient.py``; subprocess in ``engines/launcher.py``
 and ``engines/benchclient.py``; yaml in ``config.py``; lightkube in ``proxy/k8s_watch.py``.
 ``UpstreamError.status`` is the HTTP status the proxy answers the client with.

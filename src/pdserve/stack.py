@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvloop
 
@@ -32,6 +32,7 @@ from pdserve.engines.launcher import DEFAULT_ENTRYPOINT, EngineGroup
 from pdserve.engines.logwatch import LogWatcher
 from pdserve.engines.model import ResolvedModel, resolve_model
 from pdserve.engines.plan import InstanceSpec, plan_instances, plan_sim_instances, visible_gpus
+from pdserve.engines.rayplan import placeholder_gpu_ids
 from pdserve.engines.supervisor import RestartPolicy, Supervisor
 from pdserve.engines.venv import engine_vllm_version, find_engine_python, version_warning
 from pdserve.errors import EngineError
@@ -39,6 +40,9 @@ from pdserve.events import InstanceEvent, KVLogEvent
 from pdserve.proxy.app import create_app
 from pdserve.proxy.server import make_server
 from pdserve.sim.profile import load_profile
+
+if TYPE_CHECKING:
+    from pdserve.engines.ray_cluster import RayEngineGroup, RayWatch
 
 _EMBEDDED_MAX_MODEL_LEN = 2048
 SIM_ENTRYPOINT = ("-m", "pdserve.sim")
@@ -131,11 +135,15 @@ class Stack:
         self.proxy: ProxyThread | None = None
         self.supervisor: Supervisor | None = None
         self.log_watcher: LogWatcher | None = None
+        self.ray_group: RayEngineGroup | None = None  # instead of group, on a Ray cluster (topology.ray)
+        self.ray_watch: RayWatch | None = None
         # (time.monotonic(), event), newest last: what the supervisor did, for callers that wait on it
         self.instance_events: deque[tuple[float, InstanceEvent]] = deque(maxlen=256)
 
     @property
     def specs(self) -> tuple[InstanceSpec, ...]:
+        if self.ray_group is not None:
+            return self.ray_group.specs
         return self.group.specs if self.group else ()
 
     def urls(self, role: str) -> list[str]:
@@ -177,7 +185,8 @@ class Stack:
             self.model.served_model_name,
             sorted(os.sched_getaffinity(0)),
             default_max_model_len=_EMBEDDED_MAX_MODEL_LEN if self.model.is_embedded else None,
-            gpu_ids=_visible_gpus(),
+            # Ray gives each actor its GPUs (and its CUDA_VISIBLE_DEVICES) on the node it picks.
+            gpu_ids=placeholder_gpu_ids(topology) if topology.ray else _visible_gpus(),
         )
         self._say(f"model {self.model.served_model_name or self.model.path}; logs in {self.run_dir}/")
         # The proxy counts prompt tokens with the model's own tokenizer (a hub name has none locally).
@@ -190,6 +199,9 @@ class Stack:
         self._start(specs, DEFAULT_ENTRYPOINT)
 
     def _start(self, specs: tuple[InstanceSpec, ...], entrypoint: tuple[str, ...]) -> None:
+        if self.topology.ray is not None:
+            self._start_on_ray(specs, entrypoint)
+            return
         self.group = EngineGroup(
             specs,
             self.engine_python,
@@ -199,6 +211,32 @@ class Stack:
             entrypoint=entrypoint,
         )
         self.group.start()
+        self._start_proxy()
+        # The simulator's logs are followed too: they cost nothing when they never hold the lines.
+        prefill_logs = {s.url: self.group.log_path(s) for s in specs if s.role == "prefill"}
+        self.log_watcher = LogWatcher(prefill_logs, self._deliver)
+        self.log_watcher.start()
+        if self.topology.on_instance_exit == "restart":
+            self.supervisor = Supervisor(self.group, self._on_instance_event, self._say, self._restart_policy)
+            self.supervisor.start()
+
+    def _start_on_ray(self, specs: tuple[InstanceSpec, ...], entrypoint: tuple[str, ...]) -> None:
+        """Each instance a Ray actor on a node with its role's resources; Ray restarts them (no
+        Supervisor), RayWatch tells the proxy. Logs are on the nodes, in the same run dir path."""
+        try:
+            from pdserve.engines.ray_cluster import RayEngineGroup, RayWatch
+        except ImportError as exc:
+            raise EngineError(f"topology.ray needs Ray: pip install 'pdserve[ray]' ({exc})") from exc
+        self._say(f"Ray cluster at {self.topology.ray}")
+        self.ray_group = RayEngineGroup(
+            specs, self.topology, self.engine_python, self.run_dir, entrypoint, on_progress=self._say
+        )
+        self.ray_group.start()
+        self._start_proxy()
+        self.ray_watch = RayWatch(self.ray_group, self._on_instance_event)
+        self.ray_watch.start()
+
+    def _start_proxy(self) -> None:
         config = ProxyConfig(
             prefill_urls=tuple(self.urls("prefill")),
             decode_urls=tuple(self.urls("decode")),
@@ -211,13 +249,6 @@ class Stack:
         self.proxy.start()
         for warning in lease_warnings(config):
             self._say(f"warning: {warning}")
-        # The simulator's logs are followed too: they cost nothing when they never hold the lines.
-        prefill_logs = {s.url: self.group.log_path(s) for s in specs if s.role == "prefill"}
-        self.log_watcher = LogWatcher(prefill_logs, self._deliver)
-        self.log_watcher.start()
-        if self.topology.on_instance_exit == "restart":
-            self.supervisor = Supervisor(self.group, self._on_instance_event, self._say, self._restart_policy)
-            self.supervisor.start()
 
     def _deliver(self, event: InstanceEvent | KVLogEvent) -> None:
         proxy = self.proxy
@@ -236,23 +267,34 @@ class Stack:
         if self.log_watcher is not None:
             self.log_watcher.stop()
             self.log_watcher = None
+        if self.ray_watch is not None:
+            self.ray_watch.stop()
+            self.ray_watch = None
         if self.proxy is not None:
             self.proxy.stop()
             self.proxy = None
         if self.group is not None:
             self.group.stop()
+        if self.ray_group is not None:
+            self.ray_group.stop()
 
     def check_alive(self) -> None:
         """Raise EngineError if an instance exited, unless the supervisor restarts them."""
         if self.group is not None and self.supervisor is None:
             self.group.check_alive()
+        if self.ray_group is not None and self.topology.on_instance_exit == "stop":
+            gone = [s.name for s in self.ray_group.specs if self.ray_group.is_gone(s)]
+            if gone:
+                raise EngineError(f"{', '.join(gone)} exited on Ray (on_instance_exit: stop)")
 
     def describe(self) -> list[str]:
         lines = [f"proxy    {self.proxy_url}   (OpenAI API: {self.proxy_url}/v1)"]
+        group = self.ray_group or self.group
+        where = "on the Ray node, " if self.ray_group else ""
         for spec in self.specs:
             lines.append(
                 f"{spec.role:<8} {spec.url}   NIXL side channel :{spec.side_channel_port}   "
-                f"log {self.group.log_path(spec) if self.group else '-'}"
+                f"log {where}{group.log_path(spec) if group else '-'}"
             )
         return lines
 

@@ -163,6 +163,23 @@ def test_busy_port_is_a_config_error_naming_port_and_instance(make_group: MakeGr
     assert all(group.pid(s) is None for s in group.specs)  # nothing was spawned
 
 
+def test_command_prefix_runs_the_instance_through_it_and_stop_still_ends_it(make_group: MakeGroup) -> None:
+    # A prefix such as `ip netns exec NS` puts the instance's ports in another namespace: a local
+    # listener on the same number is no conflict there, so it must not stop the start.
+    spec = dataclasses.replace(fake_spec("prefill", 0, "--child"), command_prefix=("env", "PDSERVE_VIA=1"))
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", spec.side_channel_port))
+        squatter.listen()
+        group = make_group(spec)
+        group.start()
+    assert health_status(spec) == 200
+    assert group.log_path(spec).read_text().startswith(f"# pdserve: env PDSERVE_VIA=1 {sys.executable} ")
+    pgid = group.pid(spec)
+    assert pgid is not None and group_is_running(pgid)
+    group.stop()
+    assert not group_is_running(pgid)  # the prefix exec'd the engine: its process group is the engine's
+
+
 def test_startup_timeout_stops_everything_and_names_the_slow_instance(make_group: MakeGroup) -> None:
     spec = fake_spec("prefill", 0, "--delay", "60")
     # Long enough for the fake to print its first line even on a loaded CI machine.

@@ -71,6 +71,19 @@ async def set_faults(http: aiohttp.ClientSession, url: str, **changes: Any) -> N
         assert resp.status == 200, await resp.text()
 
 
+async def stall(http: aiohttp.ClientSession, url: str, seconds: float) -> None:
+    """The instance's engine stops stepping for ``seconds`` (SIGSTOP of vLLM's EngineCore)."""
+    async with http.post(f"{url}/sim/stall", json={"seconds": seconds}) as resp:
+        assert resp.status == 200, await resp.text()
+
+
+async def restart(http: aiohttp.ClientSession, url: str, down_s: float) -> str:
+    """The instance dies now and serves again after ``down_s`` under a new engine id (returned)."""
+    async with http.post(f"{url}/sim/restart", json={"down_s": down_s}) as resp:
+        assert resp.status == 200, await resp.text()
+        return str((await resp.json())["new_engine_id"])
+
+
 async def clear_faults(http: aiohttp.ClientSession, urls: Sequence[str]) -> None:
     await asyncio.gather(*(set_faults(http, url, **NO_FAULTS) for url in urls))
 
@@ -137,6 +150,7 @@ class Answer:
     num_tokens: int = 0
     # Streamed: seconds between the error event and the event before it (0 if it came first).
     error_gap_s: float = 0.0
+    text: str = ""  # the answer's text (a stream's, as far as it went)
 
     @property
     def mode(self) -> str:
@@ -166,6 +180,14 @@ def _error_message(data: Any) -> str | None:
     error = data.get("error") if isinstance(data, dict) else None
     message = error.get("message") if isinstance(error, dict) else None
     return message if isinstance(message, str) and message else None
+
+
+def _whole_text(endpoint: Endpoint, payload: bytes) -> str:
+    try:
+        choices = orjson.loads(payload).get("choices") or [{}]
+    except (orjson.JSONDecodeError, AttributeError):
+        return ""
+    return _text(endpoint, choices[0], stream=False)
 
 
 def _judge_whole(endpoint: Endpoint, status: int, payload: bytes, max_tokens: int) -> tuple[Kind, str, int]:
@@ -268,9 +290,13 @@ async def ask(
     status = 0
     begun = time.monotonic()
 
-    def answer(kind: Kind, detail: str, num_tokens: int = 0, error_gap_s: float = 0.0) -> Answer:
+    def answer(
+        kind: Kind, detail: str, num_tokens: int = 0, error_gap_s: float = 0.0, text: str = ""
+    ) -> Answer:
         elapsed = time.monotonic() - begun
-        return Answer(request_id, endpoint, stream, kind, status, elapsed, detail, num_tokens, error_gap_s)
+        return Answer(
+            request_id, endpoint, stream, kind, status, elapsed, detail, num_tokens, error_gap_s, text
+        )
 
     seen = _Stream(endpoint)
     buffer = b""
@@ -282,7 +308,9 @@ async def ask(
                 status = resp.status
                 is_sse = resp.headers.get("Content-Type", "").startswith("text/event-stream")
                 if not (stream and status == 200 and is_sse):
-                    return answer(*_judge_whole(endpoint, status, await resp.read(), max_tokens))
+                    payload = await resp.read()
+                    judged = _judge_whole(endpoint, status, payload, max_tokens)
+                    return answer(*judged, text=_whole_text(endpoint, payload))
                 async for chunk in resp.content.iter_any():
                     buffer += chunk
                     while b"\n\n" in buffer:
@@ -293,7 +321,7 @@ async def ask(
     except aiohttp.ClientPayloadError as exc:
         return answer("truncated", f"connection closed mid-answer: {exc}", len(seen.text.split()))
     kind, detail, num_tokens = seen.judge(max_tokens, buffer)
-    return answer(kind, detail, num_tokens, seen.error_gap_s)
+    return answer(kind, detail, num_tokens, seen.error_gap_s, seen.text)
 
 
 async def proxy_ready(http: aiohttp.ClientSession, url: str) -> None:

@@ -159,3 +159,24 @@ async def test_requests_can_be_asked_for_one_request_by_id(rig: Rig, http: aioht
             assert resp.status == 200
     status, body = await get_json(http, rig.url + "/requests?id=wanted")
     assert status == 200 and [t["request_id"] for t in body["requests"]] == ["wanted"]
+
+
+async def test_generation_routes_answer_other_methods_as_before(
+    rig: Rig, http: aiohttp.ClientSession
+) -> None:
+    # POSTs to the generation routes skip Starlette (ProxyApp); everything else still goes through it.
+    async with http.get(rig.url + "/v1/completions") as resp:
+        assert resp.status == 405
+    async with http.post(rig.url + "/v1/nothing-here", data=b"{}") as resp:
+        assert resp.status == 404
+
+
+async def test_request_ids_are_unique_32_hex_digits(rig: Rig, http: aiohttp.ClientSession) -> None:
+    ids = set()
+    for _ in range(3):
+        async with http.post(
+            rig.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}
+        ) as resp:
+            assert resp.status == 200
+            ids.add(resp.headers["x-request-id"])
+    assert len(ids) == 3 and all(len(i) == 32 and int(i, 16) >= 0 for i in ids)

@@ -63,21 +63,32 @@ class EngineSource:
     def __init__(self, *engines: SimEngine) -> None:
         self.engines = {e.engine_id: e for e in engines}
 
-    async def pull(self, remote: RemoteKV) -> None:
+    async def pull(self, remote: RemoteKV) -> bool:
         holder = self.engines.get(remote.engine_id)
         if holder is None:
             raise KVPullError(f"no engine {remote.engine_id}")
-        holder.serve_pull(remote.request_id)
+        return holder.serve_pull(remote.request_id).is_intact
+
+    def heartbeat(self, engine_id: str, host: str, port: int, request_ids: tuple[str, ...]) -> None:
+        if engine_id in self.engines:
+            self.engines[engine_id].heartbeat(request_ids)
 
 
 class FailingSource:
-    async def pull(self, remote: RemoteKV) -> None:
+    async def pull(self, remote: RemoteKV) -> bool:
         raise KVPullError("injected fault")
+
+    def heartbeat(self, engine_id: str, host: str, port: int, request_ids: tuple[str, ...]) -> None:
+        pass
 
 
 class StuckSource:
-    async def pull(self, remote: RemoteKV) -> None:
+    async def pull(self, remote: RemoteKV) -> bool:
         await asyncio.Event().wait()
+        return True
+
+    def heartbeat(self, engine_id: str, host: str, port: int, request_ids: tuple[str, ...]) -> None:
+        pass
 
 
 def remote_of(engine: SimEngine, request_id: str, event: TokenEvent) -> RemoteKV:
@@ -165,10 +176,9 @@ async def test_held_kv_counts_in_usage_until_its_lease_expires() -> None:
         await clock.sleep(TIMED.kv_lease_s + 0.5)
         stats = prefill.stats
         assert (stats.num_held, stats.kv_usage, stats.num_kv_expired) == (0, 0.0, 1)
-        with pytest.raises(KVPullError, match="expired"):
-            prefill.serve_pull("r")
-        with pytest.raises(KVPullError, match="unknown request"):
-            prefill.serve_pull("never-seen")
+        # vLLM's read of released (or never held) blocks does not fail: it gets whatever they hold.
+        assert not prefill.serve_pull("r").is_intact
+        assert not prefill.serve_pull("never-seen").is_intact
 
 
 async def test_decode_pulls_held_kv_and_continues_the_same_token_stream() -> None:
@@ -191,8 +201,7 @@ async def test_decode_pulls_held_kv_and_continues_the_same_token_stream() -> Non
     stats = decode.stats
     assert (stats.num_pulls_ok, stats.prompt_tokens_remote, stats.prompt_tokens_computed) == (1, 99, 1)
     assert (prefill.stats.num_held, prefill.stats.kv_usage) == (0, 0.0)
-    with pytest.raises(KVPullError, match="unknown request"):
-        prefill.serve_pull("r")  # one read per hold
+    assert not prefill.serve_pull("r").is_intact  # one read per hold: the blocks went back
 
 
 async def test_failed_pull_ends_the_request_with_an_error_and_frees_its_blocks() -> None:
@@ -205,16 +214,20 @@ async def test_failed_pull_ends_the_request_with_an_error_and_frees_its_blocks()
     assert (stats.num_pulls_failed, stats.kv_usage, stats.num_waiting) == (1, 0.0, 0)
 
 
-async def test_pull_after_the_lease_expired_fails() -> None:
+async def test_pull_after_the_lease_expired_succeeds_with_wrong_tokens() -> None:
     clock = VirtualClock()
     prefill = SimEngine(TIMED, "prefill", "p", clock=clock)
     decode = SimEngine(TIMED, "decode", "d", kv_source=EngineSource(prefill), clock=clock)
-    async with running(prefill, decode):
+    colocated = SimEngine(TIMED, "both", "c", clock=clock)
+    async with running(prefill, decode, colocated):
         [(_, held)] = await timed_events(prefill, SimRequest("r", prompt(30), 1, hold_for_remote=True))
         await clock.sleep(TIMED.kv_lease_s + 1)
         req = SimRequest("r", prompt(30), 4, remote=remote_of(prefill, "r", held))
         events = [e async for e in decode.generate(req)]
-    assert events[-1].finish_reason == "error"
+        expected = [e.token_id async for e in colocated.generate(SimRequest("x", prompt(30), 4))]
+    assert [e.finish_reason for e in events] == [None, None, None, "length"]
+    assert [e.token_id for e in events] != expected
+    assert (decode.stats.num_pulls_ok, decode.stats.num_pulls_failed, decode.stats.num_stale_reads) == (1, 0, 1)
     assert prefill.stats.num_kv_expired == 1
 
 

@@ -20,7 +20,7 @@ NAMES = [
     "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_success_total",
     "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds", "vllm:e2e_request_latency_seconds",
     "vllm:nixl_xfer_time_seconds", "vllm:nixl_bytes_transferred", "vllm:nixl_num_failed_transfers_total",
-    "vllm:nixl_num_kv_expired_reqs_total",
+    "vllm:nixl_num_kv_expired_reqs_total", "vllm:nixl_num_notifications_after_expiry_total",
 ]  # fmt: skip
 
 
@@ -33,6 +33,7 @@ class Counters:
     prefix_cache_hits: int = 40
     num_preemptions: int = 0
     num_kv_expired: int = 3
+    num_notifications_after_expiry: int = 2
     num_pulls_failed: int = 1
     prompt_tokens_computed: int = 60
     prompt_tokens_cached: int = 40
@@ -103,6 +104,7 @@ def test_rendering_uses_vllms_names_labels_and_order() -> None:
     assert histogram_lines[-1].startswith("vllm:time_to_first_token_seconds_sum")
     samples = parse_prometheus(text)
     assert samples["vllm:nixl_num_kv_expired_reqs_total"] == 3
+    assert samples["vllm:nixl_num_notifications_after_expiry_total"] == 2
     assert samples["vllm:request_success_total"] == 1
 
 

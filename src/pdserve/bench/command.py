@@ -11,11 +11,14 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdserve.bench.workload import DATASETS, Slo, Workload
 from pdserve.config import Topology
 from pdserve.errors import BenchError, ConfigError
+
+if TYPE_CHECKING:
+    from pdserve.bench.plan import Plan
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
@@ -108,7 +111,8 @@ def run_bench_command(a: argparse.Namespace, topology: Topology, routing: dict[s
     report = run_compare(topology, workload, out_dir, tokenizer=a.tokenizer, colocated_port=a.colocated_port,
                          make_plots=not a.no_plots, proxy_options=routing)  # fmt: skip
     print("\n".join(report.lines()))
-    return 0
+    # Inconclusive: a mode completed no request, so there is nothing to compare (scripts should notice).
+    return 1 if report.verdict.decision == "inconclusive" else 0
 
 
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
@@ -131,7 +135,9 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-instances", type=int, default=64)
     p.add_argument("--check", action="store_true",
-                   help="simulate the plan and its neighbours (one more P, one more D) and show their goodput")  # fmt: skip
+                   help="simulate the plan and its neighbours (one P or D more and fewer) and show their goodput")  # fmt: skip
+    p.add_argument("--check-requests", type=int, default=400, metavar="N",
+                   help="--check: Poisson requests per simulated layout (default %(default)s)")  # fmt: skip
 
 
 def _measured(bench_dir: str) -> dict[str, Any]:
@@ -167,6 +173,8 @@ def run_plan_command(a: argparse.Namespace) -> int:
     from pdserve.bench.plan import PlanRequest, plan
     from pdserve.sim.profile import load_profile
 
+    if a.check_requests < 1:
+        raise ConfigError(f"--check-requests must be >= 1, got {a.check_requests}")
     profile = load_profile(a.profile)
     measured = _measured(a.bench) if a.bench else {}
     bandwidth = a.kv_gbps * 1e9 if a.kv_gbps else measured.get("bandwidth")
@@ -188,21 +196,31 @@ def run_plan_command(a: argparse.Namespace) -> int:
     print("\n".join(result.lines))
     if a.check:
         link = profile if bandwidth is None else profile.with_kv_bandwidth(bandwidth)
-        print("on the simulator (virtual clock, 400 Poisson requests):")
+        print(f"on the simulator (virtual clock, {a.check_requests} Poisson requests):")
+        chosen = result.recommended
         for x, y in _neighbourhood(result):
-            run = simcluster.run(link, x, y, req.rate, req.input_len, req.output_len)
+            run = simcluster.run(link, x, y, req.rate, req.input_len, req.output_len, a.check_requests)
             name = f"{x}P{y}D" if x else f"{y} colocated"
+            mark = "  <- the plan" if chosen and (chosen.num_prefill, chosen.num_decode) == (x, y) else ""
             print(f"  {name:<14} goodput {run.goodput(req.slo):6.2f} req/s, {run.goodput_per_instance(req.slo):5.2f} per "
-                  f"instance; {run.attainment(req.slo):.0%} met the SLOs")  # fmt: skip
+                  f"instance; {run.attainment(req.slo):.0%} met the SLOs{mark}")  # fmt: skip
     return 0 if result.recommended is not None else 1
 
 
-def _neighbourhood(result: Any) -> list[tuple[int, int]]:
+def _neighbourhood(result: Plan) -> list[tuple[int, int]]:
+    """Each layout the plan found, then one instance more and one fewer of each role (fewer: is the
+    plan padded?)."""
     out = []
     if result.disaggregated is not None:
         x, y = result.disaggregated.num_prefill, result.disaggregated.num_decode
-        out += [(x, y), (x + 1, y), (x, y + 1)]
+        out += [
+            (x, y),
+            (x + 1, y),
+            (x, y + 1),
+            *([(x - 1, y)] if x > 1 else []),
+            *([(x, y - 1)] if y > 1 else []),
+        ]
     if result.colocated is not None:
         n = result.colocated.num_decode
-        out += [(0, n), (0, n + 1)]
+        out += [(0, n), (0, n + 1), *([(0, n - 1)] if n > 1 else [])]
     return out

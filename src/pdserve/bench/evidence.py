@@ -17,6 +17,7 @@ from pdserve import httpclient
 from pdserve.errors import Unreachable
 from pdserve.prometheus import (
     BYTES_SUM,
+    KV_EXPIRED,
     NUM_RUNNING,
     NUM_WAITING,
     XFER_COUNT,
@@ -27,6 +28,8 @@ from pdserve.prometheus import (
 
 _SAMPLE_INTERVAL_S = 0.5
 PROXY_PHASES = ("prefill", "handoff_gap", "decode_first_byte", "ttft")
+_SUSPECT = "pdserve_kv_handoffs_suspect_total"
+_RETRIES = "pdserve_retries_total"
 
 
 def scrape_sum(urls: Sequence[str], timeout: float = 5.0) -> dict[str, float]:
@@ -100,6 +103,10 @@ class RunEvidence:
     transfer_bytes_sum: float
     proxy_ms: Mapping[str, float]  # mean per phase (PROXY_PHASES) over the run's requests, where seen
     queues: Mapping[str, PoolLoad]  # pool name ("prefill", "decode", "colocated") → its queue
+    # What went wrong on the way and was repaired (the requests still succeeded, but slowly):
+    num_expired_leases: int = 0  # prefill freed KV nobody had read within its lease (vLLM's counter)
+    num_suspect_handoffs: int = 0  # the proxy withheld decode's answer and prefilled again (lease guard)
+    num_retries: int = 0  # attempts the proxy moved to another instance (or repeated), any phase
 
     @property
     def transfer_ms_mean(self) -> float | None:
@@ -139,4 +146,7 @@ class RunEvidence:
             transfer_bytes_sum=delta(BYTES_SUM, before, after),
             proxy_ms=proxy_ms,
             queues=dict(queues),
+            num_expired_leases=round(delta(KV_EXPIRED, before, after)),
+            num_suspect_handoffs=round(delta(_SUSPECT, proxy_before, proxy_after)),
+            num_retries=round(delta(_RETRIES, proxy_before, proxy_after)),
         )

@@ -299,7 +299,8 @@ def _explain(m: Model, pd: Config | None, coloc: Config | None, decision: Decisi
     if decision == "disaggregate" and pd is not None:
         lines.append(f"plan: DISAGGREGATE {pd.describe()} (P:D = {pd.num_prefill}:{pd.num_decode})")
     elif coloc is not None:
-        lines.append(f"plan: COLOCATE {coloc.num_decode} instances: splitting does not pay here")
+        plural = "s" if coloc.num_decode != 1 else ""
+        lines.append(f"plan: COLOCATE {coloc.num_decode} instance{plural}: splitting does not pay here")
     else:
         lines.append(
             "plan: neither layout meets these SLOs at this rate; relax the SLOs or shorten the requests"

@@ -180,7 +180,7 @@ def run_compare(
         if why_not:
             say(why_not)
     report = CompareReport(tuple(pairs), verdict, tuple(plots), out_dir)
-    _write_summary(report, topology, workload)
+    write_summary(report, topology, workload)
     return report
 
 
@@ -197,7 +197,9 @@ def _measured(
     return Arm(mode, result, evidence)
 
 
-def _write_summary(report: CompareReport, topology: Topology, workload: Workload) -> None:
+def write_summary(report: CompareReport, topology: Topology, workload: Workload) -> None:
+    """``compare.json`` (what `pdserve plan --bench DIR` reads) and ``report.txt`` in the report's folder."""
+
     def arm(a: Arm) -> dict[str, Any]:
         result = {k: v for k, v in dataclasses.asdict(a.result).items() if not k.endswith("s_ms")}
         return {"result": result, "evidence": dataclasses.asdict(a.evidence) if a.evidence else None}

@@ -71,8 +71,11 @@ class _Pulls:
     def __init__(self) -> None:
         self.holders: dict[str, SimEngine] = {}
 
-    async def pull(self, remote: RemoteKV) -> None:
-        self.holders[remote.engine_id].serve_pull(remote.request_id)
+    async def pull(self, remote: RemoteKV) -> bool:
+        return self.holders[remote.engine_id].serve_pull(remote.request_id).is_intact
+
+    def heartbeat(self, engine_id: str, host: str, port: int, request_ids: tuple[str, ...]) -> None:
+        self.holders[engine_id].heartbeat(request_ids)
 
 
 async def simulate(

@@ -156,7 +156,18 @@ def _transfer_reasons(pairs: Sequence[RatePair]) -> list[str]:
     line = (f"transfer: {count} KV transfers, {size / count / 1e6:.2f} MB each, {mean_ms:.1f} ms mean ({rate}): "
             f"{mean_ms / ttft:.0%} of disaggregated TTFT p50 ({ttft:.1f} ms)")  # fmt: skip
     failed = sum(e.num_failed_transfers for _, e in evidence)
-    return [line + (f"; {failed} transfers failed" if failed else "")]
+    lines = [line + (f"; {failed} transfers failed" if failed else "")]
+    expired = sum(e.num_expired_leases for _, e in evidence)
+    suspect = sum(e.num_suspect_handoffs for _, e in evidence)
+    retries = sum(e.num_retries for _, e in evidence)
+    if expired or suspect:
+        lines.append(f"handoffs: {expired} KV leases expired before decode read them, {suspect} answers withheld "
+                     f"and prefilled again, {retries} retries: decode fell a whole lease behind its prefill "
+                     "(a starved core?), and those requests' latencies include that wait")  # fmt: skip
+    elif retries:
+        lines.append(f"handoffs: {retries} attempts retried on another instance (failed or too slow): "
+                     "those requests' latencies include the attempt that did not answer")  # fmt: skip
+    return lines
 
 
 def _queue_reasons(pairs: Sequence[RatePair]) -> list[str]:
@@ -176,8 +187,12 @@ def _queue_reasons(pairs: Sequence[RatePair]) -> list[str]:
                                   for pool, q in arm.evidence.queues.items())  # fmt: skip
                 if loads:
                     text += f"; vLLM waiting mean: {loads}"
-                if "prefill" in arm.evidence.proxy_ms:
-                    text += f"; prefill call {arm.evidence.proxy_ms['prefill']:.1f} ms mean"
+                phases = arm.evidence.proxy_ms
+                if "prefill" in phases:
+                    text += f"; prefill call {phases['prefill']:.1f} ms mean"
+                if "prefill" in phases and "decode_first_byte" in phases:
+                    # After the handoff: decode's pull of the KV, its wait for a step, its first token.
+                    text += f", then decode's first byte {phases['decode_first_byte']:.1f} ms mean"
             parts.append(text)
         lines.append(f"queueing, {mode}: " + " | ".join(parts))
     return lines

@@ -18,6 +18,7 @@ from typing import Any, Final
 from urllib.parse import urlsplit
 
 from pdserve import httpclient, protocol
+from pdserve.addresses import is_loopback
 from pdserve.doctor.advice import Handoff, duration, prompt_budget, repeats_for, size
 from pdserve.doctor.instance import InstanceFacts
 from pdserve.doctor.report import PairReport
@@ -38,7 +39,6 @@ _COUNTER_WAIT: Final = 10.0  # vLLM publishes connector stats with engine steps,
 _LOCAL_SAMPLES: Final = 2  # prefill-only timings on decode; the fastest is what prefilling costs there
 _DEFAULT_LEASE_S: Final = 30.0  # vLLM's kv_lease_duration unless the instances set another
 _SCRAPE_TIMEOUT: Final = 15.0  # a busy instance answers /metrics late; late is not unreachable
-_LOOPBACK: Final = {"127.0.0.1", "localhost", "::1"}
 
 
 @dataclass(frozen=True)
@@ -139,21 +139,51 @@ def _wait_for_counters(url: str, before: dict[str, float]) -> dict[str, float]:
     return after
 
 
+def is_this_host(host: str) -> bool:
+    """Whether ``host`` is an address of the host (network namespace) this process runs in: one it
+    can bind. A loopback address is, for whoever reached the instance through it."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_DGRAM)
+    except OSError:
+        return False
+    for family, kind, proto, _name, address in infos:
+        with socket.socket(family, kind, proto) as probe:
+            try:
+                probe.bind((address[0], 0))
+            except OSError:
+                continue
+            return True
+    return False
+
+
 def _side_channel(pair: PairReport, params: dict[str, Any], decode_url: str) -> None:
+    """Can decode reach the side channel prefill advertised? Only a connect from decode's host says so:
+    from elsewhere a refusal may be a route or firewall decode does not have, and a success proves
+    nothing for decode. So doctor says where it tested from, and run on decode's host it is the test."""
     host, port = str(params["remote_host"]), int(params["remote_port"])
     decode_host = urlsplit(decode_url).hostname or ""
-    if host in _LOOPBACK and decode_host not in _LOOPBACK:
+    if is_loopback(host) and not is_loopback(decode_host):
         pair.check(
             False,
             f"prefill names its side channel {host}:{port}, a loopback address, but decode runs on "
             f"{decode_host}: decode would connect to itself (set VLLM_NIXL_SIDE_CHANNEL_HOST on prefill)",
         )
     ok, how = probe_side_channel(host, port)
-    pair.check(
-        ok,
-        f"prefill's NIXL side channel {host}:{port} accepts TCP from doctor's host ({how}); tested from "
-        "here, not from decode's host",
+    if is_this_host(decode_host):
+        pair.check(
+            ok,
+            f"prefill's NIXL side channel {host}:{port} accepts TCP from decode's host ({how}; doctor "
+            f"runs on {decode_host})",
+        )
+        return
+    where = (
+        f"from doctor's host, not decode's ({decode_host}): run `pdserve doctor` there to test decode's "
+        "own route"
     )
+    if ok:
+        pair.add("info", f"prefill's NIXL side channel {host}:{port} accepts TCP {where} ({how})")
+    else:  # the canary's decode below is what tells whether decode itself gets through
+        pair.add("warn", f"prefill's NIXL side channel {host}:{port} refuses TCP {where} ({how})")
 
 
 def _short(text: str | None, limit: int = 60) -> str:

@@ -12,7 +12,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
+from urllib.parse import urlsplit
 
 from pdserve import httpclient
 from pdserve.doctor import canary
@@ -70,6 +71,28 @@ def transport(p: InstanceFacts, d: InstanceFacts) -> str:
             "UCX's lanes unknown (start the instances with UCX_PROTO_INFO=y and UCX prints them into the log)"
         )
     return "; ".join(parts)
+
+
+# UCX transports that read another process's memory through the kernel, never a network device.
+_SAME_KERNEL_TRANSPORTS: Final = frozenset({"cma", "knem", "xpmem", "sysv", "posix", "cuda_ipc"})
+
+
+def same_kernel(pair: PairReport, p: InstanceFacts, d: InstanceFacts) -> None:
+    """Prefill and decode at different addresses whose KV still never crossed a network: containers or
+    namespaces on one machine share a kernel, UCX counts them as one node and reads by cross-memory
+    attach (seen: netns "hosts" read over cma/memory). A test of the link between hosts proves nothing then."""
+    hosts = {urlsplit(f.url).hostname or "" for f in (p, d)}
+    if len(hosts) < 2 or not d.log:
+        return
+    lanes = sorted({lane.lane for lane in read_lanes(d.log)})
+    bypass = [lane for lane in lanes if lane.split("/", 1)[0] in _SAME_KERNEL_TRANSPORTS]
+    if bypass:
+        pair.add(
+            "warn",
+            f"prefill and decode have different addresses ({', '.join(sorted(hosts))}) but UCX read the KV "
+            f"over {', '.join(bypass)}, within one kernel: no KV byte crossed a network, so the numbers here "
+            "say nothing of a link between hosts (UCX_TLS=tcp, or your fabric's transports, makes it cross)",
+        )
 
 
 def restarts(
@@ -193,6 +216,7 @@ def _pair(
     pair.handoff, pair.params = measured.handoff, measured.params
     restarts(pair, p, d, params, recent)
     pair.transport = transport(p, d)
+    same_kernel(pair, p, d)
     pair.verdict = judge(pair.handoff) if pair.handoff else None
     return pair
 

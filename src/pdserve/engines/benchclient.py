@@ -82,14 +82,17 @@ class BenchClient:
             filter(None, (env.get("NO_PROXY"), "127.0.0.1,localhost"))
         )
         with open(self.log_path, "ab") as log:
-            self._proc = subprocess.Popen(
-                [self._python, "-c", _RUNNER],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=log,
-                env=env,
-                start_new_session=True,  # Ctrl-C is pdserve's to handle; close() ends the client
-            )
+            try:
+                self._proc = subprocess.Popen(
+                    [self._python, "-c", _RUNNER],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=log,
+                    env=env,
+                    start_new_session=True,  # Ctrl-C is pdserve's to handle; close() ends the client
+                )
+            except OSError as exc:
+                raise BenchError(f"cannot start vLLM's benchmark client with {self._python}: {exc}") from exc
         threading.Thread(target=self._read_replies, name="vllm-bench-replies", daemon=True).start()
 
     def _read_replies(self) -> None:

@@ -188,7 +188,7 @@ class EngineGroup:
         self.stop()
 
     def _spawn(self, spec: InstanceSpec, mode: str = "wb") -> None:
-        command = [self._engine_python, *self._entrypoint, *spec.args]
+        command = [*spec.command_prefix, self._engine_python, *self._entrypoint, *spec.args]
         with open(self.log_path(spec), mode) as log:
             log.write(f"# pdserve: {' '.join(command)}\n# env: {dict(spec.env)}\n".encode())
             log.flush()
@@ -280,12 +280,14 @@ class EngineGroup:
 
 
 def _check_ports_free(specs: Sequence[InstanceSpec]) -> None:
-    owners: dict[int, str] = {}
+    owners: dict[tuple[str, int], str] = {}
     for spec in specs:
         for kind, port in (("HTTP", spec.port), ("NIXL side-channel", spec.side_channel_port)):
-            if port in owners:
-                raise ConfigError(f"{spec.name} and {owners[port]} both use port {port}")
-            owners[port] = spec.name
+            if (spec.host, port) in owners:
+                raise ConfigError(f"{spec.name} and {owners[spec.host, port]} both use port {port}")
+            owners[spec.host, port] = spec.name
+            if spec.command_prefix:  # it binds elsewhere (another namespace or host): not ours to probe
+                continue
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
                 # Like the servers that will bind it: TIME_WAIT leftovers do not count, listeners do.
                 probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

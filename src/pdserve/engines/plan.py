@@ -35,6 +35,14 @@ _COMMON_ENV: Env = (
 )
 
 
+# UCX turns cuda_ipc GET (what a NIXL READ, i.e. decode pulling prefill's KV, uses) off when NVML reports no
+# NVLink on GPU 0 ("cuda-ipc get zcopy disabled as no nvlinks detected"), and READ then falls back to a
+# software GET over tcp/lo. Two instances on one H200 (docs/gpu.md): 0.5 GB/s before, 0.8-1.2 TB/s after,
+# PD TTFT p50 10.1 s → 0.55 s. Forcing it on is harmless elsewhere: with NVLink UCX turns it on anyway,
+# and across hosts cuda_ipc is not reachable.
+_CUDA_ENV: Env = (("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y"),)
+
+
 @dataclass(frozen=True)
 class GpuSlot:
     """Where one instance runs on a GPU host."""
@@ -56,6 +64,10 @@ class InstanceSpec:
     # The launcher starts stage 0, waits until it is healthy, then stage 1, ...: instances sharing a GPU
     # get consecutive stages. Instances on their own cores or GPUs are all stage 0 (started together).
     start_stage: int = 0
+    # Run before the command, e.g. ("ip", "netns", "exec", "ns1"): the instance then lives where the
+    # prefix puts it, and its ports are not this namespace's to probe. It must exec the command (the
+    # launcher signals the prefix's process group to stop the instance).
+    command_prefix: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
@@ -89,8 +101,9 @@ def plan_instances(
         device_env = _cpu_env(topology, len(roles), cpu_ids)
     else:
         slots = place_on_gpus(topology, len(roles), gpu_ids)
-        device_env = [(("CUDA_VISIBLE_DEVICES", slot.visible_devices),) for slot in slots]
+        device_env = [(("CUDA_VISIBLE_DEVICES", slot.visible_devices), *_CUDA_ENV) for slot in slots]
     max_model_len = topology.max_model_len or default_max_model_len
+    hosts = topology.instance_hosts
     specs = []
     for i, (role, index) in enumerate(zip(roles, indices, strict=True)):
         port = topology.first_port + i
@@ -98,7 +111,7 @@ def plan_instances(
         args = ["--model", model_path]
         if served_model_name:
             args += ["--served-model-name", served_model_name]
-        args += ["--host", topology.host, "--port", str(port)]
+        args += ["--host", _bind_host(topology, i), "--port", str(port)]
         if max_model_len is not None:
             args += ["--max-model-len", str(max_model_len)]
         if topology.device == "cpu":
@@ -119,17 +132,24 @@ def plan_instances(
             tracing_env = (("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf"),)  # vLLM's default is gRPC
         env = (
             ("VLLM_NIXL_SIDE_CHANNEL_PORT", str(side_channel_port)),
-            # The address a peer uses to reach this instance's side channel (decode → prefill).
-            ("VLLM_NIXL_SIDE_CHANNEL_HOST", topology.host),
+            # vLLM binds the side channel's ZMQ socket to this address and puts the same string into
+            # prefill's kv_transfer_params as remote_host, the address decode dials: it must be one the
+            # peers can reach, never a wildcard (decode would dial itself) nor, across hosts, loopback.
+            ("VLLM_NIXL_SIDE_CHANNEL_HOST", hosts[i]),
             *_COMMON_ENV,
             *device_env[i],
             *tracing_env,
         )
         stage = slots[i].start_stage if slots else 0
-        specs.append(
-            InstanceSpec(role, index, topology.host, port, side_channel_port, tuple(args), env, stage)
-        )
+        specs.append(InstanceSpec(role, index, hosts[i], port, side_channel_port, tuple(args), env, stage))
     return tuple(specs)
+
+
+def _bind_host(topology: Topology, i: int) -> str:
+    """Where instance ``i``'s HTTP server listens: its own address, or a wildcard ``host`` as given
+    (reachable on every interface; the proxy and the side channel still use 127.0.0.1)."""
+    own = topology.prefill_hosts + topology.decode_hosts
+    return topology.instance_hosts[i] if own else topology.host
 
 
 def plan_sim_instances(topology: Topology) -> tuple[InstanceSpec, ...]:
@@ -137,6 +157,7 @@ def plan_sim_instances(topology: Topology) -> tuple[InstanceSpec, ...]:
     losing a real instance; decode pulls KV from prefill over HTTP, as across hosts."""
     specs = []
     roles: list[Role] = [r for r in ROLES for _ in range(_count(topology, r))]
+    hosts = topology.instance_hosts
     for i, role in enumerate(roles):
         index = sum(1 for earlier in roles[:i] if earlier == role)
         port = topology.first_port + i
@@ -149,7 +170,7 @@ def plan_sim_instances(topology: Topology) -> tuple[InstanceSpec, ...]:
         args = (
             *counts,
             "--host",
-            topology.host,
+            _bind_host(topology, i),
             "--first-port",
             str(port),
             "--profile",
@@ -158,7 +179,7 @@ def plan_sim_instances(topology: Topology) -> tuple[InstanceSpec, ...]:
         args += (*topology.vllm_args, *(topology.prefill_args if role == "prefill" else topology.decode_args))
         env = (("PYTHONUNBUFFERED", "1"),)
         specs.append(
-            InstanceSpec(role, index, topology.host, port, topology.first_side_channel_port + i, args, env)
+            InstanceSpec(role, index, hosts[i], port, topology.first_side_channel_port + i, args, env)
         )
     return tuple(specs)
 

@@ -16,6 +16,7 @@ from contextlib import asynccontextmanager
 from starlette.applications import Starlette
 from starlette.routing import Route
 
+from pdserve.asgi import ASGIApp, Receive, Scope, Send
 from pdserve.config import ProxyConfig, Role, lease_warnings
 from pdserve.proxy import routes
 from pdserve.proxy.admin import ADMIN_ROUTES
@@ -83,10 +84,13 @@ def create_app(config: ProxyConfig, make_upstream: UpstreamFactory | None = None
             if tracing is not None:
                 await asyncio.to_thread(tracing.shutdown)  # flushes the last spans
 
+    generation: dict[str, ASGIApp] = {
+        "/v1/completions": routes.GenerationEndpoint(ctx, "completions"),
+        "/v1/chat/completions": routes.GenerationEndpoint(ctx, "chat"),
+    }
     app = Starlette(
         routes=[
-            Route("/v1/completions", routes.GenerationEndpoint(ctx, "completions"), methods=["POST"]),
-            Route("/v1/chat/completions", routes.GenerationEndpoint(ctx, "chat"), methods=["POST"]),
+            *(Route(path, endpoint, methods=["POST"]) for path, endpoint in generation.items()),
             Route("/v1/models", routes.models, methods=["GET"]),
             Route("/health", routes.health, methods=["GET"]),
             Route("/instances", routes.instances, methods=["GET"]),
@@ -97,4 +101,26 @@ def create_app(config: ProxyConfig, make_upstream: UpstreamFactory | None = None
         lifespan=lifespan,
     )
     app.state.pdserve = ctx
+    app.state.generation = generation
     return app
+
+
+class ProxyApp:
+    """What the server runs: a POST to a generation route goes straight to its endpoint, everything
+    else (other routes, other methods, the lifespan) through Starlette.
+
+    The generation endpoints are raw ASGI apps that answer every error themselves, so Starlette's
+    routing and middleware (about a tenth of the proxy's CPU per request, profiled) buy them nothing.
+    """
+
+    def __init__(self, app: Starlette) -> None:
+        self._app = app
+        self._generation: dict[str, ASGIApp] = app.state.generation
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            endpoint = self._generation.get(scope["path"])
+            if endpoint is not None:
+                await endpoint(scope, receive, send)
+                return
+        await self._app(scope, receive, send)

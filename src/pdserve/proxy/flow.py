@@ -482,7 +482,7 @@ class Flow:
         if reply.status != 200:
             await _relay_rejection("decode", decode.url, reply, call)
         else:
-            await call.out.relay(200, reply.content_type, protocol.without_transfer_metadata(reply.body))
+            await call.out.relay(200, reply.content_type, _without_transfer_metadata(reply.body))
         call.timeline.chunk(time.perf_counter())
         return Served()
 
@@ -592,6 +592,16 @@ class Flow:
             return Outcome.STREAM_ERROR
         code = out.status or 0
         return Outcome.OK if code == 200 else Outcome.CLIENT_ERROR if code < 500 else Outcome.ERROR
+
+
+def _without_transfer_metadata(body: bytes) -> bytes:
+    """Decode's whole answer less its ``kv_transfer_params``. vLLM prints compact JSON with that key
+    after others, so cutting it out of the bytes is exact and skips parsing and re-encoding the whole
+    answer (a quote inside a JSON string is escaped: no text can fake the key); any other shape is parsed."""
+    spliced = body.replace(b',"kv_transfer_params":null', b"", 1)
+    if len(spliced) < len(body) and b'"kv_transfer_params"' not in spliced:
+        return spliced
+    return protocol.without_transfer_metadata(body)
 
 
 def _instance_error(reply: Reply) -> str:

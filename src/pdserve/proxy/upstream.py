@@ -1,28 +1,27 @@
 """How the proxy talks to one instance: the ``Upstream`` protocol the flow calls, and ``HTTPUpstream``,
-its aiohttp implementation with one pooled keep-alive client per instance.
+its HTTP/1.1 implementation with one pool of keep-alive connections per instance (connection.py).
 
-This is the only module that touches aiohttp: every aiohttp and timeout exception is translated here
-into an ``UpstreamError`` naming the phase and the instance, so the flow reads as success-or-error.
-Tests give the flow an in-memory ``Upstream`` instead (tests/proxy/memory_upstream.py).
+This is the only module where failures of those connections (asyncio's and the OS's exceptions, and
+connection.py's, all builtins) become an ``UpstreamError`` naming the phase and the instance, so the flow
+reads as success-or-error. Tests give the flow an in-memory ``Upstream`` instead
+(tests/proxy/memory_upstream.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections.abc import AsyncIterator, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from typing import Protocol
-
-import aiohttp
+from urllib.parse import urlsplit
 
 from pdserve.config import Role
 from pdserve.errors import UpstreamConnectError, UpstreamError, UpstreamTimeout, UpstreamUnavailable
+from pdserve.proxy.connection import Connection, Pool
 
-_JSON_HEADERS = {"Content-Type": "application/json"}
 _KEEPALIVE_S = 4.0
-# Failures of a reused connection that the server had already closed: the request never reached it.
-_STALE = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
 
 
 @dataclass(frozen=True)
@@ -88,30 +87,32 @@ class Upstream(Protocol):
 
 
 class _HTTPStream:
-    def __init__(self, upstream: HTTPUpstream, phase: str, resp: aiohttp.ClientResponse) -> None:
+    def __init__(self, upstream: HTTPUpstream, phase: str, conn: Connection) -> None:
         self._upstream = upstream
         self._phase = phase
-        self._resp = resp
-        self.status = resp.status
-        self.content_type = resp.headers.get("Content-Type", "application/json")
+        self._conn = conn
+        self.status = conn.status
+        self.content_type = conn.content_type or "application/json"
 
     async def read_all(self, timeout: float) -> bytes:
+        conn, deadline = self._conn, asyncio.get_running_loop().time() + timeout
+        parts = []
         try:
-            async with asyncio.timeout(timeout):
-                return await self._resp.read()
-        except (aiohttp.ClientError, TimeoutError) as exc:
+            while chunk := await conn.read(deadline):
+                parts.append(chunk)
+        except (OSError, TimeoutError) as exc:
             raise self._upstream.translate(self._phase, exc, timeout) from exc
+        return b"".join(parts)
 
     async def chunks(
         self, first_timeout: float, idle_timeout: float, first_budget: float | None = None
     ) -> AsyncIterator[bytes]:
-        content = self._resp.content
+        conn, loop = self._conn, asyncio.get_running_loop()
         limit, quoted = first_timeout, first_budget if first_budget is not None else first_timeout
         while True:
             try:
-                async with asyncio.timeout(limit):
-                    chunk = await content.readany()
-            except (aiohttp.ClientError, TimeoutError) as exc:
+                chunk = await conn.read(loop.time() + limit)
+            except (OSError, TimeoutError) as exc:
                 raise self._upstream.translate(self._phase, exc, quoted) from exc
             if not chunk:
                 return
@@ -120,58 +121,118 @@ class _HTTPStream:
 
 
 class HTTPUpstream:
-    """``Upstream`` over HTTP: one keep-alive connection pool per instance."""
+    """``Upstream`` over HTTP/1.1: one pool of keep-alive connections per instance."""
 
     def __init__(self, role: Role, url: str, connect_timeout: float, max_connections: int) -> None:
         self.role = role
         self.url = url
         self._connect_timeout = connect_timeout
         self._max_connections = max_connections
-        self._session: aiohttp.ClientSession | None = None
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"instance URL must be http(s)://host[:port], got {url!r}")
+        self._host = parts.hostname
+        self._port = parts.port or (443 if parts.scheme == "https" else 80)
+        self._ssl = ssl.create_default_context() if parts.scheme == "https" else None
+        self._prefix = parts.path.rstrip("/")
+        self._host_header = f"Host: {parts.netloc}\r\n".encode("latin-1")
+        self._pool: Pool | None = None
 
     async def open(self) -> None:
-        connector = aiohttp.TCPConnector(
-            limit=self._max_connections,
-            ttl_dns_cache=300,
-            enable_cleanup_closed=True,
-            # Below vLLM's own keep-alive (uvicorn's 5 s): a connection the server is about to close is
-            # never reused, so a request is not lost to a stale one.
-            keepalive_timeout=_KEEPALIVE_S,
-        )
-        self._session = aiohttp.ClientSession(
-            base_url=self.url,
-            connector=connector,
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self._connect_timeout),
-            auto_decompress=False,
-            # No Accept-Encoding: bodies are relayed as received, and a compressed one would reach
-            # clients without its Content-Encoding.
-            skip_auto_headers=("User-Agent", "Accept-Encoding"),
-        )
+        # Idle connections are kept below vLLM's own keep-alive (uvicorn's 5 s): a connection the
+        # server is about to close is never reused, so a request is not lost to a stale one.
+        self._pool = Pool(self._max_connections, _KEEPALIVE_S)
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
 
     @property
-    def _client(self) -> aiohttp.ClientSession:
-        if self._session is None:
+    def _connections(self) -> Pool:
+        if self._pool is None:
             raise RuntimeError(f"upstream {self.url} used before open()")
-        return self._session
+        return self._pool
 
     def translate(self, phase: str, exc: BaseException, limit: float | None = None) -> UpstreamError:
-        """The one place where aiohttp's and asyncio's exceptions become pdserve's."""
-        if isinstance(exc, aiohttp.ConnectionTimeoutError):  # the TCP connect itself (sock_connect)
-            detail = f"cannot connect within {self._connect_timeout:g} s"
-            return UpstreamConnectError(phase, self.url, detail, is_slow=True)
-        if isinstance(exc, TimeoutError | aiohttp.ServerTimeoutError):
+        """The one place where connection, OS and timeout exceptions become pdserve's."""
+        if isinstance(exc, TimeoutError):
             shown = self._connect_timeout if limit is None else limit
             return UpstreamTimeout(phase, self.url, f"no answer within {shown:g} s")
-        if isinstance(exc, aiohttp.ClientConnectorError):
-            return UpstreamConnectError(phase, self.url, f"cannot connect ({exc.os_error})")
-        if isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientPayloadError):
+        if isinstance(exc, ConnectionResetError | BrokenPipeError):
             return UpstreamUnavailable(phase, self.url, "connection closed before the answer was complete")
         return UpstreamUnavailable(phase, self.url, f"{type(exc).__name__}: {exc}")
+
+    def _request(self, method: bytes, path: str, headers: Mapping[str, str], body: bytes | None) -> bytes:
+        lines = [method, b" ", (self._prefix + path).encode("latin-1"), b" HTTP/1.1\r\n", self._host_header]
+        if body is not None:
+            lines.append(b"Content-Type: application/json\r\nContent-Length: %d\r\n" % len(body))
+        for name, value in headers.items():
+            if "\n" in value or "\r" in value:
+                raise ValueError(f"header {name} holds a line break")
+            lines.append(f"{name}: {value}\r\n".encode("latin-1"))
+        lines.append(b"\r\n")
+        if body is not None:
+            lines.append(body)
+        return b"".join(lines)
+
+    async def _connection(self, phase: str, deadline: float) -> tuple[Connection, bool]:
+        """A pooled connection (True: reused) or a new one; waiting for a free one is not connecting."""
+        pool = self._connections
+        conn = await pool.acquire(deadline)
+        if conn is not None:
+            return conn, True
+        loop = asyncio.get_running_loop()
+        limit = min(self._connect_timeout, deadline - loop.time())
+        try:
+            async with asyncio.timeout(limit):
+                _, conn = await loop.create_connection(
+                    lambda: Connection(loop), self._host, self._port, ssl=self._ssl
+                )
+        except TimeoutError:
+            pool.forfeit()
+            if limit < self._connect_timeout:
+                raise  # the call's own limit ran out first
+            detail = f"cannot connect within {self._connect_timeout:g} s"
+            raise UpstreamConnectError(phase, self.url, detail, is_slow=True) from None
+        except OSError as exc:
+            pool.forfeit()
+            raise UpstreamConnectError(phase, self.url, f"cannot connect ({exc})") from exc
+        except BaseException:
+            pool.forfeit()
+            raise
+        return conn, False
+
+    async def _call(
+        self, method: bytes, path: str, headers: Mapping[str, str], body: bytes | None, phase: str,
+        timeout: float, is_repeatable: bool,
+    ) -> Reply:  # fmt: skip
+        request = self._request(method, path, headers, body)
+        deadline = asyncio.get_running_loop().time() + timeout
+        try:
+            while True:
+                conn, is_reused = await self._connection(phase, deadline)
+                try:
+                    conn.send(request)
+                    await conn.head(deadline)
+                    parts = []
+                    while chunk := await conn.read(deadline):
+                        parts.append(chunk)
+                except ConnectionResetError:
+                    self._connections.release(conn)
+                    # A kept-alive connection the instance had closed: the request never reached it.
+                    # Once more on a fresh one, invisibly, when sending twice is harmless.
+                    if is_repeatable and is_reused and not conn.has_head:
+                        continue
+                    raise
+                except BaseException:
+                    conn.close()
+                    self._connections.release(conn)
+                    raise
+                self._connections.release(conn)
+                return Reply(conn.status, conn.content_type or "application/json", b"".join(parts))
+        except (OSError, TimeoutError) as exc:
+            raise self.translate(phase, exc, timeout) from exc
 
     async def post(
         self,
@@ -182,51 +243,30 @@ class HTTPUpstream:
         timeout: float,
         is_repeatable: bool = False,
     ) -> Reply:
-        all_headers = {**_JSON_HEADERS, **headers}
-        try:
-            async with asyncio.timeout(timeout):
-                for attempt in (1, 2):
-                    try:
-                        async with self._client.post(path, data=body, headers=all_headers) as resp:
-                            payload = await resp.read()
-                            content_type = resp.headers.get("Content-Type", "application/json")
-                            return Reply(resp.status, content_type, payload)
-                    except _STALE as exc:
-                        # Once more on a fresh connection, invisibly, when sending twice is harmless.
-                        if not is_repeatable or attempt == 2 or isinstance(exc, aiohttp.ClientConnectorError):
-                            raise
-                raise AssertionError("unreachable")
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise self.translate(phase, exc, timeout) from exc
+        return await self._call(b"POST", path, headers, body, phase, timeout, is_repeatable)
 
     @asynccontextmanager
     async def open_stream(
         self, path: str, body: bytes, headers: Mapping[str, str], phase: str, timeout: float
     ) -> AsyncIterator[Stream]:
+        request = self._request(b"POST", path, headers, body)
+        deadline = asyncio.get_running_loop().time() + timeout
+        pool = self._connections
         try:
-            async with asyncio.timeout(timeout):
-                resp = await self._client.post(path, data=body, headers={**_JSON_HEADERS, **headers})
-        except (aiohttp.ClientError, TimeoutError) as exc:
+            conn, _ = await self._connection(phase, deadline)
+        except (OSError, TimeoutError) as exc:
             raise self.translate(phase, exc, timeout) from exc
         try:
-            yield _HTTPStream(self, phase, resp)
+            try:
+                conn.send(request)
+                await conn.head(deadline)
+            except (OSError, TimeoutError) as exc:
+                raise self.translate(phase, exc, timeout) from exc
+            yield _HTTPStream(self, phase, conn)
         finally:
-            if resp.content.at_eof():
-                resp.release()
-            else:
-                resp.close()
+            if not conn.is_complete:
+                conn.close()  # the instance aborts the request and frees its KV
+            pool.release(conn)
 
     async def get(self, path: str, phase: str, timeout: float) -> Reply:
-        try:
-            async with asyncio.timeout(timeout):
-                for attempt in (1, 2):
-                    try:
-                        async with self._client.get(path) as resp:
-                            payload = await resp.read()
-                            return Reply(resp.status, resp.headers.get("Content-Type", "text/plain"), payload)
-                    except _STALE as exc:
-                        if attempt == 2 or isinstance(exc, aiohttp.ClientConnectorError):
-                            raise
-                raise AssertionError("unreachable")
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise self.translate(phase, exc, timeout) from exc
+        return await self._call(b"GET", path, {}, None, phase, timeout, is_repeatable=True)

@@ -7,18 +7,23 @@ Routes:
     GET  /metrics                                Prometheus text in vLLM's names (sim/metrics.py)
     GET  /sim/faults, POST /sim/faults           the injected faults; POST merges the given fields
     POST /sim/kv/pull                            another process's decoder reads KV this instance holds
+    POST /sim/kv/heartbeat                       another process's decoder keeps leases here alive
+    POST /sim/stall      {"seconds": S}          the engine stops stepping for S s (SIGSTOP of EngineCore)
+    POST /sim/restart    {"down_s": S}           die now, serve again after S s under a new engine id
     GET  /sim/stats                              role, engine id, URL and the engine's counters
 
 A plain ASGI dispatcher rather than a framework: the generation routes are raw ASGI anyway, and
 unknown paths and methods get FastAPI's ``{"detail": ...}`` bodies, as from vLLM. While the instance is
-"down" every route but ``/sim/*`` closes the connection unanswered.
+"down" (or restarting) every route but ``/sim/*`` closes the connection unanswered.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -29,7 +34,7 @@ from pdserve.errors import ClientGone, ConfigError, KVPullError
 from pdserve.protocol import error_body
 from pdserve.sim.generation import GenerationEndpoint
 from pdserve.sim.instance import SimInstance
-from pdserve.sim.transfer import PULL_PATH, held_to_mapping
+from pdserve.sim.transfer import HEARTBEAT_PATH, PULL_PATH, held_to_mapping
 from pdserve.sim.wire import JSON, Writer, drop_unanswered
 
 log = logging.getLogger("pdserve.sim")
@@ -37,6 +42,23 @@ log = logging.getLogger("pdserve.sim")
 Handler = Callable[[Scope, Receive, Send], Awaitable[None]]
 _SMALL_BODY = 1024 * 1024
 _METRICS_TYPE = b"text/plain; version=1.0.0; charset=utf-8"
+_restarts: set[asyncio.Task[None]] = set()  # restarts under way, kept so they are not collected
+
+
+async def _bad_request(send: Send, message: str) -> None:
+    await Writer(send).whole(400, error_body(message, "BadRequestError", 400))
+
+
+async def _seconds(receive: Receive, field: str) -> float:
+    """``field`` of a small JSON body: a number of seconds >= 0; ValueError otherwise."""
+    try:
+        body = orjson.loads(await read_body(receive, _SMALL_BODY) or b"{}")
+    except orjson.JSONDecodeError as exc:
+        raise ValueError(f"body is not JSON: {exc}") from None
+    value = body.get(field) if isinstance(body, dict) else None
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        raise ValueError(f'body must be {{"{field}": seconds >= 0}}, got {body!r}')
+    return float(value)
 
 
 async def _json(send: Send, status: int, data: Any) -> None:
@@ -109,6 +131,53 @@ def create_sim_app(instance: SimInstance) -> ASGIApp:
             return
         await _json(send, 200, held_to_mapping(held))
 
+    async def heartbeat(scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            body = orjson.loads(await read_body(receive, _SMALL_BODY))
+            engine_id, request_ids = body["remote_engine_id"], body["remote_request_ids"]
+            ids = tuple(str(r) for r in request_ids)
+        except ClientGone:
+            return
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            await _bad_request(
+                send, "body must be a JSON object with remote_engine_id and remote_request_ids"
+            )
+            return
+        if engine_id == inst.engine_id:  # a heartbeat for an old engine id finds nothing, as in vLLM
+            inst.heartbeat(ids)
+        await _json(send, 200, {})
+
+    async def stall(scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            seconds = await _seconds(receive, "seconds")
+        except ClientGone:
+            return
+        except ValueError as exc:
+            await _bad_request(send, str(exc))
+            return
+        inst.engine.stall(seconds)
+        log.info("sim %s (%s): engine stalled for %g s", inst.engine_id, inst.role, seconds)
+        await _json(send, 200, {"engine_id": inst.engine_id, "stalled_s": seconds})
+
+    async def restart(scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            down_s = await _seconds(receive, "down_s")
+        except ClientGone:
+            return
+        except ValueError as exc:
+            await _bad_request(send, str(exc))
+            return
+        if inst.is_restarting:
+            await Writer(send).whole(409, error_body("already restarting", "ConflictError", 409))
+            return
+        old, new = inst.engine_id, str(uuid.uuid4())
+        task = asyncio.get_running_loop().create_task(inst.restart(down_s, new), name=f"sim-restart-{old}")
+        _restarts.add(task)
+        task.add_done_callback(_restarts.discard)
+        await asyncio.sleep(0)  # the restart has begun (connections cut) before the caller hears back
+        log.info("sim %s (%s): restarting as %s in %g s", old, inst.role, new, down_s)
+        await _json(send, 200, {"engine_id": old, "new_engine_id": new, "down_s": down_s})
+
     async def stats(scope: Scope, receive: Receive, send: Send) -> None:
         data = {"role": inst.role, "engine_id": inst.engine_id, "url": inst.url,
                 "stats": dataclasses.asdict(inst.engine.stats)}  # fmt: skip
@@ -122,6 +191,9 @@ def create_sim_app(instance: SimInstance) -> ASGIApp:
         "/metrics": {"GET": metrics},
         "/sim/faults": {"GET": get_faults, "POST": set_faults},
         PULL_PATH: {"POST": pull},
+        HEARTBEAT_PATH: {"POST": heartbeat},
+        "/sim/stall": {"POST": stall},
+        "/sim/restart": {"POST": restart},
         "/sim/stats": {"GET": stats},
     }
 
@@ -132,7 +204,7 @@ def create_sim_app(instance: SimInstance) -> ASGIApp:
         if scope["type"] != "http":
             return
         path: str = scope["path"]
-        if inst.faults.is_down and not path.startswith("/sim/"):
+        if not inst.is_reachable and not path.startswith("/sim/"):
             await drop_unanswered(send, receive)
             return
         methods = routes.get(path)

@@ -6,6 +6,20 @@ step of 30 ms costs no wall time and every duration is exact.
 
 Delivery is a deque plus a one-shot future per request rather than an ``asyncio.Queue``: the step loop is
 on every token, and in zero-cost mode the proxy's throughput benchmarks measure this path.
+
+Leases, as vLLM 0.32's NixlConnector keeps them (docs/vllm-kv-lifecycle.md, sections 1 and 2):
+
+- prefill holds a finished request's KV until a decode's read is reported, or until its lease runs out;
+  it reaps expired leases only at a step (an engine that holds KV steps all the time, so on time unless
+  stalled), logging vLLM's ``Releasing expired KV blocks ...`` line;
+- decode heartbeats every request it has received and not yet pulled, at most every lease/6 s and only
+  when it steps; a heartbeat extends the lease to 2/3 of a lease from when prefill reads it;
+- reads and heartbeats reach prefill as notifications it handles at its next step, heartbeats and reads
+  before reaping; a read of blocks no longer held "succeeds" with whatever they hold now (the request's
+  answer is wrong), and prefill logs ``Potentially invalid KV blocks ...`` when it handles it, which for
+  an engine holding nothing else is at its next request;
+- ``stall(seconds)`` stops the step loop as SIGSTOP of vLLM's EngineCore does: no steps, no reaping, no
+  heartbeats; reads of its held KV are still served (the NIXL agent is not the engine core).
 """
 
 from __future__ import annotations
@@ -14,19 +28,26 @@ import asyncio
 import heapq
 import itertools
 import logging
-from collections import OrderedDict, deque
+import math
+from collections import deque
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 from pdserve.errors import EngineStoppedError, KVPullError
+from pdserve.events import EXPIRED_LINE, LATE_PULL_LINE
 from pdserve.sim.profile import Profile
 from pdserve.sim.scheduler import PullJob, Scheduler, StepOutput
-from pdserve.sim.types import HeldKV, KVSource, SimRequest, SimRole, TokenEvent
+from pdserve.sim.types import HeldKV, KVSource, RemoteKV, SimRequest, SimRole, TokenEvent
 
 log = logging.getLogger("pdserve.sim")
 
-_NUM_EXPIRED_REMEMBERED = 65536  # to tell "lease expired" from "never heard of it" in serve_pull
+# vLLM heartbeats at every step when lease // 6 is 0; an idle sim decode wakes this often instead.
+_MIN_IDLE_HEARTBEAT_S = 0.1
+_STALE = HeldKV((), 0, 0.0, 0, is_intact=False)
+
+# A notification from a decode, handled at the holder's next step: a read is done, or a heartbeat.
+_Notification = tuple[Literal["read", "heartbeat"], tuple[str, ...]]
 
 
 class Clock(Protocol):
@@ -75,11 +96,9 @@ class VirtualClock:
 
     async def _drive(self) -> None:
         sleepers = self._sleepers
-        while sleepers:
+        while self._has_sleepers():
             await self._settle()
-            while sleepers and sleepers[0][2].done():  # cancelled sleeps
-                heapq.heappop(sleepers)
-            if not sleepers:
+            if not self._has_sleepers():
                 return
             self._now = max(self._now, sleepers[0][0])
             while sleepers and sleepers[0][0] <= self._now:
@@ -87,15 +106,23 @@ class VirtualClock:
                 if not wake.done():
                     wake.set_result(None)
 
-    @staticmethod
-    async def _settle() -> None:
+    def _has_sleepers(self) -> bool:
+        sleepers = self._sleepers
+        while sleepers and sleepers[0][2].done():  # cancelled sleeps
+            heapq.heappop(sleepers)
+        return bool(sleepers)
+
+    async def _settle(self) -> None:
         ready = getattr(asyncio.get_running_loop(), "_ready", None)
         if ready is None:
             for _ in range(100):
                 await asyncio.sleep(0)
             return
         await asyncio.sleep(0)
-        while ready:
+        # A driver whose sleepers were all cancelled leaves at once: another clock's driver may be
+        # settling too (the next test's), and two drivers waiting for an empty ready queue would keep it
+        # full for each other forever.
+        while ready and self._has_sleepers():
             await asyncio.sleep(0)
 
 
@@ -108,6 +135,8 @@ class EngineStats:
     prefix_cache_hits: int  # tokens found
     num_preemptions: int
     num_kv_expired: int  # held KV freed because its lease ran out before a decode pulled it
+    num_notifications_after_expiry: int  # reads of KV no longer held, handled (prefill side)
+    num_stale_reads: int  # requests computed on released KV: late pulls, or stale prefix hits (decode)
     num_pulls_ok: int  # this engine's pulls of remote KV (decode side)
     num_pulls_failed: int
     prompt_tokens_computed: int  # prefill tokens computed, recomputation after preemption included
@@ -150,7 +179,14 @@ class SimEngine:
         self.num_pulls_failed = 0
         self._streams: dict[str, _Stream] = {}
         self._pulls: dict[str, asyncio.Task[None]] = {}
-        self._expired: OrderedDict[str, None] = OrderedDict()
+        self.num_notifications_after_expiry = 0
+        self._notifications: deque[_Notification] = deque()
+        self._heartbeats: dict[str, RemoteKV] = {}  # received, not yet pulled: their leases to keep alive
+        self._last_heartbeat = -math.inf
+        # vLLM reads kv_lease_duration as an int: lease // 6 between heartbeats, 2/3 of it per extension.
+        self._heartbeat_interval = profile.kv_lease_s // 6
+        self._lease_extension = profile.kv_lease_s * 2 // 3
+        self._stalled_until = -math.inf
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -171,6 +207,15 @@ class SimEngine:
     @property
     def is_running(self) -> bool:
         return self._task is not None and not self._task.done()
+
+    def stall(self, seconds: float) -> None:
+        """Stop stepping for ``seconds`` from now (from the end of the step under way), as SIGSTOP of
+        vLLM's EngineCore does; a stall already longer is kept."""
+        self._stalled_until = max(self._stalled_until, self.clock.now() + seconds)
+
+    @property
+    def is_stalled(self) -> bool:
+        return self.clock.now() < self._stalled_until
 
     # --- Requests ------------------------------------------------------------------------------------
 
@@ -196,6 +241,8 @@ class SimEngine:
             # request's first token but, being another process's work, not other requests' steps.
             await self.clock.sleep(self.profile.request_overhead_s)
         self.scheduler.add_request(req)
+        if req.remote is not None:
+            self._heartbeats[request_id] = req.remote
         stream = self._streams[request_id] = _Stream()
         self._wake.set()
         is_finished = False
@@ -214,28 +261,31 @@ class SimEngine:
                 if is_finished:
                     return
         finally:
+            self._heartbeats.pop(request_id, None)
             if self._streams.get(request_id) is stream:
                 del self._streams[request_id]
             if not is_finished:
                 self._abort(request_id)
 
     def serve_pull(self, request_id: str) -> HeldKV:
-        """A remote decode reads the KV held for ``request_id``; the hold is released (vLLM frees the
-        blocks once the decoder's read completes)."""
+        """A remote decode reads the KV of ``request_id``. Held: what it holds, released at this
+        engine's next step. Not held (lease run out, read before, never here): ``is_intact`` False, and
+        the read is reported as vLLM reports a notification after expiry, at the next step."""
         held = self.scheduler.held.get(request_id)
-        if held is not None and held.expires_at <= self.clock.now():
-            self._expire_leases()
-            held = None
-        if held is None:
-            if request_id in self._expired:
-                raise KVPullError(
-                    f"KV of request {request_id!r} on engine {self.engine_id} expired "
-                    f"(lease {self.profile.kv_lease_s}s)"
-                )
-            raise KVPullError(f"unknown request {request_id!r} on engine {self.engine_id}: no KV held for it")
-        self.scheduler.release_held(request_id)
-        self._wake.set()
-        return held
+        self._notify(("read", (request_id,)))
+        return held if held is not None else _STALE
+
+    def heartbeat(self, request_ids: tuple[str, ...]) -> None:
+        """A decode still means to read these requests' KV: extend their leases at the next step."""
+        if self.scheduler.held:  # ids not held are ignored anyway
+            self._notify(("heartbeat", request_ids))
+
+    def _notify(self, notification: _Notification) -> None:
+        self._notifications.append(notification)
+        # An engine holding KV steps continuously (vLLM), so it reads notifications at once; one holding
+        # nothing reads them when its next request makes it step.
+        if self.scheduler.held:
+            self._wake.set()
 
     @property
     def stats(self) -> EngineStats:
@@ -248,6 +298,8 @@ class SimEngine:
             prefix_cache_hits=s.kv.prefix_cache_hits,
             num_preemptions=s.num_preemptions,
             num_kv_expired=s.num_kv_expired,
+            num_notifications_after_expiry=self.num_notifications_after_expiry,
+            num_stale_reads=s.num_stale_reads,
             num_pulls_ok=self.num_pulls_ok,
             num_pulls_failed=self.num_pulls_failed,
             prompt_tokens_computed=s.prompt_tokens_computed,
@@ -264,8 +316,15 @@ class SimEngine:
         try:
             while True:
                 start = clock.now()
+                if start < self._stalled_until:
+                    await clock.sleep(self._stalled_until - start)
+                    continue
+                if self._notifications:
+                    self._read_notifications(start)
                 if scheduler.held:
                     self._expire_leases()
+                if self._heartbeats:
+                    self._send_heartbeats(start)
                 plan = scheduler.schedule()
                 for job in plan.pulls:
                     self._pulls[job.request_id] = asyncio.create_task(self._pull(job))
@@ -287,14 +346,18 @@ class SimEngine:
             raise
 
     async def _idle(self) -> None:
-        """Sleep until new work, freed blocks or a pull arrive, or until the next lease runs out."""
+        """Sleep until new work, freed blocks, a pull or a notification arrive, the next lease runs out,
+        or the next heartbeat is due."""
         self._wake.clear()
-        expiry = self.scheduler.next_expiry()
-        if expiry is None:
+        wake_at = self.scheduler.next_expiry()
+        if self._heartbeats:
+            due = self._last_heartbeat + max(self._heartbeat_interval, _MIN_IDLE_HEARTBEAT_S)
+            wake_at = due if wake_at is None else min(wake_at, due)
+        if wake_at is None:
             await self._wake.wait()
             return
         woken = asyncio.ensure_future(self._wake.wait())
-        timer = asyncio.ensure_future(self.clock.sleep(max(0.0, expiry - self.clock.now())))
+        timer = asyncio.ensure_future(self.clock.sleep(max(0.0, wake_at - self.clock.now())))
         try:
             await asyncio.wait((woken, timer), return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -311,15 +374,40 @@ class SimEngine:
 
     def _expire_leases(self) -> None:
         for request_id in self.scheduler.expire_held(self.clock.now()):
-            log.debug("sim engine %s: KV lease of %s expired", self.engine_id, request_id)
-            self._expired[request_id] = None
-            if len(self._expired) > _NUM_EXPIRED_REMEMBERED:
-                self._expired.popitem(last=False)
+            # vLLM's line (nixl/base_worker.py); the sim releases a hold once read, so never read here.
+            log.warning("%s%s which were retrieved by 0 remote worker(s) before lease expired.",
+                        EXPIRED_LINE, request_id)  # fmt: skip
+
+    def _read_notifications(self, now: float) -> None:
+        """As vLLM's prefill worker does at each step: heartbeats extend, reads release or are late."""
+        scheduler = self.scheduler
+        while self._notifications:
+            kind, request_ids = self._notifications.popleft()
+            if kind == "heartbeat":
+                scheduler.extend_held(request_ids, now + self._lease_extension)
+                continue
+            [request_id] = request_ids
+            if scheduler.release_held(request_id) is None:
+                self.num_notifications_after_expiry += 1
+                log.error("%s%s were retrieved by a decode worker. They may have expired.",
+                          LATE_PULL_LINE, request_id)  # fmt: skip
+
+    def _send_heartbeats(self, now: float) -> None:
+        if now - self._last_heartbeat < self._heartbeat_interval or self.kv_source is None:
+            return
+        self._last_heartbeat = now
+        by_engine: dict[str, list[RemoteKV]] = {}
+        for remote in self._heartbeats.values():
+            by_engine.setdefault(remote.engine_id, []).append(remote)
+        for engine_id, remotes in by_engine.items():
+            first = remotes[0]
+            self.kv_source.heartbeat(engine_id, first.host, first.port, tuple(r.request_id for r in remotes))
 
     async def _pull(self, job: PullJob) -> None:
         assert self.kv_source is not None  # check_request made sure
+        is_intact = True
         try:
-            await self.kv_source.pull(job.remote)
+            is_intact = await self.kv_source.pull(job.remote)
             seconds = self.profile.pull_seconds(job.num_blocks)
             if seconds > 0:
                 await self.clock.sleep(seconds)
@@ -332,8 +420,9 @@ class SimEngine:
             log.exception("sim engine %s: KV source failed for %s", self.engine_id, job.request_id)
             is_ok = False
         self._pulls.pop(job.request_id, None)
+        self._heartbeats.pop(job.request_id, None)  # vLLM stops heartbeating at the read's end
         if is_ok:
-            if self.scheduler.mark_pulled(job.request_id):
+            if self.scheduler.mark_pulled(job.request_id, is_intact):
                 self.num_pulls_ok += 1
                 self._wake.set()
             return

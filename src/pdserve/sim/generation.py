@@ -160,9 +160,12 @@ class GenerationEndpoint:
                 reason = await self._stream(req, response_id, sim_req, out, t0, drop_after)
             else:
                 reason = await self._whole(req, response_id, sim_req, out, t0, fault is RequestFault.DROP)
-        except EngineStoppedError as exc:  # the instance is shutting down
+        except EngineStoppedError as exc:  # the instance is shutting down, or "crashed" (restart)
             log.info("sim %s: request %s ended: %s", inst.engine_id, response_id, exc)
             reason = "error"
+            if inst.is_restarting:
+                out.drop()  # a process that dies answers nothing more: the connection is cut
+                return
             await _fail(out)
         finally:
             inst.metrics.record_finish(reason)

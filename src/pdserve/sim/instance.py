@@ -3,10 +3,15 @@
 ``host`` and ``port`` are what the instance advertises in ``kv_transfer_params`` (``remote_host``,
 ``remote_port``): where a decoder in another process can reach ``/sim/kv/pull``. The port is known
 before the instance is built because the server binds its socket first.
+
+``restart`` is the process dying and coming back as vLLM's does under `pdserve up`'s supervisor: every
+connection in flight is cut, nothing answers for a while, then a fresh engine (empty cache, counters from
+zero) serves under a NEW engine id, so a decode holding the old kv_transfer_params fails its read at once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 import zlib
 from collections.abc import Callable
@@ -41,6 +46,8 @@ class SimInstance:
     faults: Faults
     metrics: SimMetrics
     registry: KVRegistry
+    engine_factory: EngineFactory = _default_engine
+    is_restarting: bool = False  # between the "crash" and the new engine's start: unreachable
 
     @classmethod
     def create(
@@ -59,7 +66,9 @@ class SimInstance:
         metrics = SimMetrics(profile.served_model_name)
         source = PullSource(registry, fault_state, metrics, profile)
         engine = engine_factory(profile, role, engine_id, source)
-        return cls(role, engine_id, host, port, profile, engine, fault_state, metrics, registry)
+        return cls(
+            role, engine_id, host, port, profile, engine, fault_state, metrics, registry, engine_factory
+        )
 
     @property
     def url(self) -> str:
@@ -74,11 +83,34 @@ class SimInstance:
         # vLLM's shape (``vllm-<version>-<8 hex>``); the hex names the profile rather than a build.
         return f"vllm-{VLLM_VERSION}-{zlib.crc32(f'pdserve-sim:{self.profile.name}'.encode()):08x}"
 
+    @property
+    def is_reachable(self) -> bool:
+        return not (self.faults.is_down or self.is_restarting)
+
     def serve_pull(self, request_id: str) -> HeldKV:
         """A decoder reads held KV; an instance that is "down" is unreachable, so the read fails."""
-        if self.faults.is_down:
+        if not self.is_reachable:
             raise KVPullError(f"KV holder {self.engine_id} is down")
         return self.engine.serve_pull(request_id)
+
+    def heartbeat(self, request_ids: tuple[str, ...]) -> None:
+        if self.is_reachable:
+            self.engine.heartbeat(request_ids)
+
+    async def restart(self, down_s: float, new_engine_id: str) -> None:
+        """Die now, and after ``down_s`` come back as a fresh engine named ``new_engine_id``."""
+        self.is_restarting = True
+        try:
+            self.registry.unregister(self.engine_id)
+            await self.engine.stop()  # requests in flight end; generation.py cuts their connections
+            await asyncio.sleep(down_s)
+            self.metrics = SimMetrics(self.profile.served_model_name)
+            source = PullSource(self.registry, self.faults, self.metrics, self.profile)
+            self.engine = self.engine_factory(self.profile, self.role, new_engine_id, source)
+            self.engine_id = new_engine_id
+            await self.start()
+        finally:
+            self.is_restarting = False
 
     async def start(self) -> None:
         await self.engine.start()

@@ -5,6 +5,11 @@ FULL blocks are hashed and shared. A block whose last user leaves goes to the ba
 keeps its hash: until it reaches the front and is reused (evicted), a later request with the same prefix
 can take it back. That makes the free queue an LRU of cached blocks, as in vLLM.
 
+A block can also be *stale*: filled by a pull of blocks the remote holder had already released (its
+lease ran out), so its contents are some other prompt's. vLLM caches such blocks under the prompt's
+hashes like any other pulled block, so a later request with that prefix reads them too, until the block
+is evicted and rewritten.
+
 Resources are check-then-commit: ``can_allocate`` answers without changing anything, ``allocate`` then
 cannot fail. A lookup never covers a whole sequence: like vLLM, the last token is always recomputed, since
 computing it is what produces the next token's logits.
@@ -36,6 +41,7 @@ class KVCache:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._tables: dict[str, list[int]] = {}  # request id -> its blocks, in token order
         self._num_hashed: dict[str, int] = {}  # request id -> how many of its leading blocks are cached
+        self._stale: set[int] = set()  # block ids whose contents are not what their hash says
         # Counted in tokens, like vllm:prefix_cache_queries / vllm:prefix_cache_hits.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -66,6 +72,13 @@ class KVCache:
 
     def ref_count(self, block_id: int) -> int:
         return self._ref[block_id]
+
+    def has_stale(self, block_ids: Sequence[int]) -> bool:
+        return any(b in self._stale for b in block_ids)
+
+    @property
+    def num_stale_blocks(self) -> int:
+        return len(self._stale)
 
     def hash_blocks(self, token_ids: Sequence[int], hashes: list[int]) -> None:
         """Extend ``hashes`` with the hashes of the full blocks of ``token_ids`` it does not cover yet."""
@@ -122,9 +135,16 @@ class KVCache:
                 del self._cached[block_hash]
                 self._hash[block_id] = None
                 self.num_evictions += 1
+            self._stale.discard(block_id)  # rewritten by its new user
             self._ref[block_id] = 1
             table.append(block_id)
         return table
+
+    def mark_stale(self, request_id: str, first_token: int, end_token: int) -> None:
+        """The request's tokens ``first_token`` up to ``end_token`` were filled from released remote
+        blocks: the blocks holding them are stale."""
+        table = self._tables.get(request_id, [])
+        self._stale.update(table[first_token // self.block_size : cdiv(end_token, self.block_size)])
 
     def cache_blocks(self, request_id: str, hashes: Sequence[int], num_computed_tokens: int) -> None:
         """Put the request's blocks that are now full and computed into the prefix cache."""

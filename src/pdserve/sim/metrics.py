@@ -45,6 +45,8 @@ class EngineCounters(Protocol):
     @property
     def num_kv_expired(self) -> int: ...
     @property
+    def num_notifications_after_expiry(self) -> int: ...
+    @property
     def num_pulls_failed(self) -> int: ...
     @property
     def prompt_tokens_computed(self) -> int: ...
@@ -179,4 +181,9 @@ class SimMetrics:
         sample("vllm:nixl_num_kv_expired_reqs_total", "counter",
                "Number of requests that had their KV expire. NOTE: This metric is tracked on the P instance.",
                stats.num_kv_expired)  # fmt: skip
+        sample("vllm:nixl_num_notifications_after_expiry_total", "counter",
+               "Number of completion notifications for requests that were no longer tracked, usually "
+               "because their KV lease expired. The KV blocks may have been reused before the transfer "
+               "finished. Counted per notification (one per remote rank), not per request.",
+               stats.num_notifications_after_expiry)  # fmt: skip
         return "".join(out)

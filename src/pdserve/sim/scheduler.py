@@ -8,13 +8,17 @@ table; when it cannot, the most recently admitted running request is preempted a
 
 PD roles: a ``hold_for_remote`` request finishes after its first token and leaves its blocks held under a
 lease for a remote decoder; a ``remote`` request gets blocks for its prompt, waits while the engine pulls
-the KV, then computes only what was not pulled (normally just the last prompt token).
+the KV, then computes only what was not pulled (normally just the last prompt token). A pull of blocks
+the holder had already released fills them with someone else's KV: that request's output, and that of
+any later request that finds those blocks in the prefix cache, is then wrong, as vLLM's is.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections import Counter, deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from pdserve.sim.kvcache import KVCache
@@ -24,6 +28,7 @@ from pdserve.sim.types import FinishReason, HeldKV, RemoteKV, SimRequest, SimRol
 FIRST_TOKEN_ID = 100  # ids below are left for the HTTP layer's special tokens
 NO_TOKEN = -1  # token_id of an "error" event: the request ended without producing a token
 _MASK = (1 << 64) - 1
+_STALE_SALT = 0x5851F42D4C957F2D  # what a sequence computed from stale KV mixes into its prompt hash
 
 
 def output_token(seed: int, prompt_hash: int, index: int, vocab_size: int) -> int:
@@ -52,6 +57,7 @@ class Sequence:
     num_cached_tokens: int = -1  # reported on the first token; set at first admission
     status: Status = Status.WAITING
     is_pull_pending: bool = False  # a remote request not yet pulled (recomputed locally if preempted after)
+    reads_stale_kv: bool = False  # some of its KV came from released blocks: its outputs are wrong
 
     @property
     def request_id(self) -> str:
@@ -105,11 +111,12 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()  # aborted entries are skipped lazily
         self.running: list[Sequence] = []  # in admission order; finished entries dropped at schedule()
         self.pulling: dict[str, Sequence] = {}
-        self.held: dict[str, HeldKV] = {}  # in lease order, so the oldest expires first
+        self.held: dict[str, HeldKV] = {}  # heartbeats move expiries, so not in expiry order
         self._live: dict[str, Sequence] = {}
         self._num_in: Counter[Status] = Counter()
         self.num_preemptions = 0
         self.num_kv_expired = 0
+        self.num_stale_reads = 0  # requests computed on stale KV (pulled late, or a stale prefix hit)
         self.prompt_tokens_computed = 0  # prefill tokens actually computed, recomputation included
         self.prompt_tokens_cached = 0  # served by the local prefix cache at admission
         self.prompt_tokens_remote = 0  # filled by pulls from a prefill engine
@@ -169,27 +176,36 @@ class Scheduler:
         return held
 
     def expire_held(self, now: float) -> list[str]:
-        expired: list[str] = []
-        for request_id, held in self.held.items():
-            if held.expires_at > now:
-                break
-            expired.append(request_id)
+        expired = [request_id for request_id, held in self.held.items() if held.expires_at <= now]
         for request_id in expired:
             self.release_held(request_id)
         self.num_kv_expired += len(expired)
         return expired
 
-    def next_expiry(self) -> float | None:
-        return next(iter(self.held.values())).expires_at if self.held else None
+    def extend_held(self, request_ids: Iterable[str], until: float) -> None:
+        """A decode heartbeat: these requests' leases run at least until ``until`` (ids no longer held
+        are ignored, as vLLM ignores them)."""
+        for request_id in request_ids:
+            held = self.held.get(request_id)
+            if held is not None and held.expires_at < until:
+                self.held[request_id] = dataclasses.replace(held, expires_at=until)
 
-    def mark_pulled(self, request_id: str) -> bool:
-        """The remote KV is in this engine's blocks: compute the rest (normally the last prompt token)."""
+    def next_expiry(self) -> float | None:
+        return min(held.expires_at for held in self.held.values()) if self.held else None
+
+    def mark_pulled(self, request_id: str, is_intact: bool = True) -> bool:
+        """The remote KV is in this engine's blocks: compute the rest (normally the last prompt token).
+
+        ``is_intact`` False: the holder had released them, so what arrived is someone else's KV."""
         seq = self.pulling.pop(request_id, None)
         if seq is None:
             return False
         remote = seq.request.remote
         assert remote is not None
         num_computed = max(seq.num_computed_tokens, min(remote.num_tokens, seq.num_prompt_tokens - 1))
+        if not is_intact:
+            self.kv.mark_stale(request_id, seq.num_computed_tokens, num_computed)
+            self._read_stale(seq)
         self.prompt_tokens_remote += num_computed - seq.num_computed_tokens
         seq.num_computed_tokens = seq.num_cached_tokens = num_computed
         seq.is_pull_pending = False
@@ -256,6 +272,8 @@ class Scheduler:
             if not kv.can_allocate(seq.num_tokens, seq.request_id, hits):
                 break  # FCFS: nobody overtakes the head of the queue
             waiting.popleft()
+            if kv.has_stale(hits):
+                self._read_stale(seq)
             blocks = kv.allocate(seq.request_id, seq.num_tokens, hits)
             num_hit_tokens = len(hits) * kv.block_size
             kv.record_query(seq.num_tokens, num_hit_tokens)
@@ -325,6 +343,12 @@ class Scheduler:
         return req.request_id, TokenEvent(token, index, finish, num_cached, held)
 
     # --- State changes -------------------------------------------------------------------------------
+
+    def _read_stale(self, seq: Sequence) -> None:
+        if not seq.reads_stale_kv:
+            seq.reads_stale_kv = True
+            seq.prompt_hash ^= _STALE_SALT
+            self.num_stale_reads += 1
 
     def _set_status(self, seq: Sequence, status: Status) -> None:
         self._num_in[seq.status] -= 1

@@ -4,11 +4,18 @@ A pull goes to the holder named by ``remote_engine_id``: straight to its engine 
 in this process (the registry), else over HTTP to ``http://remote_host:remote_port/sim/kv/pull`` on one
 pooled aiohttp session per process. Either way the holder releases the blocks as vLLM's prefill does once
 decode's read completes, and a failure of any kind reaches the engine as ``KVPullError`` (aiohttp's
-errors are translated here and nowhere else).
+errors are translated here and nowhere else). A read of blocks the holder no longer holds is not a
+failure, as in vLLM: it returns ``is_intact`` False and decode computes on someone else's KV. A holder
+that restarted has a new engine id, so reads of its old params fail at once (404 here, vLLM's 500).
+
+Heartbeats (``heartbeat``) go the same way, ``POST /sim/kv/heartbeat`` across processes, unanswered by
+design: like vLLM's NIXL notification, a lost one is simply not there.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from typing import Any, Final, Protocol
 
@@ -21,7 +28,10 @@ from pdserve.sim.metrics import SimMetrics
 from pdserve.sim.profile import Profile
 from pdserve.sim.types import HeldKV, RemoteKV
 
+log = logging.getLogger("pdserve.sim")
+
 PULL_PATH: Final = "/sim/kv/pull"
+HEARTBEAT_PATH: Final = "/sim/kv/heartbeat"
 # vLLM gives up on an unreachable prefill side channel after about 5 s (docs/vllm.md).
 PULL_TIMEOUT_S: Final = 5.0
 # Bytes of KV per token for vllm:nixl_bytes_transferred when the profile does not say: the tiny Llama
@@ -32,6 +42,8 @@ class KVHolder(Protocol):
     """An in-process instance that can serve pulls of the KV it holds."""
 
     def serve_pull(self, request_id: str) -> HeldKV: ...
+
+    def heartbeat(self, request_ids: tuple[str, ...]) -> None: ...
 
 
 class KVRegistry:
@@ -70,6 +82,7 @@ def held_to_mapping(held: HeldKV) -> dict[str, Any]:
         "num_tokens": held.num_tokens,
         "num_cached_tokens": held.num_cached_tokens,
         "expires_at": held.expires_at,
+        "is_intact": held.is_intact,
     }
 
 
@@ -80,6 +93,7 @@ def held_from_mapping(data: Any) -> HeldKV:
             num_tokens=int(data["num_tokens"]),
             expires_at=float(data["expires_at"]),
             num_cached_tokens=int(data["num_cached_tokens"]),
+            is_intact=bool(data.get("is_intact", True)),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise KVPullError(f"malformed pull answer: {exc}") from exc
@@ -94,8 +108,9 @@ class PullSource:
         self._metrics = metrics
         self._profile = profile
         self._bytes_per_token = profile.kv_bytes_per_token
+        self._heartbeats: set[asyncio.Task[None]] = set()  # in flight; kept so they are not collected
 
-    async def pull(self, remote: RemoteKV) -> None:
+    async def pull(self, remote: RemoteKV) -> bool:
         start = time.perf_counter()
         if self._faults.draw_pull_failure():
             raise KVPullError(f"injected pull failure for {remote.request_id}")
@@ -104,10 +119,36 @@ class PullSource:
             held = holder.serve_pull(remote.request_id)
         else:
             held = await self._pull_http(remote)
-        # The engine sleeps the profile's pull time after this returns; the histogram is of the whole read.
-        seconds = time.perf_counter() - start + self._profile.pull_seconds(len(held.block_ids))
+        # Decode reads the blocks its params name, whether or not the holder still holds them; the
+        # engine sleeps the profile's pull time after this returns; the histogram is of the whole read.
+        seconds = time.perf_counter() - start + self._profile.pull_seconds(len(remote.block_ids))
         self._metrics.nixl_xfer_time.observe(seconds)
-        self._metrics.nixl_bytes.observe(float(held.num_tokens * self._bytes_per_token))
+        self._metrics.nixl_bytes.observe(float(remote.num_tokens * self._bytes_per_token))
+        return held.is_intact
+
+    def heartbeat(self, engine_id: str, host: str, port: int, request_ids: tuple[str, ...]) -> None:
+        holder = self._registry.holder(engine_id)
+        if holder is not None:
+            holder.heartbeat(request_ids)
+            return
+        task = asyncio.get_running_loop().create_task(
+            self._heartbeat_http(engine_id, host, port, request_ids)
+        )
+        self._heartbeats.add(task)
+        task.add_done_callback(self._heartbeats.discard)
+
+    async def _heartbeat_http(
+        self, engine_id: str, host: str, port: int, request_ids: tuple[str, ...]
+    ) -> None:
+        url = f"http://{host}:{port}{HEARTBEAT_PATH}"
+        body = orjson.dumps({"remote_engine_id": engine_id, "remote_request_ids": list(request_ids)})
+        try:
+            async with self._registry.session().post(
+                url, data=body, headers={"Content-Type": "application/json"}
+            ) as resp:
+                await resp.read()
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            log.debug("heartbeat to %s failed: %r", url, exc)
 
     async def _pull_http(self, remote: RemoteKV) -> HeldKV:
         url = f"http://{remote.host}:{remote.port}{PULL_PATH}"

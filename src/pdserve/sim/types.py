@@ -30,8 +30,11 @@ class HeldKV:
 
     block_ids: tuple[int, ...]
     num_tokens: int
-    expires_at: float  # engine clock (seconds)
+    expires_at: float  # engine clock (seconds); decode heartbeats push it back
     num_cached_tokens: int  # prompt tokens that were prefix-cache hits
+    # False for a read of blocks the holder had already released (lease run out, or read before): like
+    # vLLM's one-sided NIXL READ it "succeeds", but the blocks hold whatever was put there since.
+    is_intact: bool = True
 
 
 @dataclass(frozen=True)
@@ -54,8 +57,14 @@ class TokenEvent:
 
 
 class KVSource(Protocol):
-    """How a decode engine pulls remote KV; provided by the HTTP layer (in-process or over HTTP)."""
+    """How a decode engine reaches prefill's KV; provided by the HTTP layer (in-process or over HTTP)."""
 
-    async def pull(self, remote: RemoteKV) -> None:
-        """Return once the blocks are read (and released at the holder); raise KVPullError otherwise."""
+    async def pull(self, remote: RemoteKV) -> bool:
+        """Read the blocks; True if they still held this request's KV, False if the holder had released
+        them (the read still "succeeds", as vLLM's does). KVPullError if the read fails (holder gone,
+        restarted under a new engine id, an injected fault)."""
+        ...
+
+    def heartbeat(self, engine_id: str, host: str, port: int, request_ids: tuple[str, ...]) -> None:
+        """Ask the holder to extend these requests' leases; fire and forget, as vLLM's NIXL notif is."""
         ...

@@ -1,0 +1,399 @@
+"""Soak: mixed traffic through `pdserve up`'s Stack on real vLLM while faults are injected on a schedule.
+
+    flock /tmp/pdserve-vllm.lock .venv/bin/python benchmarks/soak.py [--duration 600] [--kv-lease 8]
+
+1P1D on the embedded tiny model (`Topology(kv_lease_s=8)`, supervised: exited instances are restarted).
+Workers send completions and chat, streamed or not, short to long prompts, 4 to 32 tokens out, greedy;
+some streamed clients hang up after their first chunks. Every prompt carries a fresh ``cache_salt``, so
+no request finds another's blocks in a prefix cache and every one moves its KV, while the greedy answer
+stays that of its template, fetched once, before any fault, from the prefill instance alone.
+
+Injected in turn, with a quiet gap after each one's recovery: SIGSTOP of decode's EngineCore for
+lease + 6 s, the same for prefill, SIGKILL of prefill's process group, the same for decode (the
+supervisor restarts them; the next fault waits until it has). Reported (JSON on stdout and in --out):
+requests by outcome, errors by kind, wrong answers (must be 0), hung requests (no end within the client's
+deadline; must be 0), suspect handoffs the proxy caught (/metrics), the ledger's open handoffs and
+prefill's KV usage at the end, and vLLM's lease counters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import signal
+import sys
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from pdserve.config import Timeouts, Topology
+from pdserve.prometheus import parse_prometheus
+from pdserve.stack import Stack
+
+ADMIN_KEY = "soak-admin"
+WORDS = [
+    "ferry", "grey", "water", "harbour", "lantern", "copper", "north", "wind", "river", "stone", "orchard",
+    "winter", "signal", "bridge", "market", "tide", "island", "gull", "rope", "anchor", "cedar", "meadow",
+]  # fmt: skip
+# (words in the prompt, tokens out): short prompts to ones of several 128-token blocks.
+SHAPES = ((12, 8), (40, 16), (120, 24), (260, 32), (420, 16), (30, 4))
+
+
+@dataclass(frozen=True)
+class Template:
+    name: str
+    endpoint: str  # "completions" or "chat"
+    prompt: str
+    max_tokens: int
+
+
+@dataclass
+class Tally:
+    outcomes: Counter[str] = field(default_factory=Counter)  # ok, error, disconnected, wrong, hung
+    errors: Counter[str] = field(default_factory=Counter)  # by kind
+    wrong: list[dict[str, Any]] = field(default_factory=list)
+    hung: list[str] = field(default_factory=list)
+    # Requests the lease guard sent back to prefill: (template, prompt tokens, outcome)
+    lease_retried: list[tuple[str, int, str]] = field(default_factory=list)
+    faults: list[dict[str, Any]] = field(default_factory=list)
+    latencies: list[float] = field(default_factory=list)
+
+
+def templates(seed: int) -> list[Template]:
+    rng = random.Random(seed)
+    out = []
+    for i, (num_words, max_tokens) in enumerate(SHAPES * 2):
+        text = " ".join(rng.choice(WORDS) for _ in range(num_words))
+        for endpoint in ("completions", "chat"):
+            out.append(Template(f"t{i}-{endpoint}", endpoint, f"story {i}: {text}", max_tokens))
+    return out
+
+
+def body(t: Template, model: str, stream: bool, salt: str | None) -> dict[str, Any]:
+    b: dict[str, Any] = {"model": model, "max_tokens": t.max_tokens, "temperature": 0, "stream": stream}
+    if t.endpoint == "completions":
+        b["prompt"] = t.prompt
+    else:
+        b["messages"] = [{"role": "user", "content": t.prompt}]
+    if salt is not None:
+        b["cache_salt"] = salt
+    return b
+
+
+def path(t: Template) -> str:
+    return "/v1/completions" if t.endpoint == "completions" else "/v1/chat/completions"
+
+
+def text_of(t: Template, choice: dict[str, Any], stream: bool) -> str:
+    if t.endpoint == "completions":
+        return str(choice.get("text") or "")
+    part = choice.get("delta" if stream else "message") or {}
+    return str(part.get("content") or "")
+
+
+def kind_of(status: int, message: str) -> str:
+    """An error's kind: its status and message with URLs, ids and numbers taken out."""
+    message = re.sub(r"https?://\S+", "URL", message)
+    message = re.sub(r"\b[0-9a-f]{8,}\b|\d+(\.\d+)?", "N", message)
+    return f"{status} {message[:110]}"
+
+
+async def ask(
+    http: aiohttp.ClientSession, url: str, t: Template, model: str, stream: bool, hang_up: bool,
+    deadline_s: float,
+) -> tuple[str, str, str, float]:  # fmt: skip
+    """(outcome, text, detail, retry_after_s): outcome ok | error | disconnected | hung; detail is the
+    request id, or the error's kind."""
+    payload = body(t, model, stream, salt=uuid.uuid4().hex)
+    headers = {"X-Request-Id": f"soak-{uuid.uuid4().hex[:12]}"}
+    text = ""
+    retry_after = 0.0
+    try:
+        async with asyncio.timeout(deadline_s):
+            async with http.post(url + path(t), json=payload, headers=headers) as resp:
+                if not stream or resp.status != 200:
+                    raw = await resp.read()
+                    retry_after = float(resp.headers.get("Retry-After", "0") or 0)
+                    try:
+                        data = json.loads(raw)
+                    except ValueError:
+                        return "error", "", kind_of(resp.status, f"not JSON: {raw[:60]!r}"), retry_after
+                    if resp.status != 200:
+                        message = (data.get("error") or {}).get("message") or str(data)[:100]
+                        return "error", "", kind_of(resp.status, message), retry_after
+                    return "ok", text_of(t, data["choices"][0], False), headers["X-Request-Id"], 0.0
+                buffer, num_events, is_done = b"", 0, False
+                async for chunk in resp.content.iter_any():
+                    buffer += chunk
+                    while b"\n\n" in buffer:
+                        block, buffer = buffer.split(b"\n\n", 1)
+                        data_line = block.removeprefix(b"data: ")
+                        if data_line == b"[DONE]":
+                            is_done = True
+                            continue
+                        event = json.loads(data_line)
+                        if "error" in event:
+                            message = event["error"].get("message", "")
+                            return "error", text, kind_of(200, f"stream error event: {message}"), 0.0
+                        for choice in event.get("choices") or []:
+                            text += text_of(t, choice, True)
+                        num_events += 1
+                        if hang_up and num_events >= 2:
+                            return "disconnected", text, headers["X-Request-Id"], 0.0
+                if not is_done:
+                    return "error", text, kind_of(200, "stream ended without [DONE]"), 0.0
+                return "ok", text, headers["X-Request-Id"], 0.0
+    except TimeoutError:
+        return "hung", text, headers["X-Request-Id"], 0.0
+    except (aiohttp.ClientError, OSError) as exc:
+        return "error", text, kind_of(0, f"client: {type(exc).__name__}: {exc}"), 0.0
+
+
+async def references(
+    http: aiohttp.ClientSession, url: str, ts: list[Template], model: str
+) -> dict[str, tuple[str, int]]:
+    """Each template's greedy answer from one instance alone (no PD, no salt), and its prompt tokens."""
+    out = {}
+    for t in ts:
+        async with http.post(url + path(t), json=body(t, model, False, None)) as resp:
+            data = await resp.json()
+            assert resp.status == 200, data
+            out[t.name] = text_of(t, data["choices"][0], False), int(data["usage"]["prompt_tokens"])
+    return out
+
+
+async def lease_retries(http: aiohttp.ClientSession, proxy_url: str, request_id: str) -> int:
+    """How often the proxy's lease guard sent this request back to prefill (its /requests trace)."""
+    async with http.get(proxy_url + "/requests", params={"id": request_id},
+                        headers={"Authorization": f"Bearer {ADMIN_KEY}"}) as resp:  # fmt: skip
+        traces = (await resp.json())["requests"]
+    return sum("prefilling again" in r for t in traces for r in t["retries"])
+
+
+@dataclass(frozen=True)
+class Client:
+    """What every request needs: the session, the proxy, the references and the running tally."""
+
+    http: aiohttp.ClientSession
+    proxy_url: str
+    refs: dict[str, tuple[str, int]]  # template name -> (single-instance answer, prompt tokens)
+    model: str
+    tally: Tally
+    deadline_s: float
+
+    async def one(self, t: Template, stream: bool, hang_up: bool = False) -> str:
+        """Send one request, judge it against its reference and count it; returns the outcome."""
+        tally, begun = self.tally, time.monotonic()
+        outcome, text, detail, retry_after = await ask(
+            self.http, self.proxy_url, t, self.model, stream, hang_up, self.deadline_s
+        )
+        expected, num_prompt_tokens = self.refs[t.name]
+        is_slow = outcome in ("ok", "disconnected") and time.monotonic() - begun > 2.0
+        if is_slow and await lease_retries(self.http, self.proxy_url, detail):
+            is_right = text == expected or (outcome == "disconnected" and expected.startswith(text))
+            tally.lease_retried.append((t.name, num_prompt_tokens, "right" if is_right else "WRONG"))
+        if outcome == "ok" and text != expected:
+            outcome = "wrong"
+        elif outcome in ("error", "disconnected") and not expected.startswith(text):
+            outcome = "wrong"  # a partial answer must still be the start of the right one
+        tally.outcomes[outcome] += 1
+        if outcome == "ok":
+            tally.latencies.append(time.monotonic() - begun)
+        elif outcome == "error":
+            tally.errors[detail] += 1
+            await asyncio.sleep(max(0.5, retry_after))  # a client that got an error does not hammer
+        elif outcome == "wrong":
+            tally.wrong.append({"template": t.name, "stream": stream, "got": text, "expected": expected,
+                                "detail": detail})  # fmt: skip
+        elif outcome == "hung":
+            tally.hung.append(detail)
+        return outcome
+
+
+async def worker(client: Client, ts: list[Template], stop_at: float, rng: random.Random) -> None:
+    while time.monotonic() < stop_at:
+        stream = rng.random() < 0.5
+        await client.one(rng.choice(ts), stream, hang_up=stream and rng.random() < 0.12)
+
+
+def engine_core_pid(api_server_pid: int) -> int | None:
+    """vLLM's EngineCore: the API server's child whose comm is VLLM::EngineCor."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        comm = stat[stat.index("(") + 1 : stat.rindex(")")]
+        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+        if ppid == api_server_pid and comm.startswith("VLLM::EngineCor"):
+            return int(entry.name)
+    return None
+
+
+async def stall(stack: Stack, role: str, seconds: float) -> dict[str, Any]:
+    assert stack.group is not None
+    spec = next(s for s in stack.specs if s.role == role)
+    api_pid = stack.group.pid(spec)
+    core = engine_core_pid(api_pid) if api_pid else None
+    if core is None:
+        return {"fault": f"stall {role}", "skipped": "no EngineCore found"}
+    os.kill(core, signal.SIGSTOP)
+    try:
+        await asyncio.sleep(seconds)
+    finally:
+        os.kill(core, signal.SIGCONT)
+    return {"fault": f"stall {role}", "seconds": seconds}
+
+
+async def kill(stack: Stack, role: str, limit_s: float) -> dict[str, Any]:
+    assert stack.group is not None
+    spec = next(s for s in stack.specs if s.role == role)
+    since = time.monotonic()
+    stack.group.kill(spec)
+    while time.monotonic() - since < limit_s:
+        await asyncio.sleep(1.0)
+        back = [e for at, e in list(stack.instance_events) if at >= since and e.url == spec.url]
+        if any(e.kind == "ready" for e in back):
+            return {"fault": f"kill {role}", "back_after_s": round(time.monotonic() - since, 1)}
+        if any(e.kind == "gave_up" for e in back):
+            return {"fault": f"kill {role}", "gave_up": [e.detail for e in back]}
+    return {"fault": f"kill {role}", "not_back_within_s": limit_s}
+
+
+async def faults(
+    stack: Stack, client: Client, probes: list[Template], lease: float, start: float, stop_at: float,
+    gap_s: float,
+) -> None:  # fmt: skip
+    """The schedule. A decode stall also sends ``probes`` (long prompts, whole and streamed) as it
+    begins, so requests of several KV blocks certainly meet it."""
+    sent: list[asyncio.Task[str]] = []
+    schedule = [("stall", "decode"), ("stall", "prefill"), ("kill", "prefill"), ("kill", "decode")]
+    i = 0
+    await asyncio.sleep(gap_s)
+    while True:
+        action, role = schedule[i % len(schedule)]
+        # A kill costs a restart (~1 min on a 2-core machine): only when there is time to see it back.
+        need = lease + 6 + gap_s if action == "stall" else 100.0
+        if time.monotonic() + need > stop_at:
+            await asyncio.gather(*sent)
+            return
+        begun = time.monotonic()
+        if action == "stall":
+            stalling = asyncio.create_task(stall(stack, role, lease + 6))
+            if role == "decode":
+                await asyncio.sleep(0.5)
+                sent += [asyncio.create_task(client.one(t, s)) for t in probes for s in (False, True)]
+            record = await stalling
+        else:
+            record = await kill(stack, role, limit_s=300.0)
+        record["at_s"] = round(begun - start, 1)
+        client.tally.faults.append(record)
+        print(f"[soak] {record}", flush=True)
+        i += 1
+        await asyncio.sleep(gap_s)
+
+
+async def scrape(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    try:
+        async with http.get(url + "/metrics") as resp:
+            return parse_prometheus(await resp.text())
+    except (aiohttp.ClientError, OSError):
+        return {}
+
+
+async def soak(args: argparse.Namespace) -> dict[str, Any]:
+    run_dir = Path(args.out).with_suffix("") if args.out else None
+    topology = Topology(
+        proxy_port=22500, first_port=22510, first_side_channel_port=22600, kv_lease_s=args.kv_lease,
+        on_instance_exit="restart", run_dir=str(run_dir) if run_dir else None,
+    )  # fmt: skip
+    timeouts = Timeouts(connect=5, prefill=60, first_token=90, idle=60, decode=120, request=150)
+    with Stack(topology, say=lambda m: print(f"[soak] {m}", flush=True), timeouts=timeouts,
+               proxy_options={"admin_api_key": ADMIN_KEY}) as stack:  # fmt: skip
+        assert stack.model is not None
+        model = stack.model.served_model_name or stack.model.path
+        ts = templates(args.seed)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as http:
+            refs = await references(http, stack.urls("prefill")[0], ts, model)
+            tally = Tally()
+            start = time.monotonic()
+            stop_at = start + args.duration
+            rng = random.Random(args.seed)
+            client = Client(http, stack.proxy_url, refs, model, tally, args.deadline)
+            workers = [
+                worker(client, ts, stop_at, random.Random(rng.random())) for _ in range(args.concurrency)
+            ]
+            probes = sorted(ts, key=lambda t: -refs[t.name][1])[:2]  # the two longest prompts
+            await asyncio.gather(
+                faults(stack, client, probes, args.kv_lease, start, stop_at, args.gap), *workers
+            )
+            ran_s = time.monotonic() - start
+            # Everything answered: prefill's KV should be back to idle within a lease.
+            idle_after = None
+            for _ in range(int(args.kv_lease * 4) + 20):
+                prefill_m = await scrape(http, stack.urls("prefill")[0])
+                async with http.get(stack.proxy_url + "/admin/ledger",
+                                    headers={"Authorization": f"Bearer {ADMIN_KEY}"}) as resp:  # fmt: skip
+                    ledger = await resp.json()
+                if prefill_m.get("vllm:kv_cache_usage_perc", 1.0) == 0.0 and not ledger["open"]:
+                    idle_after = round(time.monotonic() - start - ran_s, 1)
+                    break
+                await asyncio.sleep(0.5)
+            proxy_m = await scrape(http, stack.proxy_url)
+            after = {role: await scrape(http, stack.urls(role)[0]) for role in ("prefill", "decode")}
+    lat = sorted(tally.latencies)
+    served = sum(tally.outcomes.values())
+    return {
+        "duration_s": round(ran_s, 1), "kv_lease_s": args.kv_lease, "concurrency": args.concurrency,
+        "requests": served, "outcomes": dict(tally.outcomes), "errors_by_kind": dict(tally.errors.most_common()),
+        "wrong_answers": len(tally.wrong), "wrong": tally.wrong[:10], "hung": len(tally.hung),
+        "ok_latency_s": {"p50": lat[len(lat) // 2] if lat else None, "p99": lat[int(len(lat) * 0.99)] if lat else None},
+        "suspect_handoffs": proxy_m.get("pdserve_kv_handoffs_suspect_total", 0.0),
+        "suspect_by_reason": ledger.get("suspect"), "ledger_abandoned": ledger.get("abandoned"),
+        "ledger_issued": ledger.get("issued"), "ledger_open_at_end": len(ledger["open"]),
+        "prefill_kv_usage_at_end": prefill_m.get("vllm:kv_cache_usage_perc"),
+        "prefill_idle_after_s": idle_after,
+        "faults": tally.faults,
+        "template_prompt_tokens": {name: n for name, (_, n) in refs.items()},
+        "lease_retried": [{"template": a, "prompt_tokens": b, "answer": c} for a, b, c in tally.lease_retried],
+        # vLLM's counters reset when an instance restarts: these are of the last incarnation only.
+        "prefill_kv_expired": after["prefill"].get("vllm:nixl_num_kv_expired_reqs_total"),
+        "prefill_notifications_after_expiry": after["prefill"].get("vllm:nixl_num_notifications_after_expiry_total"),
+        "decode_transfers": after["decode"].get("vllm:nixl_xfer_time_seconds_count"),
+        "decode_failed_transfers": after["decode"].get("vllm:nixl_num_failed_transfers_total"),
+        "proxy_retries": {k: v for k, v in proxy_m.items() if k.startswith("pdserve_retries")},
+        "run_dir": str(stack.run_dir),
+    }  # fmt: skip
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--duration", type=float, default=600.0, help="seconds of traffic (default 600)")
+    p.add_argument("--kv-lease", type=int, default=8, help="vLLM's kv_lease_duration, whole seconds >= 6")
+    p.add_argument("--concurrency", type=int, default=3, help="clients sending at once (default 3)")
+    p.add_argument("--deadline", type=float, default=200.0, help="a client's limit per request, seconds")
+    p.add_argument("--gap", type=float, default=20.0, help="quiet seconds after each fault's recovery")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="write the JSON report here too (its stem names the run dir)")
+    args = p.parse_args()
+    report = asyncio.run(soak(args))
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 0 if report["wrong_answers"] == 0 and report["hung"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
