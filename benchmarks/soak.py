@@ -225,27 +225,10 @@ async def worker(client: Client, ts: list[Template], stop_at: float, rng: random
         await client.one(rng.choice(ts), stream, hang_up=stream and rng.random() < 0.12)
 
 
-def engine_core_pid(api_server_pid: int) -> int | None:
-    """vLLM's EngineCore: the API server's child whose comm is VLLM::EngineCor."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        comm = stat[stat.index("(") + 1 : stat.rindex(")")]
-        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
-        if ppid == api_server_pid and comm.startswith("VLLM::EngineCor"):
-            return int(entry.name)
-    return None
-
-
 async def stall(stack: Stack, role: str, seconds: float) -> dict[str, Any]:
     assert stack.group is not None
     spec = next(s for s in stack.specs if s.role == role)
-    api_pid = stack.group.pid(spec)
-    core = engine_core_pid(api_pid) if api_pid else None
+    core = stack.group.engine_core_pid(spec)
     if core is None:
         return {"fault": f"stall {role}", "skipped": "no EngineCore found"}
     os.kill(core, signal.SIGSTOP)
@@ -317,6 +300,9 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
     topology = Topology(
         proxy_port=22500, first_port=22510, first_side_channel_port=22600, kv_lease_s=args.kv_lease,
         on_instance_exit="restart", run_dir=str(run_dir) if run_dir else None,
+        # A small pool makes prefill reuse released blocks at once, so a late pull reads another
+        # prompt's KV (with vLLM's own pool of thousands of blocks it mostly reads intact leftovers).
+        prefill_args=("--num-gpu-blocks-override", str(args.prefill_blocks)) if args.prefill_blocks else (),
     )  # fmt: skip
     timeouts = Timeouts(connect=5, prefill=60, first_token=90, idle=60, decode=120, request=150)
     with Stack(topology, say=lambda m: print(f"[soak] {m}", flush=True), timeouts=timeouts,
@@ -356,6 +342,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
     served = sum(tally.outcomes.values())
     return {
         "duration_s": round(ran_s, 1), "kv_lease_s": args.kv_lease, "concurrency": args.concurrency,
+        "prefill_blocks": args.prefill_blocks or "vLLM's own",
         "requests": served, "outcomes": dict(tally.outcomes), "errors_by_kind": dict(tally.errors.most_common()),
         "wrong_answers": len(tally.wrong), "wrong": tally.wrong[:10], "hung": len(tally.hung),
         "ok_latency_s": {"p50": lat[len(lat) // 2] if lat else None, "p99": lat[int(len(lat) * 0.99)] if lat else None},
@@ -385,6 +372,7 @@ def main() -> int:
     p.add_argument("--deadline", type=float, default=200.0, help="a client's limit per request, seconds")
     p.add_argument("--gap", type=float, default=20.0, help="quiet seconds after each fault's recovery")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prefill-blocks", type=int, default=0, help="prefill's KV pool in blocks (0: vLLM's)")
     p.add_argument("--out", help="write the JSON report here too (its stem names the run dir)")
     args = p.parse_args()
     report = asyncio.run(soak(args))

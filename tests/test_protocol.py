@@ -266,3 +266,13 @@ def test_streamed_error_events_learn_where_they_came_from_and_nothing_else_chang
         "decode instance http://d:1: Internal server error"
     )
     assert events[2] + b"\n\n" == sse.DONE and events[3] == cut
+
+
+def test_a_lease_redo_gets_a_salt_vllm_accepts_that_no_earlier_request_had() -> None:
+    body = {"prompt": "hi", "cache_salt": "tenant-a"}
+    redo = protocol.with_fresh_cache_salt(body, "lease-retry-0123456789abcdef")
+    salt = redo["cache_salt"]
+    assert salt != "tenant-a" and body["cache_salt"] == "tenant-a"  # the client's body is left alone
+    # vLLM's own rule (validate_cache_salt): a non-empty string of at most 128 characters without / @ \ NUL
+    assert 0 < len(salt) <= 128 and not set(salt) & set("/@\\\0")
+    assert redo["prompt"] == "hi"

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import shlex
 import signal
 import sys
 import time
@@ -190,28 +189,8 @@ def cmd_up(a: argparse.Namespace) -> int:
             time.sleep(1.0)
 
 
-def _add_k8s_discovery(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("Kubernetes discovery (pip install 'pdserve[k8s]'; docs/deploying.md)")
-    g.add_argument("--k8s-prefill-selector", metavar="K=V,…",
-                   help="prefill pods: Ready ones matching these labels join the prefill pool")  # fmt: skip
-    g.add_argument("--k8s-decode-selector", metavar="K=V,…", help="decode pods, as --k8s-prefill-selector")
-    g.add_argument(
-        "--k8s-namespace", help="the pods' namespace (default: the proxy's own, or the kubeconfig's)"
-    )
-    g.add_argument("--k8s-port", default=_proxy_default("k8s_port"), metavar="PORT|NAME",
-                   help="the pods' HTTP port: a number or a container port name (default %(default)s)")  # fmt: skip
-    g.add_argument("--k8s-port-annotation", default=_proxy_default("k8s_port_annotation"), metavar="KEY",
-                   help="a pod annotation whose port number overrides --k8s-port (default %(default)s)")  # fmt: skip
-    g.add_argument("--k8s-api-server", metavar="URL",
-                   help="the API server (e.g. `kubectl proxy`'s); default: in-cluster, then the kubeconfig")  # fmt: skip
-
-
-def _k8s_discovery(a: argparse.Namespace) -> dict[str, Any]:
-    names = ("prefill_selector", "decode_selector", "namespace", "port", "port_annotation", "api_server")
-    return {f"k8s_{name}": getattr(a, f"k8s_{name}") for name in names}
-
-
 def cmd_proxy(a: argparse.Namespace) -> int:
+    from pdserve.k8s.command import k8s_discovery
     from pdserve.proxy.server import serve
 
     config = ProxyConfig(
@@ -224,67 +203,11 @@ def cmd_proxy(a: argparse.Namespace) -> int:
         prefix_block_size=a.block_size,
         kv_lease_s=a.kv_lease_s,
         colocated=a.colocated,
-        **_k8s_discovery(a),
+        **k8s_discovery(a),
         **_routing(a),
     )
     serve(config, a.log_level)
     return 0
-
-
-def cmd_k8s_render(a: argparse.Namespace) -> int:
-    from pdserve.k8s.manifests import to_yaml
-    from pdserve.k8s.spec import ClusterSpec, parse_env
-
-    spec = ClusterSpec(
-        model=a.model, name=a.name, namespace=a.namespace, image=a.image, proxy_image=a.proxy_image,
-        num_prefill=a.prefill, num_decode=a.decode, gpus_per_pod=a.gpus_per_pod,
-        pods_per_instance=a.pods_per_instance, device=a.device, kv_lease_s=a.kv_lease,
-        vllm_args=tuple(shlex.split(a.vllm_args)), prefill_args=tuple(shlex.split(a.prefill_args)),
-        decode_args=tuple(shlex.split(a.decode_args)), env=parse_env(a.env),
-    )  # fmt: skip
-    sys.stdout.write(to_yaml(spec))
-    return 0
-
-
-def _add_k8s(sub: Any) -> None:
-    from pdserve.k8s.spec import ClusterSpec
-
-    k8s = sub.add_parser("k8s", help="Kubernetes: `pdserve k8s render` writes the manifests to apply")
-    render = k8s.add_subparsers(dest="k8s_command", required=True).add_parser(
-        "render",
-        help="print prefill/decode Deployments (or LeaderWorkerSets), the proxy, its Service and RBAC",
-    )
-    d = {f.name: f.default for f in dataclasses.fields(ClusterSpec)}
-    render.add_argument(
-        "--model", required=True, help="what `vllm serve` loads in every pod (hub name or path)"
-    )
-    render.add_argument("--name", default=d["name"], help="prefix of every object (default %(default)s)")
-    render.add_argument("--namespace", default=d["namespace"], help="(default %(default)s)")
-    render.add_argument("--image", default=d["image"], help="the vLLM image (default %(default)s)")
-    render.add_argument("--proxy-image", default=d["proxy_image"],
-                        help="an image with pdserve[k8s] installed (default %(default)s)")  # fmt: skip
-    render.add_argument(
-        "--prefill", type=int, default=d["num_prefill"], metavar="N", help="prefill instances"
-    )
-    render.add_argument("--decode", type=int, default=d["num_decode"], metavar="M", help="decode instances")
-    render.add_argument("--gpus-per-pod", type=int, default=d["gpus_per_pod"], metavar="G",
-                        help="nvidia.com/gpu per pod, and vLLM's --tensor-parallel-size (default %(default)s)")  # fmt: skip
-    render.add_argument("--pods-per-instance", type=int, default=d["pods_per_instance"], metavar="K",
-                        help="K > 1: each instance a LeaderWorkerSet group of K pods, vLLM on Ray")  # fmt: skip
-    render.add_argument("--device", choices=("cuda", "cpu"), default=d["device"])
-    render.add_argument(
-        "--kv-lease", type=float, metavar="S", help="vLLM's kv_lease_duration (default vLLM's 30 s)"
-    )
-    render.add_argument(
-        "--vllm-args", default="", metavar="'ARGS'", help="extra `vllm serve` arguments, one string"
-    )
-    render.add_argument(
-        "--prefill-args", default="", metavar="'ARGS'", help="extra arguments for prefill only"
-    )
-    render.add_argument("--decode-args", default="", metavar="'ARGS'", help="extra arguments for decode only")
-    render.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
-                        help="environment for the vLLM containers (repeatable), e.g. UCX_TLS=all")  # fmt: skip
-    render.set_defaults(func=cmd_k8s_render)
 
 
 def cmd_verify(a: argparse.Namespace) -> int:
@@ -391,12 +314,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the instances' kv_lease_duration in seconds: the lease guard reasons with it")  # fmt: skip
     proxy.add_argument("--block-size", type=int, default=_proxy_default("prefix_block_size"),
                        help="the engines' KV block size (vLLM --block-size)")  # fmt: skip
-    _add_k8s_discovery(proxy)
+    from pdserve.k8s.command import add_k8s_discovery
+
+    add_k8s_discovery(proxy)
     _add_routing(proxy)
     _add_timeouts(proxy)
     proxy.set_defaults(func=cmd_proxy)
 
-    _add_k8s(sub)
+    from pdserve.k8s.command import add_k8s_render
+
+    add_k8s_render(sub)
 
     ver = sub.add_parser("verify", help="prove through a running proxy that KV moves over NIXL")
     ver.add_argument("url", help="the proxy, e.g. http://127.0.0.1:8000")

@@ -17,6 +17,7 @@ import yaml
 
 from pdserve.addresses import check_addresses, reachable
 from pdserve.errors import ConfigError
+from pdserve.labels import is_label_key, label_selector
 
 Role = Literal["prefill", "decode"]
 Device = Literal["cpu", "cuda"]
@@ -56,36 +57,7 @@ def normalize_url(url: str) -> str:
     return candidate
 
 
-# Kubernetes label syntax: an optional DNS-subdomain prefix and "/", then a name of at most 63 characters.
-_LABEL_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
-_LABEL_PREFIX = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
 _PORT_NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,13}[a-z0-9])?")  # a container port's name (IANA_SVC_NAME)
-
-
-def _is_label_key(key: str) -> bool:
-    prefix, _, name = key.rpartition("/")
-    return bool(_LABEL_NAME.fullmatch(name)) and (not prefix or bool(_LABEL_PREFIX.fullmatch(prefix)))
-
-
-def label_selector(text: str) -> dict[str, str]:
-    """``"app=vllm,role=prefill"`` → ``{"app": "vllm", "role": "prefill"}``; ConfigError if malformed.
-
-    Equality only (``=`` or ``==``), as vllm-router and the SGLang gateway take them: the proxy sends the
-    selector to the API server and checks it again on every pod, and equality is all both sides agree on.
-    An empty selector would match every pod in the namespace, so at least one label is required.
-    """
-    pairs: dict[str, str] = {}
-    for part in (p.strip() for p in text.split(",")):
-        key, sep, value = part.replace("==", "=").partition("=")
-        key, value = key.strip(), value.strip()
-        if not sep or "!" in key or not _is_label_key(key) or (value and not _LABEL_NAME.fullmatch(value)):
-            raise ConfigError(
-                f"label selector {text!r}: {part!r} is not key=value with Kubernetes label syntax"
-            )
-        if key in pairs:
-            raise ConfigError(f"label selector {text!r} names {key!r} twice")
-        pairs[key] = value
-    return pairs
 
 
 @dataclass(frozen=True)
@@ -203,7 +175,7 @@ class ProxyConfig:
                 raise ConfigError(f"proxy.k8s_port must be 1-65535 or a port name, got {port!r}")
         elif not _PORT_NAME.fullmatch(port) or not any(c.isalpha() for c in port):
             raise ConfigError(f"proxy.k8s_port must be a number or a container port name, got {port!r}")
-        if not _is_label_key(self.k8s_port_annotation):
+        if not is_label_key(self.k8s_port_annotation):
             raise ConfigError(
                 f"proxy.k8s_port_annotation {self.k8s_port_annotation!r} is not an annotation key"
             )
@@ -333,7 +305,9 @@ class Topology:
 
     def _check_ray(self) -> None:
         if self.ray is not None and (not isinstance(self.ray, str) or not self.ray.strip()):
-            raise ConfigError(f"topology.ray must be a Ray address such as 10.0.0.2:6379 or auto, got {self.ray!r}")
+            raise ConfigError(
+                f"topology.ray must be a Ray address such as 10.0.0.2:6379 or auto, got {self.ray!r}"
+            )
         if self.ray is not None and (self.prefill_hosts or self.decode_hosts):
             raise ConfigError(
                 "topology sets ray and prefill/decode hosts: on Ray each instance runs at the IP of the node "
@@ -343,6 +317,10 @@ class Topology:
             resources = getattr(self, f"{role}_resources")
             if resources and self.ray is None:
                 raise ConfigError(f"topology.{role}.resources are Ray resources: they need topology.ray")
+            if not isinstance(resources, tuple) or not all(
+                isinstance(p, tuple) and len(p) == 2 for p in resources
+            ):
+                raise ConfigError(f"topology.{role}.resources must map Ray resource names to amounts")
             for name, amount in resources:
                 if not isinstance(name, str) or not name or isinstance(amount, bool) or not amount > 0:
                     raise ConfigError(

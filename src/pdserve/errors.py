@@ -32,7 +32,7 @@ Errors of the libraries underneath are translated into these in exactly one plac
 OS and timeout errors of the proxy's own HTTP client (``proxy/connection.py``) in ``proxy/upstream.py``;
 aiohttp in ``sim/transfer.py`` (the simulator's KV pulls), ``sim/calibrate.py``
 and ``bench/`` (measurement clients); urllib in ``httpclient.py``; subprocess in ``engines/launcher.py``
-and ``engines/benchclient.py``; yaml in ``config.py``; lightkube in ``proxy/k8s_watch.py``.
+and ``engines/benchclient.py``; yaml in ``config.py``; lightkube in ``proxy/k8s_watch.py``; ray in ``engines/ray_cluster.py``.
 ``UpstreamError.status`` is the HTTP status the proxy answers the client with.
 """
 

@@ -1,7 +1,8 @@
 """What the launcher learns about instances and tells the proxy: plain messages, so ``engines/`` and
 ``proxy/`` share a vocabulary without importing each other (stack.py carries them across).
 
-- ``InstanceEvent``: the supervisor saw an instance exit, is restarting it, has it back, or gave up.
+- ``InstanceEvent``: the supervisor saw an instance exit, is restarting it, has it back, or gave up; or
+  Ray restarted it on another node (``moved``, to ``new_url``).
 - ``KVLogEvent``: a prefill instance's log said a handoff's lease expired unpulled, or that a decode read
   blocks it had already released (docs/vllm-kv-lifecycle.md, section 6).
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-InstanceEventKind = Literal["exited", "restarting", "ready", "gave_up"]
+InstanceEventKind = Literal["exited", "restarting", "ready", "gave_up", "moved"]
 KVLogEventKind = Literal["expired", "late_pull"]
 
 
@@ -20,6 +21,7 @@ class InstanceEvent:
     url: str  # the instance's HTTP URL, as the proxy knows it
     kind: InstanceEventKind
     detail: str = ""  # exit status, restart count, why it gave up
+    new_url: str = ""  # where it serves now ("moved" only)
 
 
 @dataclass(frozen=True)

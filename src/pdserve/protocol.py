@@ -108,6 +108,18 @@ def decode_body(body: dict[str, Any], kv_params: dict[str, Any]) -> dict[str, An
     return out
 
 
+def with_fresh_cache_salt(body: dict[str, Any], tag: str) -> dict[str, Any]:
+    """``body`` under a ``cache_salt`` no cached block was computed with: vLLM hashes the salt into the
+    first block, so neither instance matches anything in its prefix cache for this request.
+
+    For a redo after a late pull: decode cached the blocks that pull filled (released KV, wrong
+    contents) under the prompt's hashes, and a retry with the same hashes would reuse them. The new
+    salt replaces a client's own: being unique, it shares a cache with no one, which is all a tenant's
+    salt asks. ``tag`` must be what vLLM allows in a salt (at most 100 characters, no ``/@\\``).
+    """
+    return {**body, "cache_salt": f"pdserve-{tag}"}
+
+
 def kv_params_from_prefill(payload: bytes) -> dict[str, Any]:
     """The ``kv_transfer_params`` of a 200 prefill response; ValueError says what is wrong."""
     try:

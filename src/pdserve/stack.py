@@ -159,6 +159,8 @@ class Stack:
         endpoint = self._proxy_options.get("otlp_traces_endpoint")
         if endpoint and not self.topology.otlp_traces_endpoint:  # one trace: the engines export too
             self.topology = dataclasses.replace(self.topology, otlp_traces_endpoint=endpoint)
+        if self.topology.kv_lease_s is not None:  # the ledger's idea of the lease must be the engines'
+            self._proxy_options.setdefault("kv_lease_s", self.topology.kv_lease_s)
         if self.topology.engine == "sim":
             specs = plan_sim_instances(self.topology)
             profile = load_profile(self.topology.sim_profile)
@@ -194,8 +196,6 @@ class Stack:
             "tokenizer", self.model.path if os.path.isdir(self.model.path) else None
         )
         self._proxy_options.setdefault("prefix_block_size", _VLLM_BLOCK_SIZE[self.topology.device])
-        if self.topology.kv_lease_s is not None:  # the ledger's idea of the lease must be vLLM's
-            self._proxy_options.setdefault("kv_lease_s", self.topology.kv_lease_s)
         self._start(specs, DEFAULT_ENTRYPOINT)
 
     def _start(self, specs: tuple[InstanceSpec, ...], entrypoint: tuple[str, ...]) -> None:
@@ -283,7 +283,7 @@ class Stack:
         if self.group is not None and self.supervisor is None:
             self.group.check_alive()
         if self.ray_group is not None and self.topology.on_instance_exit == "stop":
-            gone = [s.name for s in self.ray_group.specs if self.ray_group.is_gone(s)]
+            gone = [s.name for s in self.ray_group.specs if self.ray_group.poll(s) == "gone"]
             if gone:
                 raise EngineError(f"{', '.join(gone)} exited on Ray (on_instance_exit: stop)")
 

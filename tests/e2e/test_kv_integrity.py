@@ -12,7 +12,6 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import openai
 import pytest
@@ -27,22 +26,6 @@ pytestmark = pytest.mark.vllm
 
 def _prompt(tag: str) -> str:
     return f"{tag} {uuid.uuid4().hex[:6]}: " + "the ferry crossed the grey water twice a day and " * 6
-
-
-def _engine_core_pid(api_server_pid: int) -> int:
-    """vLLM's EngineCore: the API server's child process that schedules and steps the model."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        comm = stat[stat.index("(") + 1 : stat.rindex(")")]
-        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
-        if ppid == api_server_pid and comm.startswith("VLLM::EngineCor"):
-            return int(entry.name)
-    raise AssertionError(f"no EngineCore child of {api_server_pid}")
 
 
 def _lease(stack: Stack) -> float:
@@ -87,9 +70,8 @@ def test_decode_stalled_past_the_lease_never_yields_an_answer_from_released_kv(
     prompt = _prompt("stalled")
     expected = _complete(decode_alone, model_name, chat=False, stream=False, prompt=prompt)
     assert stack.group is not None
-    decode_pid = stack.group.pid(next(s for s in stack.specs if s.role == "decode"))
-    assert decode_pid is not None
-    engine = _engine_core_pid(decode_pid)
+    engine = stack.group.engine_core_pid(next(s for s in stack.specs if s.role == "decode"))
+    assert engine is not None, "no EngineCore child of decode's API server"
     suspects_before = _suspects(stack)
     answer: dict[str, object] = {}
 
@@ -115,6 +97,12 @@ def test_decode_stalled_past_the_lease_never_yields_an_answer_from_released_kv(
     else:
         assert answer["text"] == expected, "decode's answer was built from released KV and relayed"
     assert _suspects(stack) > suspects_before, "the late pull went unnoticed"
+    # The late pull's blocks went into decode's prefix cache under this prompt's hashes: the guard
+    # reset it (vLLM's dev-mode route, on for decodes pdserve starts), and the next turn misses them.
+    metrics = httpclient.get(f"{stack.proxy_url}/metrics", 10).body.decode()
+    assert 'pdserve_decode_prefix_cache_resets_total{result="ok"}' in metrics, metrics
+    again = _complete(client, model_name, chat=False, stream=stream, prompt=prompt)
+    assert again == expected, "a later request with the same prompt reused the late pull's blocks"
 
 
 @contextmanager

@@ -152,6 +152,9 @@ def test_each_role_runs_on_the_node_its_resource_names_and_is_served_at_that_nod
     }
     assert f"prefill-0 up on Ray node {head}" in sim_up.output()
     assert f"decode-0 up on Ray node {worker}" in sim_up.output()
+    print(
+        f"[ray] both nodes with one instance actor each: {cluster.rss_mib():.0f} MiB (instances not counted)"
+    )
     # Through the proxy, from outside both nodes: decode pulled the KV from prefill on the other node.
     assert _complete(sim_up.proxy_url, f"ray {uuid.uuid4().hex[:6]} hello")
     traces = httpclient.get(f"{sim_up.proxy_url}/requests", 10).json()["requests"]
@@ -188,13 +191,29 @@ def test_stopping_up_stops_every_instance_and_leaves_the_cluster_running(
     assert all(_pids_serving(p) for p in ports)
     started = time.monotonic()
     sim_up.stop()
-    assert sim_up.proc.returncode is not None
+    # pdserve's own stop ran (Ray's driver installs a SIGTERM handler of its own, which only reports).
+    assert "stopping 2 instance(s) through their Ray actors" in sim_up.output(), sim_up.output()[-2000:]
     deadline = time.monotonic() + 30
     while any(_pids_serving(p) for p in ports) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(_pids_serving(p) for p in ports), "instances outlived pdserve up"
     print(f"[ray] pdserve up stopped its instances in {time.monotonic() - started:.1f} s")
     assert cluster.head.is_alive() and cluster.worker.is_alive()
+
+
+def test_instances_end_with_up_even_when_up_is_killed(
+    cluster: RayCluster, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    ports = {"proxy": 26020, "first": 26120, "side": 27120}
+    up = _up(cluster, tmp_path_factory.mktemp("ray-kill") / "run", ports, "--engine", "sim", timeout=120)
+    instance_ports = (ports["first"], ports["first"] + 1)
+    assert all(_pids_serving(p) for p in instance_ports)
+    os.killpg(up.proc.pid, signal.SIGKILL)  # no stop path runs: Ray ends the actors a dead driver owned
+    up.proc.wait(10)
+    deadline = time.monotonic() + 60
+    while any(_pids_serving(p) for p in instance_ports) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not any(_pids_serving(p) for p in instance_ports), "instances outlived a killed pdserve up"
 
 
 @pytest.mark.vllm

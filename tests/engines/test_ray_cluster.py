@@ -13,13 +13,17 @@ from pdserve import cli
 from pdserve.config import Topology, load_topology
 from pdserve.engines.plan import InstanceSpec, plan_instances, plan_sim_instances
 from pdserve.engines.rayplan import (
+    ActorState,
+    NodeInstance,
     actor_options,
     at_node,
     gpus_per_actor,
+    next_event,
     placeholder_gpu_ids,
     unplaceable,
 )
 from pdserve.errors import ConfigError
+from pdserve.events import InstanceEventKind
 
 RAY = Topology(
     ray="10.0.0.2:6379",
@@ -143,3 +147,48 @@ def test_up_takes_ray_and_resources_from_flags() -> None:
         (("pdserve_prefill", 1.0),),
         (("pdserve_decode", 2.0),),
     )
+
+
+def _node(pid: int, url: str = "http://10.0.0.3:8101") -> NodeInstance:
+    return NodeInstance("decode-0", "10.0.0.3", url, pid, "/runs/decode-0.log")
+
+
+def _story(*polls: NodeInstance | ActorState, healthy: bool = True) -> list[str]:
+    """The events the proxy hears, poll after poll, as RayWatch feeds them."""
+    spec = at_node(_vllm_specs(RAY)[1], "10.0.0.3")
+    before: NodeInstance | None = _node(1)
+    told: InstanceEventKind | None = None
+    url = spec.url
+    heard = []
+    for now in polls:
+        event = next_event(spec, url, before, now, told, lambda _url: healthy)
+        if isinstance(now, NodeInstance):
+            before = now
+        if event is not None:
+            assert event.url == url  # always the URL the proxy knows it by
+            told = event.kind
+            heard.append(event.kind if event.kind != "moved" else f"moved to {event.new_url}")
+            url = event.new_url or url
+    return heard
+
+
+def test_the_proxy_hears_an_instance_go_and_come_back_each_time_ray_restarts_it() -> None:
+    assert _story(_node(1), _node(1)) == []
+    assert _story("restarting", "restarting", _node(2), _node(2)) == ["exited", "ready"]
+    # A restart quicker than one poll: only the new pid tells.
+    assert _story(_node(2), _node(2)) == ["exited", "ready"]
+    assert _story("restarting", _node(2), "restarting", _node(3)) == ["exited", "ready", "exited", "ready"]
+    assert _story("restarting", _node(2), _node(2), healthy=False) == ["exited"]
+
+
+def test_the_proxy_hears_that_an_instance_is_lost_when_ray_gives_up() -> None:
+    assert _story("restarting", "gone") == ["exited", "gave_up"]
+
+
+def test_the_proxy_hears_where_an_instance_serves_when_ray_restarts_it_on_another_node() -> None:
+    elsewhere = "http://10.0.0.9:8101"
+    assert _story("restarting", _node(2, url=elsewhere)) == ["exited", f"moved to {elsewhere}"]
+    assert _story("restarting", _node(2, url=elsewhere), healthy=False) == ["exited"]  # not until it serves
+    # Restarted again, on its new node: the proxy knows it there now.
+    story = _story("restarting", _node(2, url=elsewhere), "restarting", _node(3, url=elsewhere))
+    assert story == ["exited", f"moved to {elsewhere}", "exited", "ready"]

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from pdserve.cli import build_parser, main
-from pdserve.config import ProxyConfig, label_selector
+from pdserve.config import ProxyConfig
 from pdserve.errors import ConfigError
+from pdserve.labels import label_selector
 from pdserve.proxy.discovery import pod_url
 from pdserve.proxy.k8s_watch import PodView
 

@@ -22,8 +22,9 @@ import referencing
 import yaml
 
 from pdserve.cli import build_parser, main
-from pdserve.config import ProxyConfig, label_selector
+from pdserve.config import ProxyConfig
 from pdserve.engines.plan import kv_transfer_config
+from pdserve.labels import label_selector
 
 KUBE_VERSIONS = ("1.29", "1.37")  # an older cluster and the newest schemas the validator ships
 _SCHEMAS = Path(kubernetes_validate.__file__).parent / "kubernetes-json-schema"

@@ -60,6 +60,7 @@ class MemoryUpstream:
     script: Script
     calls: list[Call] = field(default_factory=list)
     metrics: str = ""  # what GET /metrics answers (Prometheus text)
+    num_prefix_resets: int = 0  # POST /reset_prefix_cache (the lease guard's purge), answered success
 
     async def open(self) -> None:
         return None
@@ -81,6 +82,9 @@ class MemoryUpstream:
         timeout: float,
         is_repeatable: bool = False,
     ) -> Reply:
+        if path.startswith("/reset_prefix_cache"):
+            self.num_prefix_resets += 1
+            return Reply(200, "application/json", b'{"success":true}')
         answer = await self._answer(path, body, headers, phase, timeout)
         return Reply(answer.status, answer.content_type, answer.body)
 

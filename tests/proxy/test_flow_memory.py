@@ -3,6 +3,7 @@ client gets, without sockets."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import orjson
@@ -12,6 +13,7 @@ from memory_upstream import Answer, MemoryUpstream, Recorder, Script
 from pdserve import sse
 from pdserve.config import ProxyConfig, Role, Timeouts
 from pdserve.errors import UpstreamConnectError, UpstreamUnavailable
+from pdserve.events import InstanceEvent
 from pdserve.proxy.flow import Flow
 from pdserve.proxy.policies import make_policy
 from pdserve.proxy.responder import Responder
@@ -51,11 +53,12 @@ class System:
             "prefill": [f"http://p{i}:1" for i in range(len(prefill))],
             "decode": [f"http://d{i}:1" for i in range(len(decode))],
         }
-        scripts = dict(zip(urls["prefill"] + urls["decode"], prefill + decode, strict=True))
+        # Instances that join later (a move, the admin API) need a script here first.
+        self.scripts = dict(zip(urls["prefill"] + urls["decode"], prefill + decode, strict=True))
         self.upstreams: dict[str, MemoryUpstream] = {}
 
         def make(role: Role, url: str) -> MemoryUpstream:
-            self.upstreams[url] = MemoryUpstream(role, url, scripts[url])
+            self.upstreams[url] = MemoryUpstream(role, url, self.scripts[url])
             return self.upstreams[url]
 
         settings = {"timeouts": Timeouts(), "retry_backoff_s": 0, **config}
@@ -134,3 +137,18 @@ async def test_a_colocated_proxy_serves_every_request_whole_on_one_instance() ->
     assert answer.status == 200
     assert system.calls("http://d0:1") == [COMPLETION]
     assert system.state.can_serve()
+
+
+async def test_an_instance_ray_restarted_on_another_node_is_served_at_its_new_address() -> None:
+    system = System([prefill_ok], [decode_text(" old node")])
+    system.scripts["http://d9:1"] = decode_text(" new node")
+    state = system.state
+    state.on_event(InstanceEvent("http://d0:1", "exited", "its Ray actor is restarting"))
+    state.on_event(InstanceEvent("http://d0:1", "moved", "restarted on node 10.0.0.9", new_url="http://d9:1"))
+    for _ in range(100):  # the old instance leaves once idle, on the proxy's loop
+        if [i.url for i in state.pool("decode").instances] == ["http://d9:1"]:
+            break
+        await asyncio.sleep(0.01)
+    assert [i.url for i in state.pool("decode").instances] == ["http://d9:1"]
+    answer = await system.ask(COMPLETION)
+    assert answer.status == 200 and b" new node" in answer.body

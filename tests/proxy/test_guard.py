@@ -55,6 +55,12 @@ async def test_an_answer_past_the_lease_while_prefill_released_leases_is_not_rel
     assert len(system.calls("http://d0:1")) == 2  # and only the second answer reached the client
     assert system.state.ledger.suspects["late"] == 1
     assert system.state.stats.retries["lease"] == 1
+    first, redo = system.calls("http://d0:1")
+    # The redo misses the late pull's blocks in decode's prefix cache, which is reset for later requests.
+    assert "cache_salt" not in first and redo["cache_salt"].startswith("pdserve-lease-retry-")
+    assert redo["cache_salt"] == system.calls("http://p0:1")[1]["cache_salt"]  # the same hashes on both
+    assert system.upstreams["http://d0:1"].num_prefix_resets == 1
+    assert system.state.stats.purges["ok"] == 1
 
 
 async def test_a_late_answer_is_trusted_when_no_lease_ran_out_on_prefill() -> None:

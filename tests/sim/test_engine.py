@@ -227,7 +227,8 @@ async def test_pull_after_the_lease_expired_succeeds_with_wrong_tokens() -> None
         expected = [e.token_id async for e in colocated.generate(SimRequest("x", prompt(30), 4))]
     assert [e.finish_reason for e in events] == [None, None, None, "length"]
     assert [e.token_id for e in events] != expected
-    assert (decode.stats.num_pulls_ok, decode.stats.num_pulls_failed, decode.stats.num_stale_reads) == (1, 0, 1)
+    stats = decode.stats
+    assert (stats.num_pulls_ok, stats.num_pulls_failed, stats.num_stale_reads) == (1, 0, 1)
     assert prefill.stats.num_kv_expired == 1
 
 

@@ -16,8 +16,10 @@ import pytest
 from pdserve.engines.logwatch import parse_line
 from pdserve.errors import KVPullError
 from pdserve.sim.engine import SimEngine, VirtualClock
+from pdserve.sim.leases import HolderLeases, ReaderLeases
 from pdserve.sim.profile import Profile
-from pdserve.sim.types import RemoteKV, SimRequest
+from pdserve.sim.scheduler import Scheduler
+from pdserve.sim.types import HeldKV, RemoteKV, SimRequest
 
 LEASE_S = 6.0  # vLLM's arithmetic: a heartbeat every 6 // 6 = 1 s, each extending to 6 * 2 // 3 = 4 s ahead
 PROFILE = Profile(
@@ -160,3 +162,32 @@ async def test_heartbeats_stop_once_the_pull_is_done() -> None:
         await clock.sleep(LEASE_S + 0.5)
         assert prefill.stats.num_kv_expired == 1
         assert held.request_id == "kept"
+
+
+# --- The bookkeeping alone (leases.py) ------------------------------------------------------------------
+
+
+def test_decode_heartbeats_each_holder_at_most_every_sixth_of_the_lease() -> None:
+    reader = ReaderLeases(LEASE_S)
+    reader.add("a", RemoteKV("p1", "ra", (1,), 16, "h1", 1))
+    reader.add("b", RemoteKV("p2", "rb", (2,), 16, "h2", 2))
+    reader.add("c", RemoteKV("p1", "rc", (3,), 16, "h1", 1))
+    assert reader.due(10.0) == [("p1", "h1", 1, ("ra", "rc")), ("p2", "h2", 2, ("rb",))]
+    assert reader.due(10.5) == []  # 6 // 6 = 1 s between heartbeats
+    reader.done("a")
+    reader.done("b")
+    assert reader.due(11.0) == [("p1", "h1", 1, ("rc",))]
+    reader.done("c")
+    assert reader.next_due(0.1) is None and reader.due(20.0) == []
+
+
+def test_prefill_reads_heartbeats_before_reads_and_counts_reads_of_released_holds() -> None:
+    scheduler = Scheduler(PROFILE, "prefill")
+    holder = HolderLeases(LEASE_S)
+    scheduler.held["r"] = HeldKV((), 40, expires_at=1.0, num_cached_tokens=0)
+    holder.notify(("heartbeat", ("r", "gone")))
+    assert holder.read(scheduler, now=0.5) == [] and scheduler.held["r"].expires_at == 0.5 + 4.0
+    holder.notify(("read", ("r",)))
+    holder.notify(("read", ("r",)))  # a second read of the same hold: the blocks went back already
+    assert holder.read(scheduler, now=0.6) == ["r"]
+    assert (holder.num_late_reads, "r" in scheduler.held) == (1, False)

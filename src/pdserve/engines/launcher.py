@@ -72,6 +72,25 @@ class EngineGroup:
         proc = self._procs.get(spec.name)
         return proc.pid if proc else None
 
+    def engine_core_pid(self, spec: InstanceSpec) -> int | None:
+        """PID of the instance's vLLM EngineCore (the API server's child that schedules and steps the
+        model: what a stall test stops with SIGSTOP), None if there is none (a simulator, not started)."""
+        api_pid = self.pid(spec)
+        if api_pid is None:
+            return None
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            comm = stat[stat.index("(") + 1 : stat.rindex(")")]
+            ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+            if ppid == api_pid and comm.startswith("VLLM::EngineCor"):
+                return int(entry.name)
+        return None
+
     def start(self) -> None:
         """Spawn the instances stage by stage (``InstanceSpec.start_stage``) and return when all answer
         GET /health with 200. A stage's instances start together, the next stage once they are healthy;

@@ -42,6 +42,11 @@ _COMMON_ENV: Env = (
 # and across hosts cuda_ipc is not reachable.
 _CUDA_ENV: Env = (("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y"),)
 
+# A late pull (decode reading KV prefill had released) leaves wrong blocks in decode's prefix cache, where
+# later requests with that prefix would reuse them; the proxy's lease guard then empties that cache with
+# POST /reset_prefix_cache, which vLLM serves only in dev mode (docs/kv-integrity.md).
+_DECODE_ENV: Env = (("VLLM_SERVER_DEV_MODE", "1"),)
+
 
 @dataclass(frozen=True)
 class GpuSlot:
@@ -139,6 +144,7 @@ def plan_instances(
             *_COMMON_ENV,
             *device_env[i],
             *tracing_env,
+            *(_DECODE_ENV if role == "decode" else ()),
         )
         stage = slots[i].start_stage if slots else 0
         specs.append(InstanceSpec(role, index, hosts[i], port, side_channel_port, tuple(args), env, stage))
@@ -176,6 +182,8 @@ def plan_sim_instances(topology: Topology) -> tuple[InstanceSpec, ...]:
             "--profile",
             topology.sim_profile,
         )
+        if topology.kv_lease_s is not None:
+            args += ("--kv-lease-s", f"{topology.kv_lease_s:g}")
         args += (*topology.vllm_args, *(topology.prefill_args if role == "prefill" else topology.decode_args))
         env = (("PYTHONUNBUFFERED", "1"),)
         specs.append(

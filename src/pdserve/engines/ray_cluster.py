@@ -31,14 +31,23 @@ from pdserve import httpclient
 from pdserve.config import Topology
 from pdserve.engines.launcher import EngineGroup
 from pdserve.engines.plan import InstanceSpec
-from pdserve.engines.rayplan import NodeInstance, actor_name, actor_options, at_node, unplaceable
+from pdserve.engines.rayplan import (
+    ActorState,
+    NodeInstance,
+    actor_name,
+    actor_options,
+    at_node,
+    next_event,
+    unplaceable,
+)
 from pdserve.errors import ConfigError, EngineStartError
-from pdserve.events import InstanceEvent
+from pdserve.events import InstanceEvent, InstanceEventKind
 
 MAX_RESTARTS = 5  # Ray restarts a crash-looping instance this often, then the proxy is told it gave up
 _EXIT_POLL_S = 0.5
 _WATCH_INTERVAL_S = 1.0
 _CALL_TIMEOUT_S = 5.0
+_JOIN_GRACE_S = 15.0
 
 
 class InstanceActor:
@@ -63,18 +72,13 @@ class InstanceActor:
 
     def describe(self) -> NodeInstance:
         pid = self._group.pid(self._spec)
-        exited = self._group.exited()
         return NodeInstance(
             self._spec.name,
             self._spec.host,
             self._spec.url,
             pid or 0,
             str(self._group.log_path(self._spec)),
-            None if not exited else -1,
         )
-
-    def log_tail(self, num_lines: int = 40) -> str:
-        return self._group.log_tail(self._spec, num_lines)
 
     def stop(self) -> None:
         self._is_stopping = True
@@ -157,6 +161,8 @@ class RayEngineGroup:
     def stop(self, timeout: float = 30.0) -> None:
         """Stop every instance (SIGTERM, then SIGKILL), end its actor for good, disconnect; idempotent."""
         actors, self._actors = self._actors, {}
+        if actors:
+            self._on_progress(f"stopping {len(actors)} instance(s) through their Ray actors")
         pending = []
         for actor in actors.values():
             try:
@@ -173,29 +179,19 @@ class RayEngineGroup:
         if ray.is_initialized():
             ray.shutdown()
 
-    def describe_now(self, spec: InstanceSpec) -> NodeInstance | None:
-        """What the instance's actor says now; None while Ray restarts it or once it is gone."""
+    def poll(self, spec: InstanceSpec) -> NodeInstance | ActorState:
+        """What the instance's actor says now, or why it says nothing: Ray is restarting it (or the
+        call timed out), or Ray has given up on it (restarts spent, stopped)."""
         actor = self._actors.get(spec.name)
         if actor is None:
-            return None
+            return "gone"
         try:
             node: NodeInstance = ray.get(actor.describe.remote(), timeout=_CALL_TIMEOUT_S)
-        except (ray.exceptions.RayError, TimeoutError):
-            return None
-        return node
-
-    def is_gone(self, spec: InstanceSpec) -> bool:
-        """Whether Ray has given up on the instance's actor (its restarts are spent)."""
-        actor = self._actors.get(spec.name)
-        if actor is None:
-            return True
-        try:
-            ray.get(actor.describe.remote(), timeout=_CALL_TIMEOUT_S)
         except ray.exceptions.ActorDiedError:
-            return True
+            return "gone"
         except (ray.exceptions.RayError, TimeoutError):
-            return False
-        return False
+            return "restarting"
+        return node
 
     def _connect(self) -> None:
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # nothing leaves the cluster
@@ -212,11 +208,17 @@ class RayEngineGroup:
             ) from exc
 
     def _check_placement(self) -> None:
-        listed: list[dict[str, Any]] = ray.nodes()  # type: ignore[no-untyped-call]
-        nodes = [dict(n["Resources"]) for n in listed if n.get("Alive")]
-        problems = unplaceable([(s.name, actor_options(s, self._topology)) for s in self._planned], nodes)
-        if problems:
-            raise ConfigError("the Ray cluster cannot place every instance:\n  " + "\n  ".join(problems))
+        wanted = [(s.name, actor_options(s, self._topology)) for s in self._planned]
+        # Nodes started a moment ago may not have joined yet (`ray start` returns before the head lists them).
+        deadline = time.monotonic() + _JOIN_GRACE_S
+        while True:
+            listed: list[dict[str, Any]] = ray.nodes()  # type: ignore[no-untyped-call]
+            problems = unplaceable(wanted, [dict(n["Resources"]) for n in listed if n.get("Alive")])
+            if not problems:
+                return
+            if time.monotonic() > deadline:
+                raise ConfigError("the Ray cluster cannot place every instance:\n  " + "\n  ".join(problems))
+            time.sleep(0.5)
 
     def _create(self, spec: InstanceSpec) -> Any:
         restarts = MAX_RESTARTS if self._topology.on_instance_exit == "restart" else 0
@@ -254,30 +256,25 @@ class RayWatch:
     def _run(self) -> None:
         specs = self._group.specs
         known = {s.name: self._group.node(s) for s in specs}
-        away: dict[str, str] = {}  # instance name → what the proxy was told: exited, gave_up
+        urls = {s.name: s.url for s in specs}  # where the proxy knows each: a move changes it
+        told: dict[str, InstanceEventKind] = {}  # what the proxy last heard of an instance, if anything
         while not self._stop.wait(_WATCH_INTERVAL_S):
             for spec in specs:
-                before = known[spec.name]
-                now = self._group.describe_now(spec)
+                if told.get(spec.name) == "gave_up":
+                    continue
+                now = self._group.poll(spec)
                 if self._stop.is_set():
                     return
-                if now is None or (before is not None and now.pid != before.pid):
-                    if spec.name not in away:
-                        away[spec.name] = "exited"
-                        self._on_event(InstanceEvent(spec.url, "exited", "its Ray actor is restarting"))
-                    if now is None and away[spec.name] != "gave_up" and self._group.is_gone(spec):
-                        away[spec.name] = "gave_up"
-                        self._on_event(InstanceEvent(spec.url, "gave_up", "Ray has no restarts left"))
-                    if now is None:
-                        continue
-                known[spec.name] = now
-                if spec.name in away and away[spec.name] != "gave_up" and self._is_back(spec, now):
-                    del away[spec.name]
-                    self._on_event(InstanceEvent(spec.url, "ready", f"restarted by Ray, pid {now.pid}"))
+                url = urls[spec.name]
+                event = next_event(spec, url, known[spec.name], now, told.get(spec.name), _is_healthy)
+                if isinstance(now, NodeInstance):
+                    known[spec.name] = now
+                if event is not None:
+                    told[spec.name] = event.kind
+                    if event.kind == "moved":
+                        urls[spec.name] = event.new_url
+                    self._on_event(event)
 
-    def _is_back(self, spec: InstanceSpec, now: NodeInstance) -> bool:
-        if now.url != spec.url:
-            # Restarted on another node: the proxy's pool has the old URL only (not built: re-adding it).
-            self._on_event(InstanceEvent(spec.url, "gave_up", f"Ray restarted it at {now.url}, another node"))
-            return False
-        return httpclient.is_ok(f"{now.url}/health", timeout=2.0)
+
+def _is_healthy(url: str) -> bool:
+    return httpclient.is_ok(f"{url}/health", timeout=2.0)

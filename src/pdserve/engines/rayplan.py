@@ -9,17 +9,22 @@ breaks every handshake across nodes; Ray Serve LLM sets the node IP for the same
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from pdserve.config import Role, Topology
 from pdserve.engines.plan import InstanceSpec
+from pdserve.events import InstanceEvent, InstanceEventKind
 
 # The plan's GPU ids are placeholders under Ray: Ray gives each actor its GPUs and sets the actor's own
 # CUDA_VISIBLE_DEVICES, which the instance inherits.
 _RAY_OWNED_ENV = ("CUDA_VISIBLE_DEVICES",)
 _SIDE_CHANNEL_HOST = "VLLM_NIXL_SIDE_CHANNEL_HOST"
+
+
+# Why an instance's actor says nothing: Ray is restarting it, or has given up on it.
+ActorState = Literal["restarting", "gone"]
 
 
 @dataclass(frozen=True)
@@ -31,7 +36,6 @@ class NodeInstance:
     url: str  # http://node_ip:port
     pid: int  # the instance's process on that node (its process-group leader)
     log_path: str  # on that node's filesystem
-    exit_code: int | None  # None while the process runs
 
 
 def actor_options(spec: InstanceSpec, topology: Topology) -> dict[str, Any]:
@@ -116,3 +120,27 @@ def _describe_node(resources: dict[str, float]) -> str:
         "?",
     )
     return f"{ip}: {_describe(shown)}"
+
+
+def next_event(
+    spec: InstanceSpec,
+    url: str,
+    before: NodeInstance | None,
+    now: NodeInstance | ActorState,
+    told: InstanceEventKind | None,
+    is_healthy: Callable[[str], bool],
+) -> InstanceEvent | None:
+    """What to tell the proxy of an instance it knows at ``url``, from what its actor said ``before`` and
+    ``now`` and what the proxy was last ``told``: gone (exited), back and healthy (ready, or moved when
+    Ray restarted it on another node, hence at another URL), or lost (gave_up)."""
+    if now == "gone":
+        return InstanceEvent(url, "gave_up", "its Ray actor is gone (restarts spent)")
+    is_new = now == "restarting" or before is None or now.pid != before.pid
+    if is_new and told in (None, "ready", "moved"):
+        return InstanceEvent(url, "exited", "its Ray actor is restarting")
+    if isinstance(now, NodeInstance) and told == "exited" and is_healthy(now.url):
+        if now.url != url:
+            detail = f"restarted by Ray on node {now.node_ip}, pid {now.pid}"
+            return InstanceEvent(url, "moved", detail, new_url=now.url)
+        return InstanceEvent(url, "ready", f"restarted by Ray, pid {now.pid}")
+    return None

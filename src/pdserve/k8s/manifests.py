@@ -105,6 +105,8 @@ def _vllm_container(spec: ClusterSpec, role: Role, *, is_worker: bool = False) -
         # The address decode dials for this pod's KV: its own pod IP, known only once it is scheduled.
         {"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": "VLLM_NIXL_SIDE_CHANNEL_PORT", "value": str(spec.side_channel_port)},
+        # POST /reset_prefix_cache, for the proxy's lease guard after a late pull (docs/kv-integrity.md).
+        *([{"name": "VLLM_SERVER_DEV_MODE", "value": "1"}] if role == "decode" else []),
         *({"name": name, "value": value} for name, value in spec.env),
     ]
     container: Obj = {"name": "vllm", "image": spec.image}

@@ -26,8 +26,9 @@ import logging
 from collections.abc import AsyncIterator, Mapping
 from typing import Protocol
 
-from pdserve.config import ROLES, ProxyConfig, Role, label_selector
+from pdserve.config import ROLES, ProxyConfig, Role
 from pdserve.errors import DiscoveryError
+from pdserve.labels import label_selector
 from pdserve.proxy.instance import Instance, Lifecycle
 from pdserve.proxy.k8s_watch import PodChanged, PodEvent, PodView, PodWatcher
 from pdserve.proxy.models import model_ids, models_in_service

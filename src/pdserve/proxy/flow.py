@@ -21,39 +21,52 @@ Once the client has bytes, a failure ends the stream with an error event; nothin
 
 The lease guard (guard.py): decode's answer is held back until it is known not to rest on KV prefill
 had already released; a suspect one is dropped and the request prefilled again (``LeaseSuspect``), at
-most ``_MAX_LEASE_RETRIES`` times. Decodes whose streams wait long for a first byte are avoided. The
+most ``_MAX_LEASE_RETRIES`` times, under a fresh ``cache_salt``: the late pull's wrong blocks stay in
+decode's prefix cache under the prompt's hashes, and the redo must not match them. Decodes whose streams wait long for a first byte are avoided. The
 overall deadline (``Timeouts.request``) bounds every attempt, backoff and lease retry together. When
 every instance of a role is out of service, the one most likely to answer is tried anyway (panic
 mode): health checks, not single failures, decide who is out.
 
-Each attempt returns a typed result (``Prefilled``/``Relayed``/``PrefillFailed``, ``Served``/
-``DecodeFailed``); the ``Trace`` only records what happened, for /requests.
+Each attempt returns a typed result (attempt.py: ``Prefilled``/``Relayed``/``PrefillFailed``, ``Served``/
+``DecodeFailed``/``LeaseSuspect``); the decode attempt and its relay live in decode.py. The ``Trace``
+only records what happened, for /requests.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import orjson
 
-from pdserve import protocol, sse
+from pdserve import protocol
 from pdserve.blocks import block_hashes
 from pdserve.config import ProxyConfig, Role
 from pdserve.errors import (
     BadRequest,
     NoInstanceAvailable,
-    UpstreamConnectError,
     UpstreamError,
     UpstreamProtocolError,
     UpstreamTimeout,
     UpstreamUnavailable,
 )
 from pdserve.protocol import Endpoint
+from pdserve.proxy.attempt import (
+    Call,
+    DecodeFailed,
+    LeaseSuspect,
+    Prefilled,
+    PrefillFailed,
+    Prompt,
+    Relayed,
+    Served,
+    describe,
+    relay_rejection,
+)
+from pdserve.proxy.decode import Decoder
 from pdserve.proxy.guard import LeaseGuard
 from pdserve.proxy.instance import Instance
 from pdserve.proxy.ledger import Handoff
@@ -64,85 +77,15 @@ from pdserve.proxy.timeline import Timeline
 from pdserve.proxy.tokens import PromptTokenizer
 from pdserve.proxy.trace import Trace
 from pdserve.proxy.tracing import RequestTracing
-from pdserve.proxy.upstream import Reply, Stream
+from pdserve.proxy.upstream import Reply
 
 log = logging.getLogger("pdserve.proxy")
-
-
-@dataclass(frozen=True)
-class Prompt:
-    """What the proxy knows of a request's prompt, for prompt-aware routing and the skip rule."""
-
-    num_tokens: int
-    hashes: list[int]  # chained hashes of its full KV blocks (blocks.py)
 
 
 _MAX_LEASE_RETRIES = 2
 # A decode whose oldest stream has waited this share of the lease for a first byte is not stepping
 # (stalled, or hopelessly queued): it gets no handoff while another can take it.
 _LAGGING_SHARE = 1 / 3
-
-
-@dataclass
-class Call:
-    """One client request as the attempts see it."""
-
-    endpoint: Endpoint
-    body: dict[str, Any]  # the client's body, kv_transfer_params removed
-    headers: dict[str, str]  # for both instances: X-Request-Id, Authorization
-    out: Responder
-    trace: Trace
-    is_stream: bool
-    deadline: float  # monotonic: the request's overall limit (Timeouts.request)
-    prompt: Prompt | None = None
-    handoff: Handoff | None = None  # the KV handoff in play: opened by prefill, closed by decode
-    delivered: Handoff | None = None  # the handoff decode's answer rests on, once it began
-    has_error_event: bool = False  # decode streamed vLLM's error event to the client
-    timeline: Timeline = field(default_factory=lambda: Timeline(time.perf_counter()))
-
-    @property
-    def path(self) -> str:
-        return protocol.PATHS[self.endpoint]
-
-    @property
-    def request_id(self) -> str:
-        return self.out.request_id
-
-
-# What an attempt came to. A prefill attempt: the KV is ready, or the client already has vLLM's own
-# rejection, or it failed. A decode attempt: the client was served (or given vLLM's rejection), or it
-# failed before the client got a byte.
-@dataclass(frozen=True)
-class Prefilled:
-    handoff: Handoff
-
-
-@dataclass(frozen=True)
-class Relayed:
-    """The client already has its answer: an instance's own rejection, relayed."""
-
-
-@dataclass(frozen=True)
-class PrefillFailed:
-    failure: UpstreamError | Reply  # the last attempt's error, or its 5xx answer
-
-
-@dataclass(frozen=True)
-class Served:
-    """The client got decode's answer (or decode's own 4xx)."""
-
-
-@dataclass(frozen=True)
-class DecodeFailed:
-    failure: UpstreamError | Reply  # a 5xx answer, or a stream whose first event was an error
-    kv_unused: bool = field(default=False)  # the request never reached decode: its params are unread
-
-
-@dataclass(frozen=True)
-class LeaseSuspect:
-    """Decode answered, but its answer may rest on released KV (guard.py): withheld, prefill again."""
-
-    why: str
 
 
 class Flow:
@@ -157,7 +100,7 @@ class Flow:
         self._config = config
         self._tokenizer = tokenizer
         self._t = config.timeouts
-        self._guard = LeaseGuard(state, state.ledger)
+        self._decoder = Decoder(state, config, LeaseGuard(state, state.ledger))
         self._tracing = tracing
 
     async def serve(
@@ -186,7 +129,8 @@ class Flow:
         headers = {"X-Request-Id": out.request_id}
         if auth is not None:
             headers["Authorization"] = auth
-        call = Call(endpoint, body, headers, out, trace, is_stream, time.monotonic() + self._t.request)
+        deadline = time.monotonic() + self._t.request
+        call = Call(endpoint, body, headers, out, trace, is_stream, deadline, self._t.request)
         timeline = call.timeline = Timeline(arrived, admitted, itl=self._state.stats.timings.itl)
         span = None
         if self._tracing is not None:
@@ -241,7 +185,7 @@ class Flow:
                         await self._give_up("prefill", call.trace.prefill_url or "-", prefilled.failure, call)
                         return
                     local_reason = (
-                        f"prefill failed ({_describe(prefilled.failure)}); decode computes the prompt"
+                        f"prefill failed ({describe(prefilled.failure)}); decode computes the prompt"
                     )
                     log.warning("request %s: %s", call.request_id, local_reason)
                 else:
@@ -250,7 +194,7 @@ class Flow:
             # A retry goes to another instance: none left (or no attempts left) makes this the last.
             others = self._state.pool("decode").available([*tried, decode])
             is_last = num_failed + 1 >= self._config.max_decode_attempts or not others
-            decoded = await self._decode(call, decode, is_last)
+            decoded = await self._decoder.attempt(call, decode, is_last)
             if isinstance(decoded, Served):
                 return
             if isinstance(decoded, LeaseSuspect):
@@ -260,6 +204,8 @@ class Flow:
                 if num_lease_retries > _MAX_LEASE_RETRIES:
                     raise UpstreamUnavailable("decode", decode.url, f"KV lease: {decoded.why} "
                                               f"(and after {_MAX_LEASE_RETRIES} fresh prefills)")  # fmt: skip
+                # The late pull left its wrong blocks in decode's prefix cache under this prompt's hashes.
+                call.body = protocol.with_fresh_cache_salt(call.body, f"lease-retry-{uuid.uuid4().hex[:16]}")
                 if others:
                     tried.append(decode)  # it may be the reason (stalled): let another take the next one
                 continue
@@ -268,29 +214,13 @@ class Flow:
             if is_last:
                 await self._give_up("decode", decode.url, decoded.failure, call)
                 return
-            call.trace.retries.append(f"decode {decode.url}: {_describe(decoded.failure)}")
+            call.trace.retries.append(f"decode {decode.url}: {describe(decoded.failure)}")
             self._state.stats.retried("decode")
             if call.handoff is not None and not self._may_reuse(call.handoff, decoded):
-                self._state.ledger.abandon(call.handoff, f"decode {decode.url}: {_describe(decoded.failure)}",
+                self._state.ledger.abandon(call.handoff, f"decode {decode.url}: {describe(decoded.failure)}",
                                            "decode_failed")  # fmt: skip
                 call.handoff = None  # decode may have pulled, and prefill freed, those blocks: prefill again
-            await self._sleep(call, self._backoff(num_failed))
-
-    def _limit(self, call: Call, phase: str, url: str, limit: float) -> float:
-        """The time an attempt may take: its phase's limit, or what is left of the request's deadline."""
-        left = call.deadline - time.monotonic()
-        if left <= 0:
-            raise UpstreamTimeout(phase, url, f"the request's {self._t.request:g} s deadline passed")
-        return min(limit, left)
-
-    async def _sleep(self, call: Call, seconds: float) -> None:
-        await asyncio.sleep(min(seconds, max(0.0, call.deadline - time.monotonic())))
-
-    def _check_deadline(self, call: Call, exc: UpstreamTimeout) -> UpstreamTimeout:
-        """A timeout that the deadline, not the phase's own limit, caused says so."""
-        if time.monotonic() >= call.deadline - 0.01:
-            return UpstreamTimeout(exc.phase, exc.url, f"the request's {self._t.request:g} s deadline passed")
-        return exc
+            await call.sleep(self._backoff(num_failed))
 
     @staticmethod
     def _may_reuse(handoff: Handoff, decoded: DecodeFailed) -> bool:
@@ -371,7 +301,7 @@ class Flow:
                 if not self._state.pool("prefill").available(tried):
                     break  # a retry goes to another instance, and there is none
                 self._state.stats.retried("prefill")
-                await self._sleep(call, self._backoff(attempt - 1))
+                await call.sleep(self._backoff(attempt - 1))
             try:
                 prefill = self._pick_prefill(tried, call.prompt)
             except NoInstanceAvailable as exc:
@@ -381,7 +311,7 @@ class Flow:
             trace.prefill_url = prefill.url
             begun = time.perf_counter()
             try:
-                limit = self._limit(call, "prefill", prefill.url, self._t.prefill)
+                limit = call.limit("prefill", prefill.url, self._t.prefill)
                 call.timeline.prefill_sent = time.perf_counter()
                 with prefill.dispatched():
                     # A prefill sent twice costs only compute: a stale keep-alive connection is retried.
@@ -404,185 +334,27 @@ class Flow:
                     )
                 if reply.status < 500:  # the client's own mistake: no other instance would differ
                     prefill.succeeded()
-                    await _relay_rejection("prefill", prefill.url, reply, call)
+                    await relay_rejection("prefill", prefill.url, reply, call)
                     return Relayed()
                 prefill.failed(f"answered {reply.status}")
                 failure = reply
             except UpstreamTimeout as exc:
                 prefill.failed(exc.detail, is_slow=True)
-                failure = self._check_deadline(call, exc)
+                failure = call.timeout_cause(exc)
             except UpstreamError as exc:
                 prefill.failed(exc.detail, is_slow=exc.is_slow)
                 failure = exc
-            trace.retries.append(f"prefill {prefill.url}: {_describe(failure)}")
+            trace.retries.append(f"prefill {prefill.url}: {describe(failure)}")
             if time.monotonic() >= call.deadline:
                 break
         assert failure is not None
         return PrefillFailed(failure)
 
-    # --- decode -----------------------------------------------------------------------------------
-
-    async def _decode(
-        self, call: Call, decode: Instance, is_last: bool
-    ) -> Served | DecodeFailed | LeaseSuspect:
-        """Serve the client from ``decode``; a failure before the client's first byte is returned,
-        unrelayed, so that another attempt may follow."""
-        call.trace.decode_url = decode.url
-        handoff = call.handoff
-        payload = orjson.dumps(protocol.decode_body(call.body, handoff.params) if handoff else call.body)
-        call.timeline.decode_sent = time.perf_counter()
-        with decode.dispatched():
-            try:
-                if call.is_stream:
-                    result = await self._decode_stream(call, decode, payload, is_last)
-                else:
-                    result = await self._decode_whole(call, decode, payload)
-            except UpstreamError as exc:
-                decode.failed(exc.detail, is_slow=exc.is_slow)
-                if isinstance(exc, UpstreamTimeout):
-                    exc = self._check_deadline(call, exc)
-                if call.out.started:
-                    raise exc from None
-                return DecodeFailed(exc, kv_unused=isinstance(exc, UpstreamConnectError))
-        if isinstance(result, DecodeFailed):
-            failure = result.failure
-            decode.failed(failure.detail if isinstance(failure, UpstreamError) else _instance_error(failure))
-        elif call.has_error_event:
-            decode.failed("streamed an error event")
-        else:
-            decode.succeeded()
-        return result
-
-    async def _suspect(self, call: Call) -> LeaseSuspect | None:
-        """The lease guard's verdict on decode's answer, which is about to begin; the handoff of a
-        suspect one is closed as such."""
-        handoff = call.handoff
-        if handoff is None:
-            return None
-        suspicion = await self._guard.check(handoff)
-        if suspicion is None:
-            return None
-        log.warning("request %s: not relaying decode's answer: %s", call.request_id, suspicion.why)
-        self._state.ledger.mark_suspect(handoff, suspicion.kind, suspicion.why)
-        call.handoff = None
-        return LeaseSuspect(suspicion.why)
-
-    async def _decode_whole(
-        self, call: Call, decode: Instance, payload: bytes
-    ) -> Served | DecodeFailed | LeaseSuspect:
-        limit = self._limit(call, "decode", decode.url, self._t.decode)
-        reply = await decode.upstream.post(call.path, payload, call.headers, "decode", limit)
-        call.timeline.decode_first_byte = time.perf_counter()
-        call.trace.decode_status = reply.status
-        if reply.status >= 500:
-            return DecodeFailed(reply)
-        if reply.status == 200 and (suspect := await self._suspect(call)) is not None:
-            return suspect
-        self._close_handoff(call, decode, reply.status)
-        if reply.status != 200:
-            await _relay_rejection("decode", decode.url, reply, call)
-        else:
-            await call.out.relay(200, reply.content_type, _without_transfer_metadata(reply.body))
-        call.timeline.chunk(time.perf_counter())
-        return Served()
-
-    async def _decode_stream(
-        self, call: Call, decode: Instance, payload: bytes, is_last: bool
-    ) -> Served | DecodeFailed | LeaseSuspect:
-        # The first chunk's budget is what the status line left of first_token, not a fresh one.
-        first_token = self._limit(call, "decode", decode.url, self._t.first_token)
-        first_chunk_deadline = time.monotonic() + first_token
-        with decode.awaiting_first_byte() as first_byte_came:
-            async with decode.upstream.open_stream(
-                call.path, payload, call.headers, "decode", first_token
-            ) as resp:
-                call.trace.decode_status = resp.status
-                if resp.status != 200:
-                    first_byte_came()
-                    reply = Reply(resp.status, resp.content_type, await resp.read_all(self._t.idle))
-                    if resp.status >= 500:
-                        return DecodeFailed(reply)
-                    self._close_handoff(call, decode, resp.status)
-                    await _relay_rejection("decode", decode.url, reply, call)
-                    return Served()
-                first_timeout = max(0.0, first_chunk_deadline - time.monotonic())
-                return await self._relay(call, resp, decode, first_timeout, is_last, first_byte_came)
-
-    async def _relay(
-        self,
-        call: Call,
-        resp: Stream,
-        decode: Instance,
-        first_timeout: float,
-        is_last: bool,
-        first_byte_came: Callable[[], None],
-    ) -> Served | DecodeFailed | LeaseSuspect:
-        """Forward decode's SSE bytes untouched, watching only for vLLM's error event and [DONE].
-
-        The client's stream starts with the first chunk, not before: an error event as the very
-        first thing (e.g. the KV pull failed) can still be retried elsewhere unless this is the last
-        try, and the lease guard has its say before any byte goes out.
-        """
-        out = call.out
-        watch = sse.StreamWatch()
-        async for chunk in resp.chunks(first_timeout, self._t.idle, self._t.first_token):
-            is_error = watch.feed(chunk)
-            if not out.started:
-                first_byte_came()
-                call.timeline.decode_first_byte = time.perf_counter()
-                if is_error and not is_last:
-                    return DecodeFailed(Reply(200, resp.content_type, chunk))
-                if (suspect := await self._suspect(call)) is not None:
-                    return suspect
-                await out.open_stream(resp.content_type)
-                self._close_handoff(call, decode, 200)
-            if is_error:
-                # vLLM's event says only what failed; the client also learns where (error path only).
-                chunk = protocol.with_error_event_origin(chunk, f"decode instance {decode.url}")
-                if not call.has_error_event:
-                    call.has_error_event = call.trace.stream_error_event = True
-                    call.trace.error = "decode streamed an error event"
-                    log.warning("request %s: decode %s streamed an error event", call.request_id, decode.url)
-            if watch.has_done:
-                self._recheck_before_the_end(call, decode)
-            await out.chunk(chunk)
-            call.timeline.chunk(time.perf_counter())
-        if not watch.has_done:
-            # A stream that stops without [DONE] would look like a short answer to the client.
-            raise UpstreamUnavailable("decode", decode.url, "stream ended before it was complete")
-        await out.end()
-        return Served()
-
-    def _recheck_before_the_end(self, call: Call, decode: Instance) -> None:
-        """Prefill's log may have spoken since the stream began: a stream it discredits ends with an
-        error naming the lease instead of a normal [DONE]."""
-        delivered = call.delivered
-        why = self._guard.from_log(delivered) if delivered is not None else None
-        if delivered is None or why is None:
-            return
-        self._state.ledger.mark_suspect(delivered, "log_during_stream", why)
-        raise UpstreamUnavailable("decode", decode.url, f"KV lease: {why}; this answer may be wrong")
-
-    def _close_handoff(self, call: Call, decode: Instance, status: int) -> None:
-        """Decode answered: its first bytes mean it has the KV; a 4xx means vLLM refused the request
-        (a refusal in its handler also tells prefill to free the KV; one in its request validation leaves
-        it to the lease)."""
-        if call.handoff is None:
-            return
-        if status == 200:
-            self._state.ledger.delivered(call.handoff, decode.url)
-            call.delivered = call.handoff
-        else:
-            self._state.ledger.abandon(
-                call.handoff, f"decode {decode.url} answered {status}", "decode_rejected"
-            )
-        call.handoff = None
-
     async def _give_up(self, phase: str, url: str, failure: UpstreamError | Reply, call: Call) -> None:
         """The last attempt of ``phase`` failed: the client hears of that failure."""
         if isinstance(failure, UpstreamError):
             raise failure
-        await _relay_rejection(phase, url, failure, call)
+        await relay_rejection(phase, url, failure, call)
 
     def _outcome(self, call: Call) -> Outcome:
         out = call.out
@@ -592,32 +364,3 @@ class Flow:
             return Outcome.STREAM_ERROR
         code = out.status or 0
         return Outcome.OK if code == 200 else Outcome.CLIENT_ERROR if code < 500 else Outcome.ERROR
-
-
-def _without_transfer_metadata(body: bytes) -> bytes:
-    """Decode's whole answer less its ``kv_transfer_params``. vLLM prints compact JSON with that key
-    after others, so cutting it out of the bytes is exact and skips parsing and re-encoding the whole
-    answer (a quote inside a JSON string is escaped: no text can fake the key); any other shape is parsed."""
-    spliced = body.replace(b',"kv_transfer_params":null', b"", 1)
-    if len(spliced) < len(body) and b'"kv_transfer_params"' not in spliced:
-        return spliced
-    return protocol.without_transfer_metadata(body)
-
-
-def _instance_error(reply: Reply) -> str:
-    return "streamed an error event" if reply.status == 200 else f"answered {reply.status}"
-
-
-def _describe(failure: UpstreamError | Reply) -> str:
-    if isinstance(failure, Reply):
-        return "streamed an error event first" if failure.status == 200 else f"answered {failure.status}"
-    return failure.detail
-
-
-async def _relay_rejection(phase: str, url: str, reply: Reply, call: Call) -> None:
-    """An instance's non-200 answer goes to the client with its status; a 5xx also names who failed."""
-    call.trace.error = f"{phase} answered {reply.status}"
-    body = reply.body
-    if reply.status >= 500:
-        body = protocol.with_error_origin(body, f"{phase} instance {url}")
-    await call.out.relay(reply.status, reply.content_type, body)

@@ -11,22 +11,36 @@ client has any of it:
 3. past that point, prefill's ``vllm:nixl_num_kv_expired_reqs_total``: if it did not move since the
    handoff opened, no lease ran out there, whatever decode's queueing (its heartbeats kept it alive).
 
-A suspect answer is never relayed: the flow prefills again. An answer whose first byte beats the lease
+A suspect answer is never relayed: the flow prefills again, under a fresh ``cache_salt``. vLLM puts the
+blocks a pull filled into decode's prefix cache, so a late pull leaves wrong blocks there under the
+prompt's hashes; ``purge`` empties that decode's prefix cache (``POST /reset_prefix_cache``, served by
+vLLM in dev mode, which ``pdserve up`` turns on for decodes) so later requests with that prefix (the
+next turn of the same chat) do not reuse them. An answer whose first byte beats the lease
 cannot have read released blocks, so a stream that began in time is trusted to its end, unless prefill's
 log later says otherwise (the flow checks again before the stream's last chunk).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
+import orjson
+
 from pdserve import prometheus
 from pdserve.errors import UpstreamError
+from pdserve.proxy.instance import Instance
 from pdserve.proxy.ledger import Handoff, Ledger
 from pdserve.proxy.state import ProxyState
 
+log = logging.getLogger("pdserve.proxy")
+
 _SCRAPE_TIMEOUT_S = 2.0
+# Without preempting running requests: with reset_running_requests=true, full e2e runs showed later
+# pulls on that decode stalling until prefill's lease ran out (under investigation). A reset refused
+# while requests hold blocks is counted as "refused".
+_RESET_PATH = "/reset_prefix_cache"
 
 
 @dataclass(frozen=True)
@@ -84,3 +98,36 @@ class LeaseGuard:
             return None
         samples = prometheus.parse_prometheus(reply.body.decode("utf-8", "replace"))
         return samples.get(prometheus.KV_EXPIRED, 0.0)
+
+    async def purge(self, decode: Instance) -> str:
+        """Empty ``decode``'s prefix cache after it may have read released KV; the result, as counted
+        (ok, refused, unavailable: vLLM not in dev mode, failed)."""
+        try:
+            reply = await decode.upstream.post(_RESET_PATH, b"", {}, "reset", _SCRAPE_TIMEOUT_S)
+        except UpstreamError as exc:
+            result, detail = "failed", exc.detail
+        else:
+            if reply.status == 200:
+                is_done = _success(reply.body)
+                result, detail = ("ok", "") if is_done else ("refused", "vLLM answered success=false")
+            elif reply.status in (404, 405):
+                result, detail = "unavailable", "start it with VLLM_SERVER_DEV_MODE=1 (pdserve up does)"
+            else:
+                result, detail = "failed", f"answered {reply.status}"
+        self._state.stats.purged(result)
+        if result == "ok":
+            log.warning("decode %s: prefix cache reset after a late KV pull", decode.url)
+        else:
+            log.warning(
+                "decode %s may keep wrong KV blocks in its prefix cache after a late pull; "
+                "could not reset it: %s (%s)", decode.url, result, detail,
+            )  # fmt: skip
+        return result
+
+
+def _success(body: bytes) -> bool:
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return True  # an older vLLM answers 200 with no body
+    return not isinstance(data, dict) or data.get("success", True) is not False

@@ -51,6 +51,9 @@ def render(state: ProxyState, admission: Admission) -> str:
                                                                               key=lambda kv: (kv[0][0], kv[0][1].value))))  # fmt: skip
     t.metric("pdserve_retries_total", "counter", "Attempts retried on another instance, by phase.",
              (({"phase": p}, n) for p, n in sorted(stats.retries.items())))  # fmt: skip
+    t.metric("pdserve_decode_prefix_cache_resets_total", "counter",
+             "Decode prefix-cache resets after a late KV pull, by result (ok, refused, unavailable, failed).",
+             (({"result": r}, n) for r, n in sorted(stats.purges.items())))  # fmt: skip
     t.metric("pdserve_requests_running", "gauge", "Requests holding an admission slot.",
              [({}, admission.num_running)])  # fmt: skip
     t.metric("pdserve_requests_queued", "gauge", "Requests waiting for an admission slot.",

@@ -77,6 +77,7 @@ class Stats:
         self.outcomes: Counter[tuple[Endpoint, Outcome]] = Counter()
         self.retries: Counter[str] = Counter()  # phase → attempts retried on another instance
         self.panics: Counter[str] = Counter()  # role → requests sent to an out-of-service instance
+        self.purges: Counter[str] = Counter()  # result → decode prefix-cache resets after a late pull
         self.timings = Timings()
 
     def finished(self, endpoint: Endpoint, outcome: Outcome) -> None:
@@ -87,6 +88,9 @@ class Stats:
 
     def panicked(self, role: str) -> None:
         self.panics[role] += 1
+
+    def purged(self, result: str) -> None:
+        self.purges[result] += 1
 
     def timed(self, timeline: Timeline) -> None:
         for phase, seconds in timeline.spans().items():
@@ -212,7 +216,25 @@ class ProxyState:
             self.forget_cache(instance)  # a new process: an empty prefix cache
         elif event.kind == "gave_up":
             instance.gave_up(f"not restarted: {event.detail}")
+        elif event.kind == "moved":
+            self._move(instance, event.new_url)
         log.warning("%s instance %s: %s %s", instance.role, instance.url, event.kind, event.detail)
+
+    def _move(self, instance: Instance, new_url: str) -> None:
+        """The instance serves at ``new_url`` now (Ray restarted it on another node): a fresh instance
+        there takes its place in the pool, and the old one leaves once idle."""
+        if self.find(new_url) is not None:
+            return
+        moved = self.new_instance(instance.role, new_url)
+
+        async def replace() -> None:
+            await moved.upstream.open()
+            self.add(moved)
+            self.remove(instance)
+
+        task = asyncio.create_task(replace())
+        self._removals.add(task)
+        task.add_done_callback(self._removals.discard)
 
     def check_passed(self, instance: Instance, load: EngineLoad | None) -> None:
         if instance.check_passed(load):

@@ -5,6 +5,7 @@ Routes:
     GET  /v1/models                              the served model, in vLLM's shape
     GET  /health                                 200 with an empty body, as vLLM
     GET  /metrics                                Prometheus text in vLLM's names (sim/metrics.py)
+    POST /reset_prefix_cache                     forget the prefix cache (vLLM serves it in dev mode)
     GET  /sim/faults, POST /sim/faults           the injected faults; POST merges the given fields
     POST /sim/kv/pull                            another process's decoder reads KV this instance holds
     POST /sim/kv/heartbeat                       another process's decoder keeps leases here alive
@@ -92,6 +93,11 @@ def create_sim_app(instance: SimInstance) -> ASGIApp:
 
     async def metrics(scope: Scope, receive: Receive, send: Send) -> None:
         await Writer(send).whole(200, inst.metrics.render(inst.engine.stats).encode(), _METRICS_TYPE)
+
+    async def reset_prefix_cache(scope: Scope, receive: Receive, send: Send) -> None:
+        num = inst.engine.reset_prefix_cache()
+        log.info("sim %s (%s): prefix cache reset (%d blocks forgotten)", inst.engine_id, inst.role, num)
+        await _json(send, 200, {"success": True})
 
     async def get_faults(scope: Scope, receive: Receive, send: Send) -> None:
         await _json(send, 200, inst.faults.spec.to_mapping())
@@ -189,6 +195,7 @@ def create_sim_app(instance: SimInstance) -> ASGIApp:
         "/v1/models": {"GET": models},
         "/health": {"GET": health},
         "/metrics": {"GET": metrics},
+        "/reset_prefix_cache": {"POST": reset_prefix_cache},
         "/sim/faults": {"GET": get_faults, "POST": set_faults},
         PULL_PATH: {"POST": pull},
         HEARTBEAT_PATH: {"POST": heartbeat},

@@ -1,129 +1,45 @@
 """A simulated vLLM engine: the scheduler driven through time, one ``step()`` at a time.
 
 Each step takes the scheduler's plan, lets the profile's step time pass on the clock, then hands each
-request the tokens the step produced. Time is a ``Clock`` so tests can run on ``VirtualClock``, where a
-step of 30 ms costs no wall time and every duration is exact.
+request the tokens the step produced. Time is a ``Clock`` (clock.py) so tests can run on
+``VirtualClock``, where a step of 30 ms costs no wall time and every duration is exact.
 
 Delivery is a deque plus a one-shot future per request rather than an ``asyncio.Queue``: the step loop is
 on every token, and in zero-cost mode the proxy's throughput benchmarks measure this path.
 
-Leases, as vLLM 0.32's NixlConnector keeps them (docs/vllm-kv-lifecycle.md, sections 1 and 2):
-
-- prefill holds a finished request's KV until a decode's read is reported, or until its lease runs out;
-  it reaps expired leases only at a step (an engine that holds KV steps all the time, so on time unless
-  stalled), logging vLLM's ``Releasing expired KV blocks ...`` line;
-- decode heartbeats every request it has received and not yet pulled, at most every lease/6 s and only
-  when it steps; a heartbeat extends the lease to 2/3 of a lease from when prefill reads it;
-- reads and heartbeats reach prefill as notifications it handles at its next step, heartbeats and reads
-  before reaping; a read of blocks no longer held "succeeds" with whatever they hold now (the request's
-  answer is wrong), and prefill logs ``Potentially invalid KV blocks ...`` when it handles it, which for
-  an engine holding nothing else is at its next request;
-- ``stall(seconds)`` stops the step loop as SIGSTOP of vLLM's EngineCore does: no steps, no reaping, no
-  heartbeats; reads of its held KV are still served (the NIXL agent is not the engine core).
+Leases, as vLLM 0.32's NixlConnector keeps them (the bookkeeping is leases.py): prefill holds a finished
+request's KV until a decode's read is reported or its lease runs out, and reaps expired leases only at a
+step, logging vLLM's ``Releasing expired KV blocks ...`` line; an engine holding KV steps all the time,
+so that is on time unless it is stalled. A read of blocks no longer held "succeeds" with whatever they
+hold now (that request's answer is wrong), and prefill logs ``Potentially invalid KV blocks ...`` when
+it reads the notification, which for an engine holding nothing else is at its next request.
+``stall(seconds)`` stops the step loop as SIGSTOP of vLLM's EngineCore does: no steps, no reaping, no
+heartbeats; reads of its held KV are still served (the NIXL agent is not the engine core).
 """
 
 from __future__ import annotations
 
 import asyncio
-import heapq
-import itertools
 import logging
 import math
 from collections import deque
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
-from typing import Literal, Protocol
 
 from pdserve.errors import EngineStoppedError, KVPullError
 from pdserve.events import EXPIRED_LINE, LATE_PULL_LINE
+from pdserve.sim.clock import Clock, LoopClock
+from pdserve.sim.clock import VirtualClock as VirtualClock  # tests and the cluster simulator take it here
+from pdserve.sim.leases import HolderLeases, Notification, ReaderLeases
 from pdserve.sim.profile import Profile
 from pdserve.sim.scheduler import PullJob, Scheduler, StepOutput
-from pdserve.sim.types import HeldKV, KVSource, RemoteKV, SimRequest, SimRole, TokenEvent
+from pdserve.sim.types import HeldKV, KVSource, SimRequest, SimRole, TokenEvent
 
 log = logging.getLogger("pdserve.sim")
 
 # vLLM heartbeats at every step when lease // 6 is 0; an idle sim decode wakes this often instead.
 _MIN_IDLE_HEARTBEAT_S = 0.1
 _STALE = HeldKV((), 0, 0.0, 0, is_intact=False)
-
-# A notification from a decode, handled at the holder's next step: a read is done, or a heartbeat.
-_Notification = tuple[Literal["read", "heartbeat"], tuple[str, ...]]
-
-
-class Clock(Protocol):
-    def now(self) -> float: ...
-
-    async def sleep(self, seconds: float) -> None: ...
-
-
-class LoopClock:
-    """The running event loop's monotonic time."""
-
-    def now(self) -> float:
-        return asyncio.get_running_loop().time()
-
-    async def sleep(self, seconds: float) -> None:
-        await asyncio.sleep(seconds)
-
-
-class VirtualClock:
-    """Time that jumps to the next sleeper's wake-up whenever the event loop has nothing else to run.
-
-    For in-process tests only: waiting on real I/O or real timers counts as idle, so time may jump then.
-    Idleness is read from the default asyncio loop's ready queue; on loops without one (uvloop) the clock
-    falls back to yielding a fixed number of times, which is usually but not always enough.
-    """
-
-    def __init__(self, start: float = 0.0) -> None:
-        self._now = start
-        self._sleepers: list[tuple[float, int, asyncio.Future[None]]] = []
-        self._order = itertools.count()  # equal wake-ups resume in the order they slept
-        self._driver: asyncio.Task[None] | None = None
-
-    def now(self) -> float:
-        return self._now
-
-    async def sleep(self, seconds: float) -> None:
-        if seconds <= 0:
-            await asyncio.sleep(0)
-            return
-        loop = asyncio.get_running_loop()
-        wake: asyncio.Future[None] = loop.create_future()
-        heapq.heappush(self._sleepers, (self._now + seconds, next(self._order), wake))
-        if self._driver is None or self._driver.done():
-            self._driver = loop.create_task(self._drive(), name="virtual-clock")
-        await wake
-
-    async def _drive(self) -> None:
-        sleepers = self._sleepers
-        while self._has_sleepers():
-            await self._settle()
-            if not self._has_sleepers():
-                return
-            self._now = max(self._now, sleepers[0][0])
-            while sleepers and sleepers[0][0] <= self._now:
-                wake = heapq.heappop(sleepers)[2]
-                if not wake.done():
-                    wake.set_result(None)
-
-    def _has_sleepers(self) -> bool:
-        sleepers = self._sleepers
-        while sleepers and sleepers[0][2].done():  # cancelled sleeps
-            heapq.heappop(sleepers)
-        return bool(sleepers)
-
-    async def _settle(self) -> None:
-        ready = getattr(asyncio.get_running_loop(), "_ready", None)
-        if ready is None:
-            for _ in range(100):
-                await asyncio.sleep(0)
-            return
-        await asyncio.sleep(0)
-        # A driver whose sleepers were all cancelled leaves at once: another clock's driver may be
-        # settling too (the next test's), and two drivers waiting for an empty ready queue would keep it
-        # full for each other forever.
-        while ready and self._has_sleepers():
-            await asyncio.sleep(0)
 
 
 @dataclass(frozen=True)
@@ -179,13 +95,8 @@ class SimEngine:
         self.num_pulls_failed = 0
         self._streams: dict[str, _Stream] = {}
         self._pulls: dict[str, asyncio.Task[None]] = {}
-        self.num_notifications_after_expiry = 0
-        self._notifications: deque[_Notification] = deque()
-        self._heartbeats: dict[str, RemoteKV] = {}  # received, not yet pulled: their leases to keep alive
-        self._last_heartbeat = -math.inf
-        # vLLM reads kv_lease_duration as an int: lease // 6 between heartbeats, 2/3 of it per extension.
-        self._heartbeat_interval = profile.kv_lease_s // 6
-        self._lease_extension = profile.kv_lease_s * 2 // 3
+        self._holder = HolderLeases(profile.kv_lease_s)  # decodes' notifications about KV held here
+        self._reader = ReaderLeases(profile.kv_lease_s)  # remote holds this engine keeps alive
         self._stalled_until = -math.inf
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -217,6 +128,10 @@ class SimEngine:
     def is_stalled(self) -> bool:
         return self.clock.now() < self._stalled_until
 
+    def reset_prefix_cache(self) -> int:
+        """Forget the prefix cache (vLLM's dev-mode POST /reset_prefix_cache); hashes forgotten."""
+        return self.scheduler.kv.reset_prefix_cache()
+
     # --- Requests ------------------------------------------------------------------------------------
 
     def check_request(self, req: SimRequest) -> None:
@@ -242,7 +157,7 @@ class SimEngine:
             await self.clock.sleep(self.profile.request_overhead_s)
         self.scheduler.add_request(req)
         if req.remote is not None:
-            self._heartbeats[request_id] = req.remote
+            self._reader.add(request_id, req.remote)
         stream = self._streams[request_id] = _Stream()
         self._wake.set()
         is_finished = False
@@ -261,7 +176,7 @@ class SimEngine:
                 if is_finished:
                     return
         finally:
-            self._heartbeats.pop(request_id, None)
+            self._reader.done(request_id)
             if self._streams.get(request_id) is stream:
                 del self._streams[request_id]
             if not is_finished:
@@ -280,8 +195,8 @@ class SimEngine:
         if self.scheduler.held:  # ids not held are ignored anyway
             self._notify(("heartbeat", request_ids))
 
-    def _notify(self, notification: _Notification) -> None:
-        self._notifications.append(notification)
+    def _notify(self, notification: Notification) -> None:
+        self._holder.notify(notification)
         # An engine holding KV steps continuously (vLLM), so it reads notifications at once; one holding
         # nothing reads them when its next request makes it step.
         if self.scheduler.held:
@@ -298,7 +213,7 @@ class SimEngine:
             prefix_cache_hits=s.kv.prefix_cache_hits,
             num_preemptions=s.num_preemptions,
             num_kv_expired=s.num_kv_expired,
-            num_notifications_after_expiry=self.num_notifications_after_expiry,
+            num_notifications_after_expiry=self._holder.num_late_reads,
             num_stale_reads=s.num_stale_reads,
             num_pulls_ok=self.num_pulls_ok,
             num_pulls_failed=self.num_pulls_failed,
@@ -319,11 +234,11 @@ class SimEngine:
                 if start < self._stalled_until:
                     await clock.sleep(self._stalled_until - start)
                     continue
-                if self._notifications:
+                if self._holder.has_mail:  # before reaping, as vLLM's worker does
                     self._read_notifications(start)
                 if scheduler.held:
                     self._expire_leases()
-                if self._heartbeats:
+                if not self._reader.is_empty:
                     self._send_heartbeats(start)
                 plan = scheduler.schedule()
                 for job in plan.pulls:
@@ -350,8 +265,8 @@ class SimEngine:
         or the next heartbeat is due."""
         self._wake.clear()
         wake_at = self.scheduler.next_expiry()
-        if self._heartbeats:
-            due = self._last_heartbeat + max(self._heartbeat_interval, _MIN_IDLE_HEARTBEAT_S)
+        due = self._reader.next_due(_MIN_IDLE_HEARTBEAT_S)
+        if due is not None:
             wake_at = due if wake_at is None else min(wake_at, due)
         if wake_at is None:
             await self._wake.wait()
@@ -379,29 +294,14 @@ class SimEngine:
                         EXPIRED_LINE, request_id)  # fmt: skip
 
     def _read_notifications(self, now: float) -> None:
-        """As vLLM's prefill worker does at each step: heartbeats extend, reads release or are late."""
-        scheduler = self.scheduler
-        while self._notifications:
-            kind, request_ids = self._notifications.popleft()
-            if kind == "heartbeat":
-                scheduler.extend_held(request_ids, now + self._lease_extension)
-                continue
-            [request_id] = request_ids
-            if scheduler.release_held(request_id) is None:
-                self.num_notifications_after_expiry += 1
-                log.error("%s%s were retrieved by a decode worker. They may have expired.",
-                          LATE_PULL_LINE, request_id)  # fmt: skip
+        for request_id in self._holder.read(self.scheduler, now):
+            log.error("%s%s were retrieved by a decode worker. They may have expired.",
+                      LATE_PULL_LINE, request_id)  # fmt: skip
 
     def _send_heartbeats(self, now: float) -> None:
-        if now - self._last_heartbeat < self._heartbeat_interval or self.kv_source is None:
-            return
-        self._last_heartbeat = now
-        by_engine: dict[str, list[RemoteKV]] = {}
-        for remote in self._heartbeats.values():
-            by_engine.setdefault(remote.engine_id, []).append(remote)
-        for engine_id, remotes in by_engine.items():
-            first = remotes[0]
-            self.kv_source.heartbeat(engine_id, first.host, first.port, tuple(r.request_id for r in remotes))
+        if self.kv_source is not None:
+            for engine_id, host, port, request_ids in self._reader.due(now):
+                self.kv_source.heartbeat(engine_id, host, port, request_ids)
 
     async def _pull(self, job: PullJob) -> None:
         assert self.kv_source is not None  # check_request made sure
@@ -420,7 +320,7 @@ class SimEngine:
             log.exception("sim engine %s: KV source failed for %s", self.engine_id, job.request_id)
             is_ok = False
         self._pulls.pop(job.request_id, None)
-        self._heartbeats.pop(job.request_id, None)  # vLLM stops heartbeating at the read's end
+        self._reader.done(job.request_id)  # vLLM stops heartbeating at the read's end
         if is_ok:
             if self.scheduler.mark_pulled(job.request_id, is_intact):
                 self.num_pulls_ok += 1

@@ -13,6 +13,10 @@ requests fail, so fault tests are deterministic.
   fails like vLLM's (500, or 200 + an error event). The holder keeps the blocks until its lease runs out.
 - ``down``: every connection to the instance, ``/health`` included, is closed without an answer, as
   if the process were gone. ``/sim/*`` stays reachable so tests can bring it back.
+
+Two faults are events rather than rates, so they are routes of their own (sim/api.py):
+``POST /sim/stall`` stops the engine stepping for a while (SIGSTOP of vLLM's EngineCore: no heartbeats,
+no lease reaping), ``POST /sim/restart`` kills the instance and brings it back under a new engine id.
 """
 
 from __future__ import annotations

@@ -146,8 +146,9 @@ class GenerationEndpoint:
         if fault is RequestFault.HANG:
             await asyncio.get_running_loop().create_future()  # until the client gives up
         sim_req = SimRequest(
-            engine_id, req.prompt_token_ids, req.max_tokens, req.is_prefill, req.remote, req.seed
-        )
+            engine_id, req.prompt_token_ids, req.max_tokens, req.is_prefill, req.remote, req.seed,
+            req.cache_salt,
+        )  # fmt: skip
         try:
             inst.engine.check_request(sim_req)
         except ValueError as exc:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from pdserve.blocks import extend_block_hashes
+from pdserve.blocks import ROOT_HASH, extend_block_hashes, root_hash
 
 
 def cdiv(a: int, b: int) -> int:
@@ -80,9 +80,10 @@ class KVCache:
     def num_stale_blocks(self) -> int:
         return len(self._stale)
 
-    def hash_blocks(self, token_ids: Sequence[int], hashes: list[int]) -> None:
-        """Extend ``hashes`` with the hashes of the full blocks of ``token_ids`` it does not cover yet."""
-        extend_block_hashes(token_ids, self.block_size, hashes)
+    def hash_blocks(self, token_ids: Sequence[int], hashes: list[int], salt: str | None = None) -> None:
+        """Extend ``hashes`` with the hashes of the full blocks of ``token_ids`` it does not cover yet;
+        the request's ``cache_salt`` roots the chain."""
+        extend_block_hashes(token_ids, self.block_size, hashes, ROOT_HASH if hashes else root_hash(salt))
 
     def lookup(self, hashes: Sequence[int], num_tokens: int) -> list[int]:
         """The cached blocks of the longest cached prefix of a ``num_tokens``-token sequence.
@@ -139,6 +140,17 @@ class KVCache:
             self._ref[block_id] = 1
             table.append(block_id)
         return table
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached hash (vLLM's POST /reset_prefix_cache): no later request reuses a block
+        through the cache; running requests keep their blocks. The number of hashes forgotten."""
+        num = len(self._cached)
+        for block_id in self._cached.values():
+            self._hash[block_id] = None
+        self._cached.clear()
+        for request_id, table in self._tables.items():  # their blocks are theirs alone now
+            self._num_hashed[request_id] = len(table)
+        return num
 
     def mark_stale(self, request_id: str, first_token: int, end_token: int) -> None:
         """The request's tokens ``first_token`` up to ``end_token`` were filled from released remote

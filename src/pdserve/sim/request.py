@@ -33,6 +33,7 @@ class GenerationRequest:
     seed: int
     is_prefill: bool  # kv_transfer_params.do_remote_decode: compute the prompt, hold its KV for decode
     remote: RemoteKV | None  # kv_transfer_params.do_remote_prefill: pull the prompt's KV first
+    cache_salt: str | None = None
 
 
 _BOOL_WORDS: Final = {"true": True, "false": False, "yes": True, "no": False, "on": True, "off": False,
@@ -305,4 +306,5 @@ def parse_request(
         0 if seed is None else seed if isinstance(seed, int) else int(float(seed)),
         is_prefill,
         remote,
+        body.get("cache_salt"),
     )

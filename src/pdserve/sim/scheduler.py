@@ -155,7 +155,7 @@ class Scheduler:
         seq = Sequence(
             req, tokens, len(tokens), hash(req.prompt_token_ids), is_pull_pending=req.remote is not None
         )
-        self.kv.hash_blocks(tokens, seq.block_hashes)
+        self.kv.hash_blocks(tokens, seq.block_hashes, req.cache_salt)
         self._live[req.request_id] = seq
         self.waiting.append(seq)
         self._num_in[Status.WAITING] += 1
@@ -324,7 +324,7 @@ class Scheduler:
         token = output_token(req.seed, seq.prompt_hash, index, self.vocab_size)
         seq.token_ids.append(token)
         if len(seq.token_ids) % self.kv.block_size == 0:
-            self.kv.hash_blocks(seq.token_ids, seq.block_hashes)
+            self.kv.hash_blocks(seq.token_ids, seq.block_hashes, seq.request.cache_salt)
         self.generation_tokens += 1
         num_cached = seq.num_cached_tokens if index == 0 else 0
         finish: FinishReason | None = None

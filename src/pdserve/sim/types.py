@@ -45,6 +45,7 @@ class SimRequest:
     hold_for_remote: bool = False  # prefill side of PD (do_remote_decode): keep the KV under a lease
     remote: RemoteKV | None = None  # decode side of PD (do_remote_prefill): pull this KV first
     seed: int = 0  # output tokens are a deterministic function of (seed, prompt, position)
+    cache_salt: str | None = None  # hashed into the first block, as vLLM does: no prefix shared across salts
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,205 @@
+"""The decode attempt: send the client's request with prefill's params to one decode instance and relay
+its answer, untouched, once the lease guard trusts it.
+
+Nothing reaches the client before decode's first chunk (streamed) or whole answer: a failure up to then
+is returned (``DecodeFailed``), so the flow may try another decode; an answer that may rest on released
+KV is withheld (``LeaseSuspect``). Once the client has bytes, a failure ends the stream with an error.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import orjson
+
+from pdserve import protocol, sse
+from pdserve.config import ProxyConfig
+from pdserve.errors import UpstreamConnectError, UpstreamError, UpstreamTimeout, UpstreamUnavailable
+from pdserve.proxy.attempt import Call, DecodeFailed, LeaseSuspect, Served, relay_rejection
+from pdserve.proxy.guard import LeaseGuard
+from pdserve.proxy.instance import Instance
+from pdserve.proxy.state import ProxyState
+from pdserve.proxy.upstream import Reply, Stream
+
+log = logging.getLogger("pdserve.proxy")
+
+
+class Decoder:
+    def __init__(self, state: ProxyState, config: ProxyConfig, guard: LeaseGuard) -> None:
+        self._state = state
+        self._t = config.timeouts
+        self._guard = guard
+
+    async def attempt(
+        self, call: Call, decode: Instance, is_last: bool
+    ) -> Served | DecodeFailed | LeaseSuspect:
+        """Serve the client from ``decode``; a failure before the client's first byte is returned,
+        unrelayed, so that another attempt may follow."""
+        call.trace.decode_url = decode.url
+        handoff = call.handoff
+        payload = orjson.dumps(protocol.decode_body(call.body, handoff.params) if handoff else call.body)
+        call.timeline.decode_sent = time.perf_counter()
+        with decode.dispatched():
+            try:
+                if call.is_stream:
+                    result = await self._decode_stream(call, decode, payload, is_last)
+                else:
+                    result = await self._decode_whole(call, decode, payload)
+            except UpstreamError as exc:
+                decode.failed(exc.detail, is_slow=exc.is_slow)
+                if isinstance(exc, UpstreamTimeout):
+                    exc = call.timeout_cause(exc)
+                if call.out.started:
+                    raise exc from None
+                return DecodeFailed(exc, kv_unused=isinstance(exc, UpstreamConnectError))
+        if isinstance(result, DecodeFailed):
+            failure = result.failure
+            decode.failed(failure.detail if isinstance(failure, UpstreamError) else _instance_error(failure))
+        elif call.has_error_event:
+            decode.failed("streamed an error event")
+        else:
+            decode.succeeded()
+        return result
+
+    async def _suspect(self, call: Call, decode: Instance) -> LeaseSuspect | None:
+        """The lease guard's verdict on decode's answer, which is about to begin; the handoff of a
+        suspect one is closed as such, and decode's prefix cache emptied of what the pull left."""
+        handoff = call.handoff
+        if handoff is None:
+            return None
+        suspicion = await self._guard.check(handoff)
+        if suspicion is None:
+            return None
+        log.warning("request %s: not relaying decode's answer: %s", call.request_id, suspicion.why)
+        self._state.ledger.mark_suspect(handoff, suspicion.kind, suspicion.why)
+        call.handoff = None
+        await self._guard.purge(decode)
+        return LeaseSuspect(suspicion.why)
+
+    async def _decode_whole(
+        self, call: Call, decode: Instance, payload: bytes
+    ) -> Served | DecodeFailed | LeaseSuspect:
+        limit = call.limit("decode", decode.url, self._t.decode)
+        reply = await decode.upstream.post(call.path, payload, call.headers, "decode", limit)
+        call.timeline.decode_first_byte = time.perf_counter()
+        call.trace.decode_status = reply.status
+        if reply.status >= 500:
+            return DecodeFailed(reply)
+        if reply.status == 200 and (suspect := await self._suspect(call, decode)) is not None:
+            return suspect
+        self._close_handoff(call, decode, reply.status)
+        if reply.status != 200:
+            await relay_rejection("decode", decode.url, reply, call)
+        else:
+            await call.out.relay(200, reply.content_type, _without_transfer_metadata(reply.body))
+        call.timeline.chunk(time.perf_counter())
+        return Served()
+
+    async def _decode_stream(
+        self, call: Call, decode: Instance, payload: bytes, is_last: bool
+    ) -> Served | DecodeFailed | LeaseSuspect:
+        # The first chunk's budget is what the status line left of first_token, not a fresh one.
+        first_token = call.limit("decode", decode.url, self._t.first_token)
+        first_chunk_deadline = time.monotonic() + first_token
+        with decode.awaiting_first_byte() as first_byte_came:
+            async with decode.upstream.open_stream(
+                call.path, payload, call.headers, "decode", first_token
+            ) as resp:
+                call.trace.decode_status = resp.status
+                if resp.status != 200:
+                    first_byte_came()
+                    reply = Reply(resp.status, resp.content_type, await resp.read_all(self._t.idle))
+                    if resp.status >= 500:
+                        return DecodeFailed(reply)
+                    self._close_handoff(call, decode, resp.status)
+                    await relay_rejection("decode", decode.url, reply, call)
+                    return Served()
+                first_timeout = max(0.0, first_chunk_deadline - time.monotonic())
+                return await self._relay(call, resp, decode, first_timeout, is_last, first_byte_came)
+
+    async def _relay(
+        self,
+        call: Call,
+        resp: Stream,
+        decode: Instance,
+        first_timeout: float,
+        is_last: bool,
+        first_byte_came: Callable[[], None],
+    ) -> Served | DecodeFailed | LeaseSuspect:
+        """Forward decode's SSE bytes untouched, watching only for vLLM's error event and [DONE].
+
+        The client's stream starts with the first chunk, not before: an error event as the very
+        first thing (e.g. the KV pull failed) can still be retried elsewhere unless this is the last
+        try, and the lease guard has its say before any byte goes out.
+        """
+        out = call.out
+        watch = sse.StreamWatch()
+        async for chunk in resp.chunks(first_timeout, self._t.idle, self._t.first_token):
+            is_error = watch.feed(chunk)
+            if not out.started:
+                first_byte_came()
+                call.timeline.decode_first_byte = time.perf_counter()
+                if is_error and not is_last:
+                    return DecodeFailed(Reply(200, resp.content_type, chunk))
+                if (suspect := await self._suspect(call, decode)) is not None:
+                    return suspect
+                await out.open_stream(resp.content_type)
+                self._close_handoff(call, decode, 200)
+            if is_error:
+                # vLLM's event says only what failed; the client also learns where (error path only).
+                chunk = protocol.with_error_event_origin(chunk, f"decode instance {decode.url}")
+                if not call.has_error_event:
+                    call.has_error_event = call.trace.stream_error_event = True
+                    call.trace.error = "decode streamed an error event"
+                    log.warning("request %s: decode %s streamed an error event", call.request_id, decode.url)
+            if watch.has_done:
+                await self._recheck_before_the_end(call, decode)
+            await out.chunk(chunk)
+            call.timeline.chunk(time.perf_counter())
+        if not watch.has_done:
+            # A stream that stops without [DONE] would look like a short answer to the client.
+            raise UpstreamUnavailable("decode", decode.url, "stream ended before it was complete")
+        await out.end()
+        return Served()
+
+    async def _recheck_before_the_end(self, call: Call, decode: Instance) -> None:
+        """Prefill's log may have spoken since the stream began: a stream it discredits ends with an
+        error naming the lease instead of a normal [DONE]."""
+        delivered = call.delivered
+        why = self._guard.from_log(delivered) if delivered is not None else None
+        if delivered is None or why is None:
+            return
+        self._state.ledger.mark_suspect(delivered, "log_during_stream", why)
+        await self._guard.purge(decode)
+        raise UpstreamUnavailable("decode", decode.url, f"KV lease: {why}; this answer may be wrong")
+
+    def _close_handoff(self, call: Call, decode: Instance, status: int) -> None:
+        """Decode answered: its first bytes mean it has the KV; a 4xx means vLLM refused the request
+        (a refusal in its handler also tells prefill to free the KV; one in its request validation leaves
+        it to the lease)."""
+        if call.handoff is None:
+            return
+        if status == 200:
+            self._state.ledger.delivered(call.handoff, decode.url)
+            call.delivered = call.handoff
+        else:
+            self._state.ledger.abandon(
+                call.handoff, f"decode {decode.url} answered {status}", "decode_rejected"
+            )
+        call.handoff = None
+
+
+def _without_transfer_metadata(body: bytes) -> bytes:
+    """Decode's whole answer less its ``kv_transfer_params``. vLLM prints compact JSON with that key
+    after others, so cutting it out of the bytes is exact and skips parsing and re-encoding the whole
+    answer (a quote inside a JSON string is escaped: no text can fake the key); any other shape is parsed."""
+    spliced = body.replace(b',"kv_transfer_params":null', b"", 1)
+    if len(spliced) < len(body) and b'"kv_transfer_params"' not in spliced:
+        return spliced
+    return protocol.without_transfer_metadata(body)
+
+
+def _instance_error(reply: Reply) -> str:
+    return "streamed an error event" if reply.status == 200 else f"answered {reply.status}"
