@@ -12,7 +12,14 @@ from collections.abc import Sequence
 from types import FrameType
 from typing import Any
 
-from pdserve.config import ProxyConfig, Timeouts, Topology, load_topology, resource_pairs
+from pdserve.config import (
+    ProxyConfig,
+    Timeouts,
+    Topology,
+    load_topology,
+    proxy_default,
+    resource_pairs,
+)
 from pdserve.errors import PDServeError
 from pdserve.proxy.policies import POLICIES
 
@@ -36,24 +43,19 @@ def _add_timeouts(p: argparse.ArgumentParser) -> None:
                    help="one request, every attempt and retry together (its overall deadline)")  # fmt: skip
 
 
-def _proxy_default(name: str) -> Any:
-    """``ProxyConfig``'s own default, so a flag's default never restates (and drifts from) the config's."""
-    return next(f.default for f in dataclasses.fields(ProxyConfig) if f.name == name)
-
-
 def _add_routing(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("routing")
-    g.add_argument("--prefill-policy", default=_proxy_default("prefill_policy"),
+    g.add_argument("--prefill-policy", default=proxy_default("prefill_policy"),
                    help=f"one of {', '.join(sorted(POLICIES))}")  # fmt: skip
-    g.add_argument("--decode-policy", default=_proxy_default("decode_policy"), help="as --prefill-policy")
-    g.add_argument("--skip-prefill-below", type=int, default=_proxy_default("skip_prefill_below_tokens"), metavar="TOKENS",
+    g.add_argument("--decode-policy", default=proxy_default("decode_policy"), help="as --prefill-policy")
+    g.add_argument("--skip-prefill-below", type=int, default=proxy_default("skip_prefill_below_tokens"), metavar="TOKENS",
                    help="uncached prompts shorter than this go straight to decode (needs a tokenizer); 0: never")  # fmt: skip
     g.add_argument(
         "--max-concurrent", type=int, help="requests in flight at most; more queue (default: unbounded)"
     )
-    g.add_argument("--max-queued", type=int, default=_proxy_default("max_queued"),
+    g.add_argument("--max-queued", type=int, default=proxy_default("max_queued"),
                    help="requests waiting beyond --max-concurrent; more get 429")  # fmt: skip
-    g.add_argument("--queue-timeout", type=float, default=_proxy_default("queue_timeout_s"),
+    g.add_argument("--queue-timeout", type=float, default=proxy_default("queue_timeout_s"),
                    help="seconds a queued request may wait (then 503)")  # fmt: skip
     g.add_argument("--fallback-to-local-prefill", action="store_true",
                    help="when every prefill attempt fails, let decode compute the prompt itself")  # fmt: skip
@@ -305,14 +307,14 @@ def build_parser() -> argparse.ArgumentParser:
     proxy.add_argument(
         "--decode", action="append", default=[], metavar="URL", help="decode instance (repeatable)"
     )
-    proxy.add_argument("--port", type=int, default=_proxy_default("port"))
-    proxy.add_argument("--host", default=_proxy_default("host"))
+    proxy.add_argument("--port", type=int, default=proxy_default("port"))
+    proxy.add_argument("--host", default=proxy_default("host"))
     proxy.add_argument(
         "--tokenizer", metavar="DIR", help="model dir with tokenizer.json, for prompt-aware routing"
     )
-    proxy.add_argument("--kv-lease", type=float, dest="kv_lease_s", default=_proxy_default("kv_lease_s"),
+    proxy.add_argument("--kv-lease", type=float, dest="kv_lease_s", default=proxy_default("kv_lease_s"),
                        help="the instances' kv_lease_duration in seconds: the lease guard reasons with it")  # fmt: skip
-    proxy.add_argument("--block-size", type=int, default=_proxy_default("prefix_block_size"),
+    proxy.add_argument("--block-size", type=int, default=proxy_default("prefix_block_size"),
                        help="the engines' KV block size (vLLM --block-size)")  # fmt: skip
     from pdserve.k8s.command import add_k8s_discovery
 

@@ -183,6 +183,11 @@ class ProxyConfig:
             raise ConfigError(f"proxy.k8s_api_server must be an http(s) URL, got {self.k8s_api_server!r}")
 
 
+def proxy_default(name: str) -> Any:
+    """``ProxyConfig``'s own default for a field, so a flag's default never restates (and drifts from) it."""
+    return next(f.default for f in dataclasses.fields(ProxyConfig) if f.name == name)
+
+
 def lease_warnings(config: ProxyConfig) -> list[str]:
     """What in ``config`` can outlast prefill's KV lease, in words for the start-up log.
 

@@ -115,7 +115,8 @@ def with_fresh_cache_salt(body: dict[str, Any], tag: str) -> dict[str, Any]:
     For a redo after a late pull: decode cached the blocks that pull filled (released KV, wrong
     contents) under the prompt's hashes, and a retry with the same hashes would reuse them. The new
     salt replaces a client's own: being unique, it shares a cache with no one, which is all a tenant's
-    salt asks. ``tag`` must be what vLLM allows in a salt (at most 100 characters, no ``/@\\``).
+    salt asks. vLLM allows 128 characters and no ``/ @ \\`` or NUL in a salt: ``tag`` must keep to that
+    with the 8-character prefix.
     """
     return {**body, "cache_salt": f"pdserve-{tag}"}
 

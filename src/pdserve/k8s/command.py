@@ -12,7 +12,7 @@ import shlex
 import sys
 from typing import Any
 
-from pdserve.config import ProxyConfig
+from pdserve.config import proxy_default
 from pdserve.k8s.manifests import to_yaml
 from pdserve.k8s.spec import ClusterSpec, parse_env
 
@@ -68,10 +68,6 @@ def add_k8s_render(sub: Any) -> None:
     render.set_defaults(func=cmd_k8s_render)
 
 
-def _proxy_default(name: str) -> Any:
-    return next(f.default for f in dataclasses.fields(ProxyConfig) if f.name == name)
-
-
 def add_k8s_discovery(p: argparse.ArgumentParser) -> None:
     """`pdserve proxy`'s discovery flags; their defaults are ProxyConfig's own."""
     g = p.add_argument_group("Kubernetes discovery (pip install 'pdserve[k8s]'; docs/deploying.md)")
@@ -81,9 +77,9 @@ def add_k8s_discovery(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--k8s-namespace", help="the pods' namespace (default: the proxy's own, or the kubeconfig's)"
     )
-    g.add_argument("--k8s-port", default=_proxy_default("k8s_port"), metavar="PORT|NAME",
+    g.add_argument("--k8s-port", default=proxy_default("k8s_port"), metavar="PORT|NAME",
                    help="the pods' HTTP port: a number or a container port name (default %(default)s)")  # fmt: skip
-    g.add_argument("--k8s-port-annotation", default=_proxy_default("k8s_port_annotation"), metavar="KEY",
+    g.add_argument("--k8s-port-annotation", default=proxy_default("k8s_port_annotation"), metavar="KEY",
                    help="a pod annotation whose port number overrides --k8s-port (default %(default)s)")  # fmt: skip
     g.add_argument("--k8s-api-server", metavar="URL",
                    help="the API server (e.g. `kubectl proxy`'s); default: in-cluster, then the kubeconfig")  # fmt: skip
