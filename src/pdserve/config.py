@@ -238,6 +238,9 @@ class Topology:
     gpus_per_instance: float | None = None
     instances_per_gpu: int | None = None
     kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE on CPU hosts
+    # Microseconds NIXL's progress thread waits between polls (engines/enginesite); NIXL's own is 0, a
+    # spinning core per instance. None: 100 on cpu (few cores, every one counts), 0 (NIXL's) on cuda.
+    nixl_progress_delay_us: int | None = None
     kv_lease_s: float | None = None  # vLLM's kv_lease_duration (whole seconds); None: vLLM's 30 s
     max_model_len: int | None = None  # None: 2048 for the embedded model, the model's own otherwise
     vllm_args: tuple[str, ...] = ()  # extra arguments for every instance
@@ -287,6 +290,9 @@ class Topology:
         self._check_gpu_placement()
         if self.max_model_len is not None:
             _check_positive("topology", max_model_len=self.max_model_len)
+        delay = self.nixl_progress_delay_us
+        if delay is not None and (not isinstance(delay, int) or isinstance(delay, bool) or delay < 0):
+            raise ConfigError(f"topology.nixl_progress_delay_us must be a whole number >= 0, got {delay!r}")
         if self.kv_lease_s is not None and self.kv_lease_s < 6:
             # decode heartbeats every lease/6 s (integer division in vLLM): below 6 s that is 0
             raise ConfigError(f"topology.kv_lease_s must be >= 6 s, got {self.kv_lease_s}")

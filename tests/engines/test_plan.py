@@ -325,3 +325,27 @@ def test_a_wildcard_host_binds_everywhere_but_the_side_channel_names_loopback() 
         assert arg_value(spec, "--host") == "0.0.0.0"
         assert spec.url.startswith("http://127.0.0.1:")
         assert dict(spec.env)["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1"
+
+
+def test_cpu_instances_give_nixls_progress_thread_a_pause_and_cuda_ones_keep_nixls_default() -> None:
+    # NIXL's progress thread spins a core per instance (engines/enginesite/sitecustomize.py): on a CPU host
+    # those are the engines' own cores.
+    for spec in plan_instances(Topology(), "/models/m", None, [0, 1]):
+        assert dict(spec.env)["PDSERVE_NIXL_PROGRESS_DELAY_US"] == "100"
+    for spec in plan_instances(Topology(device="cuda"), "/models/m", None, [0, 1], gpu_ids=[0, 1]):
+        assert "PDSERVE_NIXL_PROGRESS_DELAY_US" not in dict(spec.env)
+    explicit = Topology(device="cuda", nixl_progress_delay_us=50)
+    assert (
+        dict(plan_instances(explicit, "/m", None, [0], gpu_ids=[0, 1])[0].env)[
+            "PDSERVE_NIXL_PROGRESS_DELAY_US"
+        ]
+        == "50"
+    )
+    nixls_own = Topology(nixl_progress_delay_us=0)
+    assert "PDSERVE_NIXL_PROGRESS_DELAY_US" not in dict(plan_instances(nixls_own, "/m", None, [0, 1])[0].env)
+
+
+@pytest.mark.parametrize("delay", [-1, 1.5, True, "100"])
+def test_a_nixl_progress_delay_that_is_not_whole_microseconds_is_refused(delay: object) -> None:
+    with pytest.raises(ConfigError, match="nixl_progress_delay_us"):
+        Topology(nixl_progress_delay_us=delay)  # type: ignore[arg-type]

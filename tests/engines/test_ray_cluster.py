@@ -181,6 +181,12 @@ def test_the_proxy_hears_an_instance_go_and_come_back_each_time_ray_restarts_it(
     assert _story("restarting", _node(2), _node(2), healthy=False) == ["exited"]
 
 
+def test_an_actor_too_busy_to_answer_in_time_is_not_reported_gone() -> None:
+    # A loaded node answers late: the proxy's own health checks, not one slow Ray call, take it out.
+    assert _story(_node(1), "unresponsive", "unresponsive", _node(1)) == []
+    assert _story("restarting", "unresponsive", _node(2)) == ["exited", "ready"]
+
+
 def test_the_proxy_hears_that_an_instance_is_lost_when_ray_gives_up() -> None:
     assert _story("restarting", "gone") == ["exited", "gave_up"]
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from types import TracebackType
 
 from pdserve import httpclient
-from pdserve.engines.plan import InstanceSpec
+from pdserve.engines.plan import NIXL_PROGRESS_DELAY_ENV, InstanceSpec
 from pdserve.errors import ConfigError, EngineError, EngineStartError
 
 DEFAULT_ENTRYPOINT: tuple[str, ...] = ("-m", "vllm.entrypoints.openai.api_server")
@@ -29,6 +29,7 @@ _POLL_INTERVAL = 0.25  # seconds between health rounds while starting, and betwe
 _HEARTBEAT_INTERVAL = 10.0
 _LOG_TAIL_LINES = 30
 _PR_SET_PDEATHSIG = 1
+_ENGINESITE = Path(__file__).parent / "enginesite"  # a sitecustomize for vLLM's processes, not a package
 
 
 class EngineGroup:
@@ -217,7 +218,7 @@ class EngineGroup:
                     stdin=subprocess.DEVNULL,
                     stdout=log,
                     stderr=subprocess.STDOUT,
-                    env={**os.environ, **dict(spec.env)},
+                    env=_instance_env(spec),
                     start_new_session=True,
                     preexec_fn=_die_with_parent(os.getpid()) if sys.platform == "linux" else None,
                 )
@@ -367,6 +368,15 @@ def _has_exited(proc: subprocess.Popen[bytes]) -> bool:
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError):  # the group is already gone
         os.killpg(pgid, sig)
+
+
+def _instance_env(spec: InstanceSpec) -> dict[str, str]:
+    """This process's environment plus the instance's own. An instance told to tune NIXL gets
+    engines/enginesite first on its PYTHONPATH, where its ``sitecustomize`` does it (that file says why)."""
+    env = {**os.environ, **dict(spec.env)}
+    if NIXL_PROGRESS_DELAY_ENV in env:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_ENGINESITE), env.get("PYTHONPATH")) if p)
+    return env
 
 
 def _die_with_parent(parent_pid: int) -> Callable[[], None]:

@@ -42,6 +42,11 @@ _COMMON_ENV: Env = (
 # and across hosts cuda_ipc is not reachable.
 _CUDA_ENV: Env = (("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y"),)
 
+# NIXL's progress thread polls without pause, a core per instance (engines/enginesite/sitecustomize.py); on
+# a CPU host those cores are the engines' own, so the thread waits this long between polls there.
+CPU_NIXL_PROGRESS_DELAY_US = 100
+NIXL_PROGRESS_DELAY_ENV = "PDSERVE_NIXL_PROGRESS_DELAY_US"
+
 # A late pull (decode reading KV prefill had released) leaves wrong blocks in decode's prefix cache, where
 # later requests with that prefix would reuse them; the proxy's lease guard then empties that cache with
 # POST /reset_prefix_cache, which vLLM serves only in dev mode (docs/kv-integrity.md).
@@ -107,6 +112,10 @@ def plan_instances(
     else:
         slots = place_on_gpus(topology, len(roles), gpu_ids)
         device_env = [(("CUDA_VISIBLE_DEVICES", slot.visible_devices), *_CUDA_ENV) for slot in slots]
+    delay_us = topology.nixl_progress_delay_us
+    if delay_us is None:
+        delay_us = CPU_NIXL_PROGRESS_DELAY_US if topology.device == "cpu" else 0
+    nixl_env: Env = ((NIXL_PROGRESS_DELAY_ENV, str(delay_us)),) if delay_us else ()
     max_model_len = topology.max_model_len or default_max_model_len
     hosts = topology.instance_hosts
     specs = []
@@ -143,6 +152,7 @@ def plan_instances(
             ("VLLM_NIXL_SIDE_CHANNEL_HOST", hosts[i]),
             *_COMMON_ENV,
             *device_env[i],
+            *nixl_env,
             *tracing_env,
             *(_DECODE_ENV if role == "decode" else ()),
         )

@@ -180,8 +180,8 @@ class RayEngineGroup:
             ray.shutdown()
 
     def poll(self, spec: InstanceSpec) -> NodeInstance | ActorState:
-        """What the instance's actor says now, or why it says nothing: Ray is restarting it (or the
-        call timed out), or Ray has given up on it (restarts spent, stopped)."""
+        """What the instance's actor says now, or why it says nothing: Ray is restarting it, the call
+        timed out (a busy node: the actor may be fine), or Ray has given up on it (restarts spent, stopped)."""
         actor = self._actors.get(spec.name)
         if actor is None:
             return "gone"
@@ -189,7 +189,9 @@ class RayEngineGroup:
             node: NodeInstance = ray.get(actor.describe.remote(), timeout=_CALL_TIMEOUT_S)
         except ray.exceptions.ActorDiedError:
             return "gone"
-        except (ray.exceptions.RayError, TimeoutError):
+        except (ray.exceptions.GetTimeoutError, TimeoutError):
+            return "unresponsive"
+        except ray.exceptions.RayError:
             return "restarting"
         return node
 

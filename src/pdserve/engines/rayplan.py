@@ -24,7 +24,8 @@ _SIDE_CHANNEL_HOST = "VLLM_NIXL_SIDE_CHANNEL_HOST"
 
 
 # Why an instance's actor says nothing: Ray is restarting it, or has given up on it.
-ActorState = Literal["restarting", "gone"]
+# "unresponsive": the actor did not answer in time. Slow is not dead: the proxy's health checks decide.
+ActorState = Literal["restarting", "unresponsive", "gone"]
 
 
 @dataclass(frozen=True)
@@ -135,6 +136,8 @@ def next_event(
     Ray restarted it on another node, hence at another URL), or lost (gave_up)."""
     if now == "gone":
         return InstanceEvent(url, "gave_up", "its Ray actor is gone (restarts spent)")
+    if now == "unresponsive":
+        return None
     is_new = now == "restarting" or before is None or now.pid != before.pid
     if is_new and told in (None, "ready", "moved"):
         return InstanceEvent(url, "exited", "its Ray actor is restarting")

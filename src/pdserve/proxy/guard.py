@@ -37,9 +37,9 @@ from pdserve.proxy.state import ProxyState
 log = logging.getLogger("pdserve.proxy")
 
 _SCRAPE_TIMEOUT_S = 2.0
-# Without preempting running requests: with reset_running_requests=true, full e2e runs showed later
-# pulls on that decode stalling until prefill's lease ran out (under investigation). A reset refused
-# while requests hold blocks is counted as "refused".
+# Without preempting running requests: vLLM's reset_running_requests=true preempts every running request
+# and raises in the engine core when one is waiting for remote KV (v1/core/sched/scheduler.py), which a
+# busy decode usually has. A plain reset is refused while requests hold blocks: counted as "refused".
 _RESET_PATH = "/reset_prefix_cache"
 
 
