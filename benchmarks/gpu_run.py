@@ -19,6 +19,9 @@ stops the steps that do not need it), all within ``--deadline-s``:
   calibrate  `pdserve sim calibrate` on the decode instance → llama3-8b-h200.yaml (KV pull cost patched
              in from the load step's NIXL counters)
   bench      `pdserve bench --compare` (when this checkout has it and time is left: it starts its own pair)
+  e2e        the real-vLLM end-to-end tests that mean something on a GPU (``--e2e-tests``), with their pair
+             on the GPU (PDSERVE_E2E_DEVICE=cuda; needs pytest from .gpu/whl); not with ``demo`` (both
+             would want the GPU's memory): run it with ``--steps e2e``
 
 Writes to --out (at most 8 files come back): gpu_run.json (everything), gpu_run.txt (the same in words),
 nixl_transfer.json, llama3-8b-h200.yaml, logs.tar.gz (instance, nixl and step logs, tails only).
@@ -54,7 +57,8 @@ H200_SETS = (
 )
 # A 16-token block of Llama-3-8B: 16 tokens x 128 KiB (2 (K,V) x 32 layers x 8 KV heads x 128 x 2 B)
 KV_BLOCK_BYTES = 16 * 131072
-STEPS = ("facts", "model", "nixl", "demo", "doctor", "load", "benchurl", "calibrate", "bench")
+STEPS = ("facts", "model", "nixl", "demo", "doctor", "load", "benchurl", "calibrate", "bench", "e2e")
+E2E_TESTS = "tests/e2e/test_pd.py,tests/e2e/test_kv_integrity.py,tests/e2e/test_vllm_faults.py"
 
 
 class Run:
@@ -617,6 +621,23 @@ def finish(run: Run) -> None:
     run.save()
 
 
+def step_e2e(run: Run) -> dict[str, Any]:
+    env = {
+        "PDSERVE_E2E_DEVICE": "cuda",
+        "PDSERVE_ENGINE_PYTHON": PY,  # the image's python, vLLM from the carry on its path
+        "PDSERVE_FORBID_SKIPS": "1",
+        "PDSERVE_E2E_RUN_DIR": str(run.work / "e2e-run"),
+    }
+    (run.work / "e2e-run").mkdir(parents=True, exist_ok=True)
+    argv = [PY, "-m", "pytest", "-p", "no:cacheprovider", "-ra", "-m", "vllm", *run.a.e2e_tests.split(",")]
+    rc, tail = call(run, "e2e", argv, run.left() - 20, env)
+    summary = [ln for ln in tail.splitlines() if " passed" in ln or " failed" in ln or " error" in ln]
+    run.say("\n".join(tail.splitlines()[-25:]))
+    if rc != 0:
+        raise RuntimeError(f"pytest exit {rc}: {summary[-1] if summary else 'no summary'}")
+    return {"exit": rc, "summary": summary[-1] if summary else None, "tests": run.a.e2e_tests}
+
+
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
@@ -645,6 +666,7 @@ def main() -> int:
     p.add_argument("--device", default="cuda", help="cuda; cpu only to try this driver on a CPU machine")
     p.add_argument("--bench-python", default=PY, help="python with torch and nixl (on the H200: this one)")
     p.add_argument("--nixl-mem", default="vram,dram", help="memory kinds for the nixl step")
+    p.add_argument("--e2e-tests", default=E2E_TESTS, help="comma-separated test files for the e2e step")
     run = Run(p.parse_args())
     signal.signal(signal.SIGTERM, _interrupt)  # `timeout` ends us: still stop the pair and write results
     try:
@@ -658,6 +680,7 @@ def main() -> int:
         run.do("benchurl", step_bench_url, 90)
         run.do("calibrate", step_calibrate, 80)
         run.do("bench", step_bench, 280)
+        run.do("e2e", step_e2e, 240)
     except KeyboardInterrupt:
         run.say("interrupted: stopping and writing what was measured")
     finally:

@@ -1,6 +1,7 @@
 #!/bin/bash
 # Wheels pdserve needs on the lent H200 that neither its image nor ../shared/gpu's carry holds: the
-# OpenTelemetry packages the proxy imports (and protobuf, used only if the image's is too old).
+# OpenTelemetry packages the proxy imports (and protobuf, used only if the image's is too old), and pytest
+# with the plugins pyproject.toml configures, for gpu_run.py's e2e step.
 # usage, from the repo root: bash scripts/gpu-wheels.sh [DIR=.gpu/whl]   (DIR must be ignored by git)
 set -euo pipefail
 dir=${1:-.gpu/whl}
@@ -12,5 +13,6 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   opentelemetry-exporter-otlp-proto-http==1.45.2 opentelemetry-exporter-otlp-proto-common==1.45.2 \
   opentelemetry-proto==1.45.2 opentelemetry-exporter-http-transport==0.66b2 \
   opentelemetry-exporter-otlp-common==0.66b2 googleapis-common-protos==1.76.0 protobuf==7.36.2 \
+  pytest pluggy iniconfig pytest-timeout pytest-asyncio \
   2>&1 | grep -v "is ignored" || true
 du -sh "$dir"

