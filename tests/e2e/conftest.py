@@ -25,6 +25,8 @@ E2E_TOPOLOGY = Topology(
     first_side_channel_port=15600,
     on_instance_exit="restart",
     device="cuda" if os.environ.get("PDSERVE_E2E_DEVICE") == "cuda" else "cpu",
+    # No CUDA graphs on a GPU: the fault tests restart instances, and capture adds to every start-up.
+    vllm_args=("--enforce-eager",) if os.environ.get("PDSERVE_E2E_DEVICE") == "cuda" else (),
 )
 
 

@@ -4,7 +4,8 @@ Takes the vLLM flags the launcher passes (--host, --port) plus its own:
   --delay S          seconds before /health answers (vLLM loads the model meanwhile)
   --crash-after S    print an error and exit with code 3 after S seconds instead of serving
   --ignore-sigterm   keep running on SIGTERM (a wedged engine)
-  --child            fork a child that sleeps, like vLLM's engine-core process
+  --child            fork a child that sleeps, like vLLM's engine-core process, and log a line of it as
+                     vLLM does ("(EngineCore pid=N) ..."), with no process title (as without setproctitle)
   --crash-if-exists PATH   as --crash-after 0.1 when PATH exists at start (a restart that keeps failing)
   --slow-if-exists PATH    as --delay 60 when PATH exists at start (a restart that takes long)
 """
@@ -49,7 +50,8 @@ def main() -> None:
     if args.ignore_sigterm:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if args.child:
-        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        print(f"(EngineCore pid={child.pid}) INFO fake engine core started", flush=True)
     print(f"fake engine loading model for port {args.port}", flush=True)
     if args.crash_after is not None:
         time.sleep(args.crash_after)

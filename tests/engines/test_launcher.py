@@ -137,6 +137,19 @@ def test_stop_leaves_no_process_and_frees_the_port(make_group: MakeGroup) -> Non
     group.stop()  # idempotent
 
 
+def test_the_engine_core_a_stall_test_stops_is_found_by_its_log_line_where_it_has_no_title(
+    make_group: MakeGroup,
+) -> None:
+    # vLLM on the lent GPU image runs without setproctitle: its EngineCore is a plain "python3" child.
+    spec = fake_spec("decode", 0, "--child")
+    group = make_group(spec)
+    group.start()
+    core = group.engine_core_pid(spec)
+    assert core is not None and core != group.pid(spec)
+    assert f"(EngineCore pid={core})" in group.log_path(spec).read_text()
+    assert group.engine_core_pid(fake_spec("prefill", 1)) is None  # never started
+
+
 def test_instance_ignoring_sigterm_is_killed_within_the_timeout(
     make_group: MakeGroup, messages: list[str]
 ) -> None:

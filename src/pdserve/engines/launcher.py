@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -29,6 +30,7 @@ _POLL_INTERVAL = 0.25  # seconds between health rounds while starting, and betwe
 _HEARTBEAT_INTERVAL = 10.0
 _LOG_TAIL_LINES = 30
 _PR_SET_PDEATHSIG = 1
+_ENGINE_CORE_LOG_PID = re.compile(r"\(EngineCore(?:_DP\d+)? pid=(\d+)\)")
 _ENGINESITE = Path(__file__).parent / "enginesite"  # a sitecustomize for vLLM's processes, not a package
 
 
@@ -75,22 +77,23 @@ class EngineGroup:
 
     def engine_core_pid(self, spec: InstanceSpec) -> int | None:
         """PID of the instance's vLLM EngineCore (the API server's child that schedules and steps the
-        model: what a stall test stops with SIGSTOP), None if there is none (a simulator, not started)."""
+        model: what a stall test stops with SIGSTOP), None if there is none (a simulator, not started).
+
+        Found by its process title (``VLLM::EngineCore``), or, where vLLM could not set one (no
+        setproctitle, as in the lent GPU image), by the pid its log lines carry."""
         api_pid = self.pid(spec)
         if api_pid is None:
             return None
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            comm = stat[stat.index("(") + 1 : stat.rindex(")")]
-            ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
-            if ppid == api_pid and comm.startswith("VLLM::EngineCor"):
-                return int(entry.name)
-        return None
+        children = {pid: comm for pid, (comm, ppid) in _processes().items() if ppid == api_pid}
+        for pid, comm in children.items():
+            if comm.startswith("VLLM::EngineCor"):
+                return pid
+        try:
+            log_text = self.log_path(spec).read_text(errors="replace")
+        except OSError:
+            return None
+        logged = [int(m) for m in _ENGINE_CORE_LOG_PID.findall(log_text)]
+        return next((pid for pid in reversed(logged) if pid in children), None)
 
     def start(self) -> None:
         """Spawn the instances stage by stage (``InstanceSpec.start_stage``) and return when all answer
@@ -368,6 +371,21 @@ def _has_exited(proc: subprocess.Popen[bytes]) -> bool:
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError):  # the group is already gone
         os.killpg(pgid, sig)
+
+
+def _processes() -> dict[int, tuple[str, int]]:
+    """Every process's (comm, parent pid), from /proc."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        comm = stat[stat.index("(") + 1 : stat.rindex(")")]
+        found[int(entry.name)] = (comm, int(stat[stat.rindex(")") + 2 :].split()[1]))
+    return found
 
 
 def _instance_env(spec: InstanceSpec) -> dict[str, str]:
