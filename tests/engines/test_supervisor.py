@@ -16,7 +16,7 @@ from test_launcher import FAKE_ENGINE, fake_spec, group_is_running, health_statu
 
 from pdserve.engines.launcher import EngineGroup
 from pdserve.engines.plan import InstanceSpec
-from pdserve.engines.supervisor import RestartPolicy, Supervisor
+from pdserve.engines.supervisor import RestartPolicy, Supervisor, restart_hint
 from pdserve.errors import ConfigError
 from pdserve.events import InstanceEvent
 
@@ -196,3 +196,15 @@ def test_a_restart_held_up_by_a_taken_port_says_why_and_goes_ahead_once_it_is_fr
         assert said and f"port {spec.side_channel_port}" in said[0], recorder.messages
         assert "restarting" not in recorder.kinds(spec.url)
     recorder.wait_for(spec.url, "ready")
+
+
+def test_a_restart_refused_for_gpu_memory_another_process_holds_says_what_to_do() -> None:
+    # vLLM 0.26's own words, from a prefill restarted beside a live decode on one H200 (docs/gpu.md)
+    tail = (
+        "(EngineCore pid=3388) ValueError: Free memory on device cuda:0 (13.19/139.8 GiB) on startup is less "
+        "than desired GPU memory utilization (0.45, 62.91 GiB). Decrease GPU memory utilization or reduce GPU "
+        "memory used by other processes."
+    )
+    hint = restart_hint(tail)
+    assert hint is not None and "13.19 of 139.8 GiB" in hint and "restart the instances on that GPU" in hint
+    assert restart_hint("RuntimeError: fake engine failed to allocate KV cache") is None

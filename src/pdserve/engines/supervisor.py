@@ -39,6 +39,25 @@ _BLOCKED_SAY_EVERY_S = 30.0  # how often a restart held up by lingering processe
 _ACCESS_LINE = re.compile(r'^INFO: +\S+:\d+ - "')
 
 
+# vLLM's start-up check when the GPU lacks the memory --gpu-memory-utilization asks for (v1/worker/utils.py)
+_GPU_MEMORY_HELD = re.compile(
+    r"Free memory on device \S+ \(([\d.]+)/([\d.]+) GiB\) on startup is less than desired"
+)
+
+
+def restart_hint(log_tail: str) -> str | None:
+    """What an operator should know about a failed (re)start that its log tail alone does not say."""
+    found = _GPU_MEMORY_HELD.search(log_tail)
+    if found is None:
+        return None
+    free, total = found.groups()
+    return (
+        f"only {free} of {total} GiB of its GPU are free: another process still holds the rest. Seen on one "
+        "GPU shared with a decode after prefill was killed: decode keeps the dead prefill's KV mapped "
+        "(cuda_ipc), so the memory stays allocated; restart the instances on that GPU (docs/gpu.md)"
+    )
+
+
 @dataclass(frozen=True)
 class RestartPolicy:
     first_backoff_s: float = 1.0  # wait before the first restart; doubles with each exit in the window
@@ -137,8 +156,10 @@ class Supervisor:
         spec = watched.spec
         lines = [ln for ln in self._group.log_tail(spec, 400).splitlines() if not _ACCESS_LINE.match(ln)]
         tail = "\n".join(lines[-_TAIL_LINES:])
+        hint = restart_hint(tail)
         self._say(
             f"{spec.name} {status}; last lines of {self._group.log_path(spec)} (access log left out):\n{tail}"
+            + (f"\n{spec.name}: {hint}" if hint else "")
         )
         self._emit(watched, "exited", status)
         # The API server may be gone while its engine core still holds the side channel and memory.
