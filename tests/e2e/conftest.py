@@ -19,14 +19,15 @@ from pdserve.stack import Stack
 
 # Ports away from `pdserve up`'s defaults, so a developer's running system does not collide with the suite.
 # Supervised as `pdserve up` is: the fault tests kill instances and wait for the supervisor's restart.
+ON_GPU = os.environ.get("PDSERVE_E2E_DEVICE") == "cuda"
 E2E_TOPOLOGY = Topology(
     proxy_port=18000,
     first_port=18100,
     first_side_channel_port=15600,
     on_instance_exit="restart",
-    device="cuda" if os.environ.get("PDSERVE_E2E_DEVICE") == "cuda" else "cpu",
+    device="cuda" if ON_GPU else "cpu",
     # No CUDA graphs on a GPU: the fault tests restart instances, and capture adds to every start-up.
-    vllm_args=("--enforce-eager",) if os.environ.get("PDSERVE_E2E_DEVICE") == "cuda" else (),
+    vllm_args=("--enforce-eager",) if ON_GPU else (),
 )
 
 

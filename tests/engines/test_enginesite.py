@@ -27,16 +27,9 @@ print("agent started")
 """
 
 
-def _engine_python() -> str:
-    python = os.environ.get("PDSERVE_ENGINE_PYTHON")
-    if not python:
-        pytest.fail("PDSERVE_ENGINE_PYTHON is not set: `make test` sets it to the engine venv's python")
-    return python
-
-
-def _run(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+def _run(engine_python: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [_engine_python(), "-c", PROBE], env=env, capture_output=True, text=True, timeout=120, check=True
+        [engine_python, "-c", PROBE], env=env, capture_output=True, text=True, timeout=120, check=True
     )
 
 
@@ -44,18 +37,22 @@ def _spec(env: tuple[tuple[str, str], ...]) -> InstanceSpec:
     return InstanceSpec("prefill", 0, "127.0.0.1", 1, 2, (), env)
 
 
-def test_an_instance_told_to_pause_nixls_progress_thread_gets_the_delay_in_every_nixl_agent() -> None:
+def test_an_instance_told_to_pause_nixls_progress_thread_gets_the_delay_in_every_nixl_agent(
+    engine_python: str,
+) -> None:
     env = _instance_env(_spec((("PDSERVE_NIXL_PROGRESS_DELAY_US", "100"),)))
     assert env["PYTHONPATH"].split(os.pathsep)[0] == str(ENGINESITE)
-    result = _run(env)
+    result = _run(engine_python, env)
     assert "._api 100" in result.stdout and "agent started" in result.stdout, result
     assert "NIXL progress thread polls every 100 us" in result.stderr
 
 
-def test_without_the_setting_nixl_is_left_as_it_is() -> None:
+def test_without_the_setting_nixl_is_left_as_it_is(engine_python: str) -> None:
     env = _instance_env(_spec(()))
     assert str(ENGINESITE) not in env.get("PYTHONPATH", "")
-    result = _run({**env, "PYTHONPATH": str(ENGINESITE)})  # on the path, but not asked to do anything
+    result = _run(
+        engine_python, {**env, "PYTHONPATH": str(ENGINESITE)}
+    )  # on the path, but not asked to do anything
     assert "._api 0" in result.stdout and "agent started" in result.stdout, result
     assert "enginesite" not in result.stderr
 

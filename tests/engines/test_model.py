@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import subprocess
 import threading
 from pathlib import Path
@@ -28,18 +27,6 @@ EXPECTED_FILES = {
     "tokenizer.json",
     "tokenizer_config.json",
 }
-
-
-@pytest.fixture(scope="session")
-def engine_python() -> str:
-    value = os.environ.get("PDSERVE_ENGINE_PYTHON")
-    if not value:
-        pytest.fail(
-            "PDSERVE_ENGINE_PYTHON is not set: point it at the engine venv's python "
-            "(the one with torch/transformers/vllm), e.g. PDSERVE_ENGINE_PYTHON=/tmp/probe/venv/bin/python",
-            pytrace=False,
-        )
-    return value
 
 
 @pytest.fixture(scope="session")
