@@ -8,6 +8,7 @@ pair is not running yet and the two cores are not shared by four instances."""
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -26,11 +27,15 @@ COMPARE = ["bench", "--compare", "--num-prompts", str(NUM_PROMPTS), "--input-len
 _NUMBER = r"-?[\d.]+|inf|nan"
 
 
-def row(text: str, name: str) -> list[str]:
-    """The disaggregated, colocated and d/c columns of one row of the side-by-side table."""
-    match = re.search(rf"^  {re.escape(name)} +({_NUMBER}) +({_NUMBER}) +({_NUMBER})$", text, re.MULTILINE)
-    assert match, f"no {name!r} row with both modes and a ratio in:\n{text}"
-    return list(match.groups())
+def row(text: str, name: str) -> tuple[float, float, float | None]:
+    """The disaggregated, colocated and d/c columns of one row of the side-by-side table (no ratio is
+    printed where both columns are 0)."""
+    match = re.search(
+        rf"^  {re.escape(name)} +({_NUMBER}) +({_NUMBER})(?: +({_NUMBER}))?$", text, re.MULTILINE
+    )
+    assert match, f"no {name!r} row with both modes in:\n{text}"
+    d, c, ratio = match.groups()
+    return float(d), float(c), None if ratio is None else float(ratio)
 
 
 def test_compare_runs_the_workload_split_and_whole_on_the_same_kv_both_instances(
@@ -43,9 +48,19 @@ def test_compare_runs_the_workload_split_and_whole_on_the_same_kv_both_instances
     assert "disaggregated at inf req/s: 6 requests via http://127.0.0.1:21300" in text
     assert "colocated at inf req/s: 6 requests via http://127.0.0.1:21301" in text
     for name in ("TTFT p50 ms", "TPOT p50 ms", "ITL p90 ms", "E2EL p50 ms", "goodput req/s"):
-        d, c, ratio = map(float, row(text, name))
+        d, c, ratio = row(text, name)
+        if name.startswith(("TPOT", "ITL")):
+            # vLLM's API server merges a stream's queued tokens into one event when it falls behind its
+            # engine (one core per instance here): vLLM's client then times a 0 ms gap, and on a busy
+            # 2-core machine most of a request's gaps can be 0 in either mode.
+            assert d >= 0 and c >= 0, text
+            if c == 0:
+                assert ratio is None if d == 0 else ratio == math.inf, text
+                continue
+        else:
+            assert d > 0 and c > 0, text
         # Each column is rounded to 0.01 on its own: the printed ratio agrees with theirs within that.
-        assert d > 0 and c > 0 and abs(ratio - d / c) <= 0.006 + d / c * (0.006 / d + 0.006 / c)
+        assert ratio is not None and abs(ratio - d / c) <= 0.006 + (0.006 + 0.006 * d / c) / c, text
     assert re.search(r"^verdict: (DISAGGREGATE|COLOCATE|EITHER): goodput disaggregated/colocated", text, re.M)
     assert re.search(r"^  - transfer: \d+ KV transfers, [\d.]+ MB each", text, re.M)
     assert re.search(r"^  - interference: colocated ITL p90", text, re.M)
