@@ -48,6 +48,7 @@ class Call:
     handoff: Handoff | None = None  # the KV handoff in play: opened by prefill, closed by decode
     delivered: Handoff | None = None  # the handoff decode's answer rests on, once it began
     has_error_event: bool = False  # decode streamed vLLM's error event to the client
+    error: str | None = None  # the error the client was given, if any (the Trace records a copy)
     timeline: Timeline = field(default_factory=lambda: Timeline(time.perf_counter()))
 
     @property
@@ -88,6 +89,7 @@ class Relayed:
 @dataclass(frozen=True)
 class PrefillFailed:
     failure: UpstreamError | Reply  # the last attempt's error, or its 5xx answer
+    url: str = "-"  # the instance that failed last ("-": none could be tried)
 
 
 @dataclass(frozen=True)
@@ -116,7 +118,7 @@ def describe(failure: UpstreamError | Reply) -> str:
 
 async def relay_rejection(phase: str, url: str, reply: Reply, call: Call) -> None:
     """An instance's non-200 answer goes to the client with its status; a 5xx also names who failed."""
-    call.trace.error = f"{phase} answered {reply.status}"
+    call.error = f"{phase} answered {reply.status}"
     body = reply.body
     if reply.status >= 500:
         body = protocol.with_error_origin(body, f"{phase} instance {url}")

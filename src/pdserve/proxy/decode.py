@@ -17,7 +17,7 @@ import orjson
 from pdserve import protocol, sse
 from pdserve.config import ProxyConfig
 from pdserve.errors import UpstreamConnectError, UpstreamError, UpstreamTimeout, UpstreamUnavailable
-from pdserve.proxy.attempt import Call, DecodeFailed, LeaseSuspect, Served, relay_rejection
+from pdserve.proxy.attempt import Call, DecodeFailed, LeaseSuspect, Served, describe, relay_rejection
 from pdserve.proxy.guard import LeaseGuard
 from pdserve.proxy.instance import Instance
 from pdserve.proxy.state import ProxyState
@@ -55,8 +55,7 @@ class Decoder:
                     raise exc from None
                 return DecodeFailed(exc, kv_unused=isinstance(exc, UpstreamConnectError))
         if isinstance(result, DecodeFailed):
-            failure = result.failure
-            decode.failed(failure.detail if isinstance(failure, UpstreamError) else _instance_error(failure))
+            decode.failed(describe(result.failure))
         elif call.has_error_event:
             decode.failed("streamed an error event")
         else:
@@ -151,8 +150,8 @@ class Decoder:
                 # vLLM's event says only what failed; the client also learns where (error path only).
                 chunk = protocol.with_error_event_origin(chunk, f"decode instance {decode.url}")
                 if not call.has_error_event:
-                    call.has_error_event = call.trace.stream_error_event = True
-                    call.trace.error = "decode streamed an error event"
+                    call.has_error_event = True
+                    call.error = "decode streamed an error event"
                     log.warning("request %s: decode %s streamed an error event", call.request_id, decode.url)
             if watch.has_done:
                 await self._recheck_before_the_end(call, decode)
@@ -199,7 +198,3 @@ def _without_transfer_metadata(body: bytes) -> bytes:
     if len(spliced) < len(body) and b'"kv_transfer_params"' not in spliced:
         return spliced
     return protocol.without_transfer_metadata(body)
-
-
-def _instance_error(reply: Reply) -> str:
-    return "streamed an error event" if reply.status == 200 else f"answered {reply.status}"

@@ -38,6 +38,7 @@ import logging
 import time
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -86,6 +87,19 @@ _MAX_LEASE_RETRIES = 2
 # A decode whose oldest stream has waited this share of the lease for a first byte is not stepping
 # (stalled, or hopelessly queued): it gets no handoff while another can take it.
 _LAGGING_SHARE = 1 / 3
+
+
+@dataclass
+class _Retries:
+    """What the decode attempts of one request so far leave to the next one."""
+
+    tried: list[Instance] = field(default_factory=list)  # decodes that failed or were given up on
+    num_failed: int = 0  # decode attempts that failed
+    num_lease: int = 0  # answers the lease guard withheld
+
+    @property
+    def is_first(self) -> bool:
+        return not self.tried and self.num_failed == 0 and self.num_lease == 0
 
 
 class Flow:
@@ -141,24 +155,25 @@ class Flow:
         try:
             await self._serve(call)
         except UpstreamError as exc:
-            trace.error = str(exc)
+            call.error = str(exc)
             log.warning("request %s failed: %s", out.request_id, exc)
             retry_after = getattr(exc, "retry_after_s", None)
             extra = [(b"retry-after", str(retry_after).encode())] if retry_after else []
             await out.error(exc.status, str(exc), exc.error_type, extra=extra)
         finally:
             timeline.ended = time.perf_counter()
+            outcome = self._outcome(call)
+            if outcome is Outcome.CLIENT_DISCONNECTED and call.error is None:
+                call.error = "client disconnected"
             trace.total_ms = (timeline.ended - begun) * 1000
             trace.timeline = timeline.as_ms()
-            self._state.stats.timed(timeline)
-            outcome = self._outcome(call)
-            if outcome is Outcome.CLIENT_DISCONNECTED and trace.error is None:
-                trace.error = "client disconnected"
+            trace.error, trace.stream_error_event = call.error, call.has_error_event
             trace.outcome = outcome.value
+            self._state.stats.timed(timeline)
             self._state.stats.finished(endpoint, outcome)
             if call.handoff is not None:  # still open: decode never started answering
                 kind = "client_gone" if outcome is Outcome.CLIENT_DISCONNECTED else "failed"
-                self._state.ledger.abandon(call.handoff, trace.error or "request ended", kind)
+                self._state.ledger.abandon(call.handoff, call.error or "request ended", kind)
             if span is not None and self._tracing is not None:
                 attributes = {"pdserve.outcome": outcome.value, "pdserve.prefill_url": trace.prefill_url,
                               "pdserve.decode_url": trace.decode_url, "http.response.status_code": out.status,
@@ -170,19 +185,20 @@ class Flow:
             "colocated: no split" if self._config.colocated else protocol.needs_local_prefill(call.body)
         )
         call.prompt = self._prompt(call.body)
-        tried: list[Instance] = []  # decodes that failed (or were given up on): a retry goes elsewhere
-        num_failed = num_lease_retries = 0
+        retries = _Retries()
         while True:
-            decode, num_cached = self._pick_decode(tried, call.prompt)
-            if not tried and num_lease_retries == 0 and local_reason is None:
+            decode, num_cached = self._pick_decode(retries.tried, call.prompt)
+            if retries.is_first and local_reason is None:
                 local_reason = self._skip_reason(call.prompt, num_cached)
+            # A split request needs a handoff: the one in play if the last decode left it reusable
+            # (``_before_retry``), else a fresh prefill.
             if local_reason is None and call.handoff is None:
                 prefilled = await self._prefill(call)
                 if isinstance(prefilled, Relayed):
                     return
                 if isinstance(prefilled, PrefillFailed):
                     if not self._config.fallback_to_local_prefill:
-                        await self._give_up("prefill", call.trace.prefill_url or "-", prefilled.failure, call)
+                        await self._give_up("prefill", prefilled.url, prefilled.failure, call)
                         return
                     local_reason = (
                         f"prefill failed ({describe(prefilled.failure)}); decode computes the prompt"
@@ -192,35 +208,44 @@ class Flow:
                     call.handoff = prefilled.handoff
             call.trace.local_prefill_reason = local_reason
             # A retry goes to another instance: none left (or no attempts left) makes this the last.
-            others = self._state.pool("decode").available([*tried, decode])
-            is_last = num_failed + 1 >= self._config.max_decode_attempts or not others
+            others = self._state.pool("decode").available([*retries.tried, decode])
+            is_last = retries.num_failed + 1 >= self._config.max_decode_attempts or not others
             decoded = await self._decoder.attempt(call, decode, is_last)
             if isinstance(decoded, Served):
                 return
-            if isinstance(decoded, LeaseSuspect):
-                num_lease_retries += 1
-                call.trace.retries.append(f"decode {decode.url}: {decoded.why}; prefilling again")
-                self._state.stats.retried("lease")
-                if num_lease_retries > _MAX_LEASE_RETRIES:
-                    raise UpstreamUnavailable("decode", decode.url, f"KV lease: {decoded.why} "
-                                              f"(and after {_MAX_LEASE_RETRIES} fresh prefills)")  # fmt: skip
-                # The late pull left its wrong blocks in decode's prefix cache under this prompt's hashes.
-                call.body = protocol.with_fresh_cache_salt(call.body, f"lease-retry-{uuid.uuid4().hex[:16]}")
-                if others:
-                    tried.append(decode)  # it may be the reason (stalled): let another take the next one
-                continue
-            num_failed += 1
-            tried.append(decode)
-            if is_last:
+            if isinstance(decoded, DecodeFailed) and is_last:
                 await self._give_up("decode", decode.url, decoded.failure, call)
                 return
-            call.trace.retries.append(f"decode {decode.url}: {describe(decoded.failure)}")
-            self._state.stats.retried("decode")
-            if call.handoff is not None and not self._may_reuse(call.handoff, decoded):
-                self._state.ledger.abandon(call.handoff, f"decode {decode.url}: {describe(decoded.failure)}",
-                                           "decode_failed")  # fmt: skip
-                call.handoff = None  # decode may have pulled, and prefill freed, those blocks: prefill again
-            await call.sleep(self._backoff(num_failed))
+            await self._before_retry(call, decode, decoded, retries, has_others=bool(others))
+
+    async def _before_retry(
+        self, call: Call, decode: Instance, decoded: DecodeFailed | LeaseSuspect, retries: _Retries,
+        has_others: bool,
+    ) -> None:  # fmt: skip
+        """Ready the next decode attempt after ``decode`` did not serve: which decodes it avoids, whether
+        the handoff in play may be reused (``call.handoff`` left set) or a fresh prefill is needed (None),
+        and the backoff. Raises when the lease guard has withheld too many answers."""
+        if isinstance(decoded, LeaseSuspect):  # the guard already closed the handoff as suspect
+            retries.num_lease += 1
+            call.trace.retries.append(f"decode {decode.url}: {decoded.why}; prefilling again")
+            self._state.stats.retried("lease")
+            if retries.num_lease > _MAX_LEASE_RETRIES:
+                raise UpstreamUnavailable("decode", decode.url, f"KV lease: {decoded.why} "
+                                          f"(and after {_MAX_LEASE_RETRIES} fresh prefills)")  # fmt: skip
+            # The late pull left its wrong blocks in decode's prefix cache under this prompt's hashes.
+            call.body = protocol.with_fresh_cache_salt(call.body, f"lease-retry-{uuid.uuid4().hex[:16]}")
+            if has_others:
+                retries.tried.append(decode)  # it may be the reason (stalled): let another take it
+            return
+        retries.num_failed += 1
+        retries.tried.append(decode)
+        call.trace.retries.append(f"decode {decode.url}: {describe(decoded.failure)}")
+        self._state.stats.retried("decode")
+        if call.handoff is not None and not self._may_reuse(call.handoff, decoded):
+            self._state.ledger.abandon(call.handoff, f"decode {decode.url}: {describe(decoded.failure)}",
+                                       "decode_failed")  # fmt: skip
+            call.handoff = None  # decode may have pulled, and prefill freed, those blocks: prefill again
+        await call.sleep(self._backoff(retries.num_failed))
 
     @staticmethod
     def _may_reuse(handoff: Handoff, decoded: DecodeFailed) -> bool:
@@ -348,7 +373,7 @@ class Flow:
             if time.monotonic() >= call.deadline:
                 break
         assert failure is not None
-        return PrefillFailed(failure)
+        return PrefillFailed(failure, tried[-1].url if tried else "-")
 
     async def _give_up(self, phase: str, url: str, failure: UpstreamError | Reply, call: Call) -> None:
         """The last attempt of ``phase`` failed: the client hears of that failure."""
@@ -358,9 +383,9 @@ class Flow:
 
     def _outcome(self, call: Call) -> Outcome:
         out = call.out
-        if not out.finished and call.trace.error in (None, "client disconnected"):
+        if not out.finished and call.error is None:
             return Outcome.CLIENT_DISCONNECTED
-        if call.has_error_event or (out.status == 200 and call.trace.error is not None):
+        if call.has_error_event or (out.status == 200 and call.error is not None):
             return Outcome.STREAM_ERROR
         code = out.status or 0
         return Outcome.OK if code == 200 else Outcome.CLIENT_ERROR if code < 500 else Outcome.ERROR
