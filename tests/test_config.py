@@ -3,19 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import pytest
 
-from pdserve.config import (
-    ProxyConfig,
-    Timeouts,
-    Topology,
-    load_topology,
-    normalize_url,
-    topology_from_mapping,
-)
+from pdserve.config import ProxyConfig, Timeouts, Topology, normalize_url
 from pdserve.errors import ConfigError
+from pdserve.topologyfile import topology_from_mapping
 
 # --- URLs --------------------------------------------------------------------------------------------
 
@@ -154,97 +147,6 @@ def test_topology_ports_must_stay_below_65536() -> None:
 def test_topology_names_the_bad_field(field: str, value: object) -> None:
     with pytest.raises(ConfigError, match=field):
         Topology(**{field: value})  # type: ignore[arg-type]
-
-
-# --- Topology from YAML ------------------------------------------------------------------------------
-
-
-def test_topology_mapping_takes_roles_as_count_and_args() -> None:
-    topology = topology_from_mapping(
-        {
-            "model": "/models/tiny",
-            "prefill": {"count": 2, "args": ["--max-num-seqs", 64]},
-            "decode": {"count": 3},
-            "proxy_port": 9000,
-            "vllm_args": ["--enforce-eager"],
-        }
-    )
-    assert topology.model == "/models/tiny"
-    assert (topology.num_prefill, topology.num_decode) == (2, 3)
-    assert topology.prefill_args == ("--max-num-seqs", "64")
-    assert topology.decode_args == ()
-    assert topology.vllm_args == ("--enforce-eager",)
-    assert topology.proxy_port == 9000
-
-
-def test_topology_mapping_keeps_the_base_for_missing_keys() -> None:
-    base = Topology(first_port=9100, num_decode=2)
-    topology = topology_from_mapping({"prefill": {"count": 3}}, base)
-    assert (topology.num_prefill, topology.num_decode, topology.first_port) == (3, 2, 9100)
-
-
-def test_unknown_topology_key_lists_the_valid_keys() -> None:
-    with pytest.raises(ConfigError, match="'replicas'") as caught:
-        topology_from_mapping({"replicas": 2})
-    message = str(caught.value)
-    for key in ("prefill", "decode", "model", "proxy_port", "vllm_args"):
-        assert key in message
-    assert "num_prefill" not in message  # written as prefill: {count: N}
-
-
-@pytest.mark.parametrize("value", [2, {"count": 2, "gpus": 1}, ["count"]])
-def test_role_entry_must_be_count_and_args(value: object) -> None:
-    with pytest.raises(ConfigError, match=r"topology\.prefill must be a mapping"):
-        topology_from_mapping({"prefill": value})
-
-
-def test_args_must_be_a_list() -> None:
-    with pytest.raises(ConfigError, match=r"topology\.vllm_args must be a list"):
-        topology_from_mapping({"vllm_args": "--enforce-eager"})
-
-
-def test_topology_mapping_values_are_validated_too() -> None:
-    with pytest.raises(ConfigError):
-        topology_from_mapping({"decode": {"count": 0}})
-    with pytest.raises(ConfigError, match="invalid topology"):
-        topology_from_mapping({"decode": {"count": "two"}})
-
-
-def test_load_topology_reads_yaml(tmp_path: Path) -> None:
-    path = tmp_path / "topology.yaml"
-    path.write_text("prefill:\n  count: 2\n  args: [--max-num-seqs, '64']\ndecode: {count: 1}\n")
-    topology = load_topology(path)
-    assert (topology.num_prefill, topology.num_decode) == (2, 1)
-    assert topology.prefill_args == ("--max-num-seqs", "64")
-
-
-def test_empty_topology_file_gives_the_defaults(tmp_path: Path) -> None:
-    path = tmp_path / "empty.yaml"
-    path.write_text("")
-    assert load_topology(path) == Topology()
-
-
-def test_unknown_key_in_topology_file_is_an_error(tmp_path: Path) -> None:
-    path = tmp_path / "topology.yaml"
-    path.write_text("prefil: {count: 2}\n")
-    with pytest.raises(ConfigError, match="unknown topology key 'prefil'; valid keys:"):
-        load_topology(path)
-
-
-@pytest.mark.parametrize(
-    ("text", "match"),
-    [("- prefill\n- decode\n", "mapping at the top level"), ("prefill: [unclosed\n", "cannot read")],
-)
-def test_unreadable_topology_file_is_an_error(tmp_path: Path, text: str, match: str) -> None:
-    path = tmp_path / "topology.yaml"
-    path.write_text(text)
-    with pytest.raises(ConfigError, match=match):
-        load_topology(path)
-
-
-def test_missing_topology_file_is_an_error(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="cannot read topology file"):
-        load_topology(tmp_path / "absent.yaml")
 
 
 # --- instance addresses (prefill_hosts / decode_hosts) -------------------------------------------------

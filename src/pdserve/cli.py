@@ -12,16 +12,10 @@ from collections.abc import Sequence
 from types import FrameType
 from typing import Any
 
-from pdserve.config import (
-    ProxyConfig,
-    Timeouts,
-    Topology,
-    load_topology,
-    proxy_default,
-    resource_pairs,
-)
+from pdserve.config import ProxyConfig, Timeouts, Topology, proxy_default
 from pdserve.errors import PDServeError
 from pdserve.proxy.policies import POLICIES
+from pdserve.topologyfile import load_topology, resource_pairs
 
 
 def _add_timeouts(p: argparse.ArgumentParser) -> None:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from pdserve.config import Topology, topology_from_mapping
+from pdserve.config import Topology
 from pdserve.engines.plan import (
     InstanceSpec,
     cpu_list,
@@ -16,6 +16,7 @@ from pdserve.engines.plan import (
     visible_gpus,
 )
 from pdserve.errors import ConfigError
+from pdserve.topologyfile import topology_from_mapping
 
 
 def arg_value(spec: InstanceSpec, flag: str) -> str:

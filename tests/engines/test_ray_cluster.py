@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from pdserve import cli
-from pdserve.config import Topology, load_topology
+from pdserve.config import Topology
 from pdserve.engines.plan import InstanceSpec, plan_instances, plan_sim_instances
 from pdserve.engines.rayplan import (
     ActorState,
@@ -24,6 +24,7 @@ from pdserve.engines.rayplan import (
 )
 from pdserve.errors import ConfigError
 from pdserve.events import InstanceEventKind
+from pdserve.topologyfile import load_topology
 
 RAY = Topology(
     ray="10.0.0.2:6379",
