@@ -13,20 +13,21 @@ from pathlib import Path
 import pytest
 
 from pdserve import httpclient
-from pdserve.cli import _topology, build_parser, main
+from pdserve.cli import build_parser, main
+from pdserve.flags import topology_from_args
 
 
 def test_flags_override_the_topology_file(tmp_path: Path) -> None:
     topo = tmp_path / "t.yaml"
     topo.write_text("prefill: {count: 2}\ndecode: {count: 3}\nproxy_port: 9000\nvllm_args: ['--a']\n")
     args = build_parser().parse_args(["up", "--config", str(topo), "--decode", "1", "--vllm-arg=--b"])
-    topology = _topology(args)
+    topology = topology_from_args(args)
     assert (topology.num_prefill, topology.num_decode, topology.proxy_port) == (2, 1, 9000)
     assert topology.vllm_args == ("--a", "--b")
 
 
 def test_up_defaults_are_one_prefill_one_decode_on_port_8000() -> None:
-    topology = _topology(build_parser().parse_args(["up"]))
+    topology = topology_from_args(build_parser().parse_args(["up"]))
     assert (topology.num_prefill, topology.num_decode, topology.proxy_port) == (1, 1, 8000)
 
 
@@ -42,7 +43,7 @@ def test_bad_topology_is_a_clear_error_not_a_traceback(
 
 def test_up_gives_each_instance_the_address_named_for_it(capsys: pytest.CaptureFixture[str]) -> None:
     args = ["up", "--prefill", "2", "--prefill-host", "10.0.0.2", "--prefill-host", "10.0.0.3"]
-    topology = _topology(build_parser().parse_args([*args, "--decode-host", "10.0.0.4"]))
+    topology = topology_from_args(build_parser().parse_args([*args, "--decode-host", "10.0.0.4"]))
     assert topology.instance_hosts == ("10.0.0.2", "10.0.0.3", "10.0.0.4")
     # decode left at 127.0.0.1 could not reach prefill's side channel: refused before anything starts
     assert main(["up", "--prefill-host", "10.0.0.2"]) == 2
@@ -50,8 +51,8 @@ def test_up_gives_each_instance_the_address_named_for_it(capsys: pytest.CaptureF
 
 
 def test_instances_are_restarted_unless_up_is_told_to_stop() -> None:
-    assert _topology(build_parser().parse_args(["up"])).on_instance_exit == "restart"
-    stop = _topology(build_parser().parse_args(["up", "--on-instance-exit", "stop"]))
+    assert topology_from_args(build_parser().parse_args(["up"])).on_instance_exit == "restart"
+    stop = topology_from_args(build_parser().parse_args(["up", "--on-instance-exit", "stop"]))
     assert stop.on_instance_exit == "stop"
 
 

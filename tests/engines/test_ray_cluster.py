@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve import cli
+from pdserve import flags
 from pdserve.config import Topology
 from pdserve.engines.plan import InstanceSpec, plan_instances, plan_sim_instances
 from pdserve.engines.rayplan import (
@@ -138,11 +138,11 @@ def test_a_bad_ray_setting_is_refused_with_what_to_do(tmp_path: Path, yaml_text:
 
 def test_up_takes_ray_and_resources_from_flags() -> None:
     parser = argparse.ArgumentParser()
-    cli._add_topology(parser)
+    flags.add_topology(parser)
     args = parser.parse_args(
         ["--ray", "auto", "--prefill-resource", "pdserve_prefill=1", "--decode-resource", "pdserve_decode=2"]
     )
-    topology = cli._topology(args)
+    topology = flags.topology_from_args(args)
     assert (topology.ray, topology.prefill_resources, topology.decode_resources) == (
         "auto",
         (("pdserve_prefill", 1.0),),
