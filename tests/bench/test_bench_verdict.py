@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from pathlib import Path
 
 from pdserve.bench.evidence import PoolLoad, RunEvidence
-from pdserve.bench.plots import write_plots
 from pdserve.bench.result import BenchResult, Latency
 from pdserve.bench.verdict import Arm, RatePair, decide, render, rows
 
@@ -106,19 +104,6 @@ def test_the_table_shows_both_modes_and_their_ratio_per_rate() -> None:
     assert any(line.split() == ["TPOT", "p50", "ms", "20.00", "40.00", "0.50"] for line in lines)
     assert any(line.startswith("rate inf req/s") for line in lines)
     assert any(line.startswith("verdict: ") for line in lines)
-
-
-def test_plots_are_pngs_or_the_report_says_why_there_are_none(tmp_path: Path) -> None:
-    pairs = [pair(result("d", 100, 20), result("c", 50, 40), rate=r) for r in (2.0, 4.0)]
-    written, why_not = write_plots(pairs, tmp_path)
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        assert written == [] and why_not is not None and "pip install 'pdserve[bench]'" in why_not
-    else:
-        assert why_not is None
-        assert {p.name for p in written} == {"latency-cdf.png", "latency-vs-rate.png"}
-        assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in written)
 
 
 def test_expired_leases_and_re_prefills_during_the_split_runs_are_reported() -> None:
