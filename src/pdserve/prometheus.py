@@ -19,6 +19,8 @@ CACHE_CONFIG_INFO: Final = "vllm:cache_config_info"  # a gauge of 1 whose labels
 KV_USAGE: Final = "vllm:kv_cache_usage_perc"
 NUM_RUNNING: Final = "vllm:num_requests_running"
 NUM_WAITING: Final = "vllm:num_requests_waiting"
+PROMPT_TOKENS: Final = "vllm:prompt_tokens_total"  # counters: they move only while the engine steps
+GENERATION_TOKENS: Final = "vllm:generation_tokens_total"
 
 
 def parse_prometheus(text: str) -> dict[str, float]:

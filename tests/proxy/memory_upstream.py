@@ -25,6 +25,7 @@ class Answer:
     chunks: Sequence[bytes] = ()  # a streamed one
     content_type: str = "application/json"
     delay_s: float = 0.0  # before the status line: a queued or stalled engine
+    before_chunk: Callable[[int], None] | None = None  # called with each chunk's index as it goes out
 
 
 Script = Callable[[dict[str, Any]], Answer]
@@ -49,7 +50,9 @@ class _Stream:
     async def chunks(
         self, first_timeout: float, idle_timeout: float, first_budget: float | None = None
     ) -> AsyncIterator[bytes]:
-        for chunk in self._answer.chunks:
+        for i, chunk in enumerate(self._answer.chunks):
+            if self._answer.before_chunk is not None:
+                self._answer.before_chunk(i)
             yield chunk
 
 

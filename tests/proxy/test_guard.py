@@ -3,6 +3,7 @@ the request is prefilled again. In memory (memory_upstream.py), with a short lea
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import orjson
@@ -10,6 +11,7 @@ import pytest
 from memory_upstream import Answer, Script
 from test_flow_memory import COMPLETION, PARAMS, System, decode_text, prefill_ok
 
+from pdserve import sse
 from pdserve.config import Timeouts
 from pdserve.events import KVLogEvent
 from pdserve.proxy.health import HealthChecker
@@ -109,3 +111,110 @@ async def test_prompt_logprobs_are_served_by_decode_alone() -> None:
     assert answer.status == 200
     assert system.calls("http://p0:1") == []
     assert "kv_transfer_params" not in system.calls("http://d0:1")[0]
+
+
+def prefill_fresh_ids() -> Script:
+    """A prefill that names every request's KV anew, as vLLM does (``remote_request_id``)."""
+    ids = iter(range(1000))
+
+    def answer(body: dict[str, Any]) -> Answer:
+        params = {**PARAMS, "remote_request_id": f"cmpl-r-0-{next(ids):08x}"}
+        return Answer(body=orjson.dumps({"choices": [{"text": "x"}], "kv_transfer_params": params}))
+
+    return answer
+
+
+def released(system: System, body: dict[str, Any]) -> None:
+    """Prefill's log says it released the KV this decode request carries (the log watcher's event)."""
+    rid = body["kv_transfer_params"]["remote_request_id"]
+    system.state.on_event(KVLogEvent("http://p0:1", "expired", rid, at=0.0))
+
+
+async def test_answers_that_rest_on_released_kv_every_time_end_in_a_502_naming_the_lease() -> None:
+    system = System([prefill_fresh_ids()], [decode_text(" wrong")], kv_lease_s=30)
+
+    def always_released(body: dict[str, Any]) -> Answer:
+        released(system, body)
+        return decode_text(" wrong")(body)
+
+    system.upstreams["http://d0:1"].script = always_released
+    answer = await system.ask(COMPLETION)
+    assert answer.status == 502
+    message = orjson.loads(answer.body)["error"]["message"]
+    assert "KV lease" in message and "after 2 fresh prefills" in message
+    assert b" wrong" not in answer.body
+    assert len(system.calls("http://p0:1")) == 3  # the first prefill and two fresh ones
+    assert system.state.ledger.suspects["log"] == 3
+
+
+async def test_a_stream_prefills_log_discredits_midway_ends_with_an_error_naming_the_lease() -> None:
+    system = System([prefill_fresh_ids()], [decode_text(" x")], kv_lease_s=30)
+    text = [sse.event(orjson.dumps({"choices": [{"text": t}]})) for t in (" one", " two")]
+
+    def discredited_after_first_chunk(body: dict[str, Any]) -> Answer:
+        def before(i: int) -> None:
+            if i == 1:  # the client has the first chunk; then the log watcher reads the release
+                released(system, body)
+
+        return Answer(chunks=[*text, sse.DONE], content_type="text/event-stream", before_chunk=before)
+
+    system.upstreams["http://d0:1"].script = discredited_after_first_chunk
+    answer = await system.ask({**COMPLETION, "stream": True})
+    assert answer.status == 200  # the stream had begun
+    assert b" one" in answer.body
+    events = list(sse.payloads(answer.body))
+    assert events[-1] == b"[DONE]"
+    error = orjson.loads(events[-2])["error"]["message"]
+    assert "KV lease" in error and "this answer may be wrong" in error
+    assert system.state.ledger.suspects["log_during_stream"] == 1
+    assert system.upstreams["http://d0:1"].num_prefix_resets == 1
+
+
+async def test_prefills_log_speaking_after_an_answer_went_out_is_counted_as_suspect() -> None:
+    system = System([prefill_fresh_ids()], [decode_text(" out")], kv_lease_s=30)
+    answer = await system.ask(COMPLETION)
+    assert answer.status == 200
+    released(system, system.calls("http://d0:1")[0])
+    assert system.state.ledger.suspects["log_after_delivery"] == 1
+
+
+async def _route_of_third(system: System, first: dict[str, Any], wait_s: float) -> str:
+    """Send ``first`` (round robin: to d0), then a quick one (d1), then after ``wait_s`` a third, which
+    round robin would give d0 again: where did the third go?"""
+    stuck = asyncio.create_task(system.ask(first))
+    await asyncio.sleep(0.05)
+    assert (await system.ask(COMPLETION)).status == 200  # d1
+    await asyncio.sleep(wait_s)
+    third = {**COMPLETION, "prompt": "third"}
+    assert (await system.ask(third)).status == 200
+    where = next(url for url in ("http://d0:1", "http://d1:1") if third["prompt"] in
+                 [c.get("prompt") for c in system.calls(url)])  # fmt: skip
+    await stuck
+    return where
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_a_decode_whose_engine_shows_no_progress_gets_no_new_handoff(stream: bool) -> None:
+    # Lease 3 s: a decode silent for a third of it (1 s) is not stepping, so it sends no heartbeats.
+    system = System([prefill_ok], [slow_first(" late", 2.5), decode_text(" ok")], kv_lease_s=3)
+    where = await _route_of_third(system, {**COMPLETION, "stream": stream}, wait_s=1.2)
+    assert where == "http://d1:1"
+    lagging = next(i for i in system.state.describe() if i["url"] == "http://d0:1")
+    assert lagging["lag_s"] == 0  # its request is answered: nothing owed any more
+
+
+async def test_a_busy_decode_whose_token_counters_move_still_gets_handoffs() -> None:
+    system = System([prefill_ok], [slow_first(" long", 2.5), decode_text(" ok")], kv_lease_s=3)
+    checker = HealthChecker(system.state, interval_s=1, timeout_s=1)
+    d0 = system.upstreams["http://d0:1"]
+
+    async def generating() -> None:  # the health checker's scrapes see d0's engine count tokens
+        for n in range(12):
+            d0.metrics = f'vllm:generation_tokens_total{{engine="0"}} {n}.0\n'
+            await checker.check_all()
+            await asyncio.sleep(0.1)
+
+    scrapes = asyncio.create_task(generating())
+    where = await _route_of_third(system, COMPLETION, wait_s=1.2)
+    await scrapes
+    assert where == "http://d0:1"

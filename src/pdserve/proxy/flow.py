@@ -84,8 +84,9 @@ log = logging.getLogger("pdserve.proxy")
 
 
 _MAX_LEASE_RETRIES = 2
-# A decode whose oldest stream has waited this share of the lease for a first byte is not stepping
-# (stalled, or hopelessly queued): it gets no handoff while another can take it.
+# A decode that has shown no sign of stepping for this share of the lease (Instance.lag_s: a stream still
+# waiting for its first byte, token counters that do not move while requests are there) sends no lease
+# heartbeats: it gets no handoff while another can take it.
 _LAGGING_SHARE = 1 / 3
 
 
@@ -298,11 +299,11 @@ class Flow:
     def _pick_decode(self, tried: Sequence[Instance], prompt: Prompt | None) -> tuple[Instance, int]:
         """A decode instance and how many of the prompt's tokens it likely holds in its prefix cache.
 
-        Decodes whose oldest stream has waited long for its first byte are left out while others can
-        serve: a handoff sent there may outwait prefill's lease."""
+        Decodes that show no sign of stepping are left out while others can serve: a handoff sent
+        there may outwait prefill's lease."""
         candidates = self._candidates("decode", tried)
         now, limit = time.monotonic(), self._config.kv_lease_s * _LAGGING_SHARE
-        stepping = [c for c in candidates if c.first_byte_wait_s(now) < limit]
+        stepping = [c for c in candidates if c.lag_s(now) < limit]
         hashes = prompt.hashes if prompt is not None else None
         pick = self._state.policy("decode").pick(stepping or candidates, hashes)
         return pick.instance, pick.num_cached_tokens

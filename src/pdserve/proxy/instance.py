@@ -47,6 +47,7 @@ class EngineLoad:
     num_waiting: float = 0.0
     kv_usage: float = 0.0  # 0..1
     num_kv_expired: float = 0.0  # prefill: leases that ran out unpulled (vllm:nixl_num_kv_expired_reqs)
+    num_tokens: float = 0.0  # prompt and generated tokens the engine processed so far (counters)
 
     @classmethod
     def from_metrics(cls, text: str) -> EngineLoad:
@@ -56,6 +57,7 @@ class EngineLoad:
             samples.get(prometheus.NUM_WAITING, 0.0),
             samples.get(prometheus.KV_USAGE, 0.0),
             samples.get(prometheus.KV_EXPIRED, 0.0),
+            samples.get(prometheus.PROMPT_TOKENS, 0.0) + samples.get(prometheus.GENERATION_TOKENS, 0.0),
         )
 
 
@@ -76,6 +78,9 @@ class Instance:
         self._has_load = False  # a /metrics scrape has succeeded (since the last restart)
         self._last_error: str | None = None
         self._awaiting_first: dict[int, float] = {}  # streamed requests with no first byte yet → since
+        # The last sign that its engine steps while the proxy has requests there: its token counters
+        # moved, or an answer (a stream's first byte, a whole answer) came.
+        self._progress_at = time.monotonic()
 
     @property
     def url(self) -> str:
@@ -151,6 +156,8 @@ class Instance:
         self._is_healthy, self._has_answered, self._num_failed_checks = True, True, 0
         self._last_error = None
         if load is not None:
+            if not self._has_load or load.num_tokens != self._load.num_tokens:
+                self._progress_at = time.monotonic()
             self._load, self._has_load = load, True
         return recovered
 
@@ -186,7 +193,10 @@ class Instance:
     @contextlib.contextmanager
     def dispatched(self) -> Iterator[None]:
         """Count one request in flight here for the duration of the block."""
-        self.breaker.on_dispatch(time.monotonic())
+        now = time.monotonic()
+        self.breaker.on_dispatch(now)
+        if self._num_in_flight == 0:
+            self._progress_at = now  # idle until now: the wait for progress starts here
         self._num_in_flight += 1
         try:
             yield
@@ -202,7 +212,8 @@ class Instance:
         self._awaiting_first[key] = time.monotonic()
 
         def arrived() -> None:
-            self._awaiting_first.pop(key, None)
+            if self._awaiting_first.pop(key, None) is not None:
+                self._progress_at = time.monotonic()
 
         try:
             yield arrived
@@ -213,7 +224,15 @@ class Instance:
         """How long the oldest streamed request here has waited for its first byte (0: none waits)."""
         return now - min(self._awaiting_first.values()) if self._awaiting_first else 0.0
 
+    def lag_s(self, now: float) -> float:
+        """How long its engine has shown no sign of stepping while the proxy has requests there: the
+        oldest stream's wait for a first byte, or the time since its token counters last moved (or an
+        answer came). 0 with nothing in flight. A stalled engine sends decode no lease heartbeats."""
+        stalled = now - self._progress_at if self._num_in_flight else 0.0
+        return max(stalled, self.first_byte_wait_s(now))
+
     def succeeded(self) -> None:
+        self._progress_at = time.monotonic()
         self.breaker.record_success()
 
     def failed(self, detail: str, is_slow: bool = False) -> None:
@@ -250,5 +269,6 @@ class Instance:
             "running": self._load.num_running,
             "waiting": self._load.num_waiting,
             "kv_usage": self._load.kv_usage,
+            "lag_s": round(self.lag_s(time.monotonic()), 1),
             "error": self._last_error,
         }
