@@ -171,11 +171,18 @@ def test_a_lease_too_short_for_vllms_heartbeat_is_refused() -> None:
         Topology(kv_lease_s=5)
 
 
-def test_tracing_makes_every_instance_export_its_spans_over_otlp_http() -> None:
-    topology = Topology(otlp_traces_endpoint="http://collector:4318/v1/traces")
-    for spec in plan_instances(topology, "/m", None, [0, 1]):
+def test_tracing_makes_every_instance_export_its_spans_over_otlp_http_under_its_own_name() -> None:
+    topology = Topology(num_decode=2, otlp_traces_endpoint="http://collector:4318/v1/traces")
+    specs = plan_instances(topology, "/m", None, [0, 1, 2])
+    for spec in specs:
         assert spec.args[spec.args.index("--otlp-traces-endpoint") + 1] == "http://collector:4318/v1/traces"
         assert ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf") in spec.env
+    # In a trace viewer each instance is a service of its own, named as its log file is.
+    assert [dict(s.env)["OTEL_SERVICE_NAME"] for s in specs] == [
+        "vllm-prefill-0",
+        "vllm-decode-0",
+        "vllm-decode-1",
+    ]
 
 
 # --- GPU placement ------------------------------------------------------------------------------------

@@ -143,7 +143,11 @@ def plan_instances(
         tracing_env: Env = ()
         if topology.otlp_traces_endpoint:
             args += ["--otlp-traces-endpoint", topology.otlp_traces_endpoint]
-            tracing_env = (("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf"),)  # vLLM's default is gRPC
+            tracing_env = (
+                ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf"),  # vLLM's default is gRPC
+                # vLLM names no service: without this every instance's spans are "unknown_service".
+                ("OTEL_SERVICE_NAME", f"vllm-{role}-{index}"),
+            )
         env = (
             ("VLLM_NIXL_SIDE_CHANNEL_PORT", str(side_channel_port)),
             # vLLM binds the side channel's ZMQ socket to this address and puts the same string into
