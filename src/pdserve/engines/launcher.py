@@ -1,15 +1,14 @@
-"""Start, watch and stop a group of vLLM instances. With model.py (one short build), the only modules
-that run processes, and both live in engines/.
+"""Start, watch and stop a group of vLLM instances.
 
 Each instance runs in its own session, so its process group holds the API server and the engine-core
-processes vLLM forks from it; stopping signals the whole group. On Linux each instance also gets
-PR_SET_PDEATHSIG=SIGTERM, so a parent killed with SIGKILL leaves no orphan holding ports and memory.
+processes vLLM forks from it; stopping signals the whole group (processes.py). On Linux each instance
+also gets PR_SET_PDEATHSIG=SIGTERM, so a parent killed with SIGKILL leaves no orphan holding ports and
+memory. Every module that runs a process lives in engines/: this one, model.py (building the tiny
+model), venv.py (asking the engine python its vLLM version) and benchclient.py (vLLM's bench client).
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import os
 import re
 import signal
@@ -23,13 +22,19 @@ from types import TracebackType
 
 from pdserve import httpclient
 from pdserve.engines.plan import NIXL_PROGRESS_DELAY_ENV, InstanceSpec
+from pdserve.engines.processes import (
+    die_with_parent,
+    group_alive,
+    process_table,
+    running_members,
+    signal_group,
+)
 from pdserve.errors import ConfigError, EngineError, EngineStartError
 
 DEFAULT_ENTRYPOINT: tuple[str, ...] = ("-m", "vllm.entrypoints.openai.api_server")
 _POLL_INTERVAL = 0.25  # seconds between health rounds while starting, and between checks while stopping
 _HEARTBEAT_INTERVAL = 10.0
 _LOG_TAIL_LINES = 30
-_PR_SET_PDEATHSIG = 1
 _ENGINE_CORE_LOG_PID = re.compile(r"\(EngineCore(?:_DP\d+)? pid=(\d+)\)")
 _ENGINESITE = Path(__file__).parent / "enginesite"  # a sitecustomize for vLLM's processes, not a package
 
@@ -84,7 +89,7 @@ class EngineGroup:
         api_pid = self.pid(spec)
         if api_pid is None:
             return None
-        children = {pid: comm for pid, (comm, ppid) in _processes().items() if ppid == api_pid}
+        children = {pid: comm for pid, (comm, ppid) in process_table().items() if ppid == api_pid}
         for pid, comm in children.items():
             if comm.startswith("VLLM::EngineCor"):
                 return pid
@@ -130,20 +135,20 @@ class EngineGroup:
         Takes no locks and never blocks in waitpid, so a signal handler may call it mid-``start``.
         """
         self._is_stopping = True
-        live = {name: proc for name, proc in self._procs.items() if _group_alive(proc)}
+        live = {name: proc for name, proc in self._procs.items() if group_alive(proc)}
         for proc in live.values():
-            _signal_group(proc.pid, signal.SIGTERM)
+            signal_group(proc.pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout
         while live and time.monotonic() < deadline:
             time.sleep(_POLL_INTERVAL / 5)
-            live = {name: proc for name, proc in live.items() if _group_alive(proc)}
+            live = {name: proc for name, proc in live.items() if group_alive(proc)}
         for name, proc in live.items():
             self._on_progress(f"{name} still running {timeout:.0f} s after SIGTERM; sending SIGKILL")
-            _signal_group(proc.pid, signal.SIGKILL)
+            signal_group(proc.pid, signal.SIGKILL)
         kill_deadline = time.monotonic() + 5.0  # SIGKILL cannot be ignored; this only waits for the reaping
         while live and time.monotonic() < kill_deadline:
             time.sleep(_POLL_INTERVAL / 5)
-            live = {name: proc for name, proc in live.items() if _group_alive(proc)}
+            live = {name: proc for name, proc in live.items() if group_alive(proc)}
 
     def check_alive(self) -> None:
         """Raise EngineError naming every instance whose process has exited (no-op once stopping)."""
@@ -170,8 +175,8 @@ class EngineGroup:
     def kill(self, spec: InstanceSpec) -> None:
         """SIGKILL whatever is left of the instance's process group; returns at once."""
         proc = self._procs.get(spec.name)
-        if proc is not None and _group_alive(proc):
-            _signal_group(proc.pid, signal.SIGKILL)
+        if proc is not None and group_alive(proc):
+            signal_group(proc.pid, signal.SIGKILL)
 
     def can_respawn(self, spec: InstanceSpec) -> bool:
         """Whether ``respawn`` can start the instance now: its processes are gone and its ports free."""
@@ -182,8 +187,8 @@ class EngineGroup:
         if self._is_stopping:
             return "the instances are being stopped"
         proc = self._procs.get(spec.name)
-        if proc is not None and _group_alive(proc):
-            members = ", ".join(_running_members(proc.pid)) or "(not listed)"
+        if proc is not None and group_alive(proc):
+            members = ", ".join(running_members(proc.pid)) or "(not listed)"
             return f"processes of its old process group {proc.pid} still run: {members}"
         try:
             _check_ports_free([spec])
@@ -223,14 +228,14 @@ class EngineGroup:
                     stderr=subprocess.STDOUT,
                     env=_instance_env(spec),
                     start_new_session=True,
-                    preexec_fn=_die_with_parent(os.getpid()) if sys.platform == "linux" else None,
+                    preexec_fn=die_with_parent(os.getpid()) if sys.platform == "linux" else None,
                 )
             except OSError as exc:
                 raise EngineStartError(f"{spec.name}: cannot run {self._engine_python}: {exc}") from exc
         # stop() may have taken its list of processes while this one was being spawned (from another
         # thread, or a signal handler): then nobody else would ever stop it.
         if self._is_stopping:
-            _signal_group(proc.pid, signal.SIGKILL)
+            signal_group(proc.pid, signal.SIGKILL)
             raise EngineStartError(f"{spec.name}: not started, the instances are being stopped")
 
     def restart(self, spec: InstanceSpec, timeout: float = 20.0) -> None:
@@ -327,65 +332,8 @@ def _is_healthy(url: str) -> bool:
     return httpclient.is_ok(f"{url}/health", timeout=2.0)
 
 
-def _group_alive(proc: subprocess.Popen[bytes]) -> bool:
-    """Whether any process of the group led by ``proc`` still runs (reaping the leader if it exited)."""
-    proc.poll()  # never blocks: from a signal handler it may only skip the reaping
-    try:
-        os.killpg(proc.pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # killpg also finds zombies: orphaned engine-core processes wait for init to reap them, and some
-    # container inits never do. A zombie holds no port or memory, so on Linux look past them.
-    return not sys.platform.startswith("linux") or _has_running_member(proc.pid)
-
-
-def _has_running_member(pgid: int) -> bool:
-    return bool(_running_members(pgid))
-
-
-def _running_members(pgid: int) -> list[str]:
-    """``pid (comm, state)`` of each process of group ``pgid`` that is not a zombie."""
-    members = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as stat_file:
-                stat = stat_file.read()
-        except OSError:
-            continue
-        # Fields after the parenthesised command name: state, ppid, pgrp, ...
-        state, _ppid, pgrp = stat[stat.rindex(b")") + 2 :].split(b" ", 3)[:3]
-        if int(pgrp) == pgid and state not in (b"Z", b"X"):
-            comm = stat[stat.index(b"(") + 1 : stat.rindex(b")")].decode(errors="replace")
-            members.append(f"{entry} ({comm}, {state.decode()})")
-    return members
-
-
 def _has_exited(proc: subprocess.Popen[bytes]) -> bool:
     return proc.poll() is not None
-
-
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError):  # the group is already gone
-        os.killpg(pgid, sig)
-
-
-def _processes() -> dict[int, tuple[str, int]]:
-    """Every process's (comm, parent pid), from /proc."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        comm = stat[stat.index("(") + 1 : stat.rindex(")")]
-        found[int(entry.name)] = (comm, int(stat[stat.rindex(")") + 2 :].split()[1]))
-    return found
 
 
 def _instance_env(spec: InstanceSpec) -> dict[str, str]:
@@ -395,15 +343,3 @@ def _instance_env(spec: InstanceSpec) -> dict[str, str]:
     if NIXL_PROGRESS_DELAY_ENV in env:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_ENGINESITE), env.get("PYTHONPATH")) if p)
     return env
-
-
-def _die_with_parent(parent_pid: int) -> Callable[[], None]:
-    libc = ctypes.CDLL(None, use_errno=True)  # loaded before fork: the child must not import or allocate
-    sigterm = int(signal.SIGTERM)
-
-    def set_pdeathsig() -> None:
-        libc.prctl(_PR_SET_PDEATHSIG, sigterm, 0, 0, 0)
-        if os.getppid() != parent_pid:  # the parent died before prctl took effect
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    return set_pdeathsig
