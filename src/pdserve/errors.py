@@ -17,7 +17,8 @@
     │   └── Overloaded         429 (queue full) or 503 (queue timeout), with Retry-After
     ├── UpstreamError          a call from the proxy to an instance failed; carries phase and URL
     │   ├── UpstreamUnavailable    the connection broke, or the instance answered 5xx
-    │   │   └── UpstreamConnectError   could not connect: the instance never saw the request
+    │   │   ├── UpstreamConnectError   could not connect: the instance never saw the request
+    │   │   └── UpstreamStaleConnection a kept-alive connection closed before any answer byte
     │   ├── UpstreamTimeout        a per-phase limit or the request's deadline ran out
     │   ├── UpstreamProtocolError  the instance answered, but not as the NixlConnector protocol says
     │   └── NoInstanceAvailable    every instance of a role is unhealthy, draining or circuit-open
@@ -30,7 +31,7 @@
 
 Errors of the libraries underneath are translated into these in exactly one place each: connection,
 OS and timeout errors of the proxy's own HTTP client (``proxy/connection.py``) in ``proxy/upstream.py``;
-aiohttp in ``sim/transfer.py`` (the simulator's KV pulls), ``sim/calibrate.py``
+aiohttp in ``sim/transfer.py`` (the simulator's KV pulls), ``sim/probe.py``
 and ``bench/`` (measurement clients); urllib in ``httpclient.py``; subprocess in ``engines/launcher.py``
 and ``engines/benchclient.py``; yaml in ``config.py``; lightkube in ``proxy/k8s_watch.py``; ray in ``engines/ray_cluster.py``.
 ``UpstreamError.status`` is the HTTP status the proxy answers the client with.
@@ -139,6 +140,11 @@ class UpstreamUnavailable(UpstreamError):
 
 class UpstreamConnectError(UpstreamUnavailable):
     """The request never reached the instance, so whatever it carried (e.g. KV params) is still unused."""
+
+
+class UpstreamStaleConnection(UpstreamUnavailable):
+    """A reused keep-alive connection closed before a byte of the answer came: most likely the instance
+    had closed it while idle and never read the request, but an instance that died on it reads the same."""
 
 
 class UpstreamTimeout(UpstreamError):

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from pdserve.errors import PDServeError
-from pdserve.sim.calibrate import Measurement, Point, Sample, parse_sets, profile_yaml, steady_decode
+from pdserve.sim.calibrate import Measurement, Point, parse_sets, profile_yaml, steady_decode
 from pdserve.sim.fit import least_squares, quantile
+from pdserve.sim.probe import Sample
 from pdserve.sim.profile import Profile, load_profile, named_profiles
 
 BASE, PER_SEQ, PER_CTX = 2.0e-3, 5.0e-4, 3.0e-7

@@ -10,7 +10,8 @@ Streamed completions at temperature 0 with ``ignore_eos``, so lengths are exact:
 
 The TTFT intercept also holds HTTP, API-server and scheduling overhead, so ``step_base_s`` is the decode
 fit's. Prompts are fresh random token ids, so the prefix cache never hides prefill work. Block size, KV
-blocks, context and model name are read from the server; the rest is given with ``--set KEY=VALUE``.
+blocks, context and model name are read from the server (probe.py talks to it); the rest is given with
+``--set KEY=VALUE``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import datetime
 import functools
 import json
 import random
-import re
 import shlex
 import statistics
 import sys
@@ -32,22 +32,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import yaml
 
-from pdserve import sse
 from pdserve.errors import CalibrationError, PDServeError
 from pdserve.sim.fit import Fit, least_squares, quantile
+from pdserve.sim.probe import Probe, Sample, open_probe
 from pdserve.sim.profile import Profile, profile_from_mapping
 
-_REQUEST_TIMEOUT_S = 120.0
 _say = functools.partial(print, file=sys.stderr, flush=True)  # progress and warnings; stdout may be the YAML
 _MIN_STEP_S = 2e-4  # no vLLM step is this fast: a stream showing it was buffered and delivered in a burst
-_POOL_TEXT = (  # any ordinary text: it only supplies valid token ids to sample prompts from
-    "The scheduler admits waiting requests while blocks remain, computes prompts in chunks, then decodes every "
-    "running sequence one token per step; prefill is bound by arithmetic, decode by memory bandwidth. Quick "
-    "brown foxes jump over lazy dogs; zebras quietly vex jumping kangaroos near 42 oxen and 7 yaks."
-)
 
 
 @dataclass(frozen=True)
@@ -66,87 +59,12 @@ QUICK_PLAN = Plan((16, 256, 1024), 3, (1, 4, 8), (16, 1024), 2, 32)
 
 
 @dataclass(frozen=True)
-class Sample:
-    """One streamed completion: when it was sent and when each chunk of tokens arrived."""
-
-    prompt_tokens: int
-    sent_at: float  # perf_counter seconds
-    chunks: tuple[tuple[float, int], ...]  # (arrival time, tokens in the chunk), in order
-
-
-@dataclass(frozen=True)
 class Point:
     """One group's statistic (median TTFT or per-token time) and the design-matrix row it is fitted against."""
 
     row: tuple[float, ...]
     y: float
     label: str  # for the YAML comment table
-
-
-class _Server:
-    """The vLLM instance under test; the one place aiohttp errors become CalibrationError."""
-
-    def __init__(self, session: aiohttp.ClientSession, url: str) -> None:
-        self.session = session
-        self.url = url.rstrip("/")
-
-    async def call(self, method: str, path: str, body: dict[str, Any] | None = None) -> str:
-        """The body of a 200 answer; CalibrationError for anything else."""
-        try:
-            async with self.session.request(method, self.url + path, json=body) as resp:
-                text = await resp.text()
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise CalibrationError(f"{method} {self.url}{path} failed: {exc!r}") from exc
-        if resp.status != 200:
-            raise CalibrationError(f"{method} {self.url}{path} answered {resp.status}: {text[:300]}")
-        return text
-
-    async def token_pool(self, model: str) -> list[int]:
-        """Distinct token ids of a fixed text, from vLLM's /tokenize."""
-        body = {"model": model, "prompt": _POOL_TEXT, "add_special_tokens": False}
-        pool = sorted(set(json.loads(await self.call("POST", "/tokenize", body)).get("tokens") or ()))
-        if len(pool) < 20:
-            raise CalibrationError(f"/tokenize gave only {len(pool)} distinct tokens; cannot build prompts")
-        return pool
-
-    async def complete(self, model: str, prompt: list[int], max_tokens: int) -> Sample:
-        body = {
-            "model": model,
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            "return_token_ids": True,  # tokens per chunk, so coalesced chunks are counted right
-        }
-        chunks: list[tuple[float, int]] = []
-        usage: dict[str, Any] = {}
-        sent_at = time.perf_counter()
-        try:
-            async with self.session.post(f"{self.url}/v1/completions", json=body) as resp:
-                if resp.status != 200:
-                    raise CalibrationError(f"completion answered {resp.status}: {(await resp.text())[:300]}")
-                reader = sse.EventReader()
-                async for raw in resp.content.iter_any():
-                    now = time.perf_counter()
-                    for payload in reader.feed(raw):
-                        if payload == sse.DONE_PAYLOAD:
-                            continue
-                        error = sse.error_of(payload)
-                        if error is not None:
-                            raise CalibrationError(f"completion failed mid-stream: {error}")
-                        event = json.loads(payload)
-                        usage = event.get("usage") or usage
-                        for choice in event.get("choices") or ():
-                            num = len(choice.get("token_ids") or ()) or (1 if choice.get("text") else 0)
-                            if num:
-                                chunks.append((now, num))
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise CalibrationError(f"completion to {self.url} failed: {exc!r}") from exc
-        if not chunks or usage.get("completion_tokens") != max_tokens:
-            raise CalibrationError(f"expected {max_tokens} tokens; got usage {usage}, {len(chunks)} chunks")
-        return Sample(int(usage.get("prompt_tokens", len(prompt))), sent_at, tuple(chunks))
 
 
 def _time_per_token(chunks: Sequence[tuple[float, int]]) -> float:
@@ -177,7 +95,7 @@ def steady_decode(batch: Sequence[Sample]) -> list[tuple[float, float]]:
 
 
 async def measure(
-    server: _Server, model: str, plan: Plan, max_len: int, seed: int
+    server: Probe, model: str, plan: Plan, max_len: int, seed: int
 ) -> tuple[list[Point], list[Point]]:
     """Run both experiments; returns the prefill points (TTFT) and the decode points (per-token interval)."""
     rng = random.Random(seed)
@@ -239,24 +157,6 @@ def clamp(name: str, value: float) -> float:
     return value
 
 
-async def discover(server: _Server) -> dict[str, Any]:
-    """Model name, context length, block size and KV blocks, from /v1/models and /metrics."""
-    models = json.loads(await server.call("GET", "/v1/models")).get("data") or []
-    if not models:
-        raise CalibrationError(f"{server.url}/v1/models lists no model")
-    found: dict[str, Any] = {"served_model_name": models[0]["id"]}
-    if models[0].get("max_model_len"):
-        found["max_model_len"] = int(models[0]["max_model_len"])
-    info = re.search(r"^vllm:cache_config_info\{(.*)\}", await server.call("GET", "/metrics"), re.MULTILINE)
-    if info is None:
-        raise CalibrationError(f"{server.url}/metrics has no vllm:cache_config_info")
-    labels = dict(re.findall(r'(\w+)="([^"]*)"', info.group(1)))
-    for label, field in (("block_size", "block_size"), ("num_gpu_blocks", "num_blocks")):
-        if labels.get(label, "").isdigit():
-            found[field] = int(labels[label])
-    return found
-
-
 @dataclass(frozen=True)
 class Measurement:
     url: str
@@ -270,10 +170,8 @@ class Measurement:
 
 
 async def measure_server(url: str, plan: Plan, seed: int) -> Measurement:
-    timeout = aiohttp.ClientTimeout(total=_REQUEST_TIMEOUT_S)
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
-        server = _Server(session, url)
-        found = await discover(server)
+    async with open_probe(url) as server:
+        found = await server.discover()
         version = str(json.loads(await server.call("GET", "/version")).get("version", "?"))
         rtts = []
         for _ in range(5):
