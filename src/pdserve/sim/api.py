@@ -43,7 +43,6 @@ log = logging.getLogger("pdserve.sim")
 Handler = Callable[[Scope, Receive, Send], Awaitable[None]]
 _SMALL_BODY = 1024 * 1024
 _METRICS_TYPE = b"text/plain; version=1.0.0; charset=utf-8"
-_restarts: set[asyncio.Task[None]] = set()  # restarts under way, kept so they are not collected
 
 
 async def _bad_request(send: Send, message: str) -> None:
@@ -84,6 +83,7 @@ def _models(inst: SimInstance) -> dict[str, Any]:
 
 def create_sim_app(instance: SimInstance) -> ASGIApp:
     inst = instance
+    restarts: set[asyncio.Task[None]] = set()  # this app's restarts under way, kept so none is collected
 
     async def models(scope: Scope, receive: Receive, send: Send) -> None:
         await _json(send, 200, _models(inst))
@@ -178,8 +178,8 @@ def create_sim_app(instance: SimInstance) -> ASGIApp:
             return
         old, new = inst.engine_id, str(uuid.uuid4())
         task = asyncio.get_running_loop().create_task(inst.restart(down_s, new), name=f"sim-restart-{old}")
-        _restarts.add(task)
-        task.add_done_callback(_restarts.discard)
+        restarts.add(task)
+        task.add_done_callback(restarts.discard)
         await asyncio.sleep(0)  # the restart has begun (connections cut) before the caller hears back
         log.info("sim %s (%s): restarting as %s in %g s", old, inst.role, new, down_s)
         await _json(send, 200, {"engine_id": old, "new_engine_id": new, "down_s": down_s})

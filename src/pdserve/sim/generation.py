@@ -49,19 +49,18 @@ from pdserve.sim.wire import DISCONNECT_WAIT_S, Writer
 log = logging.getLogger("pdserve.sim")
 
 MAX_BODY_BYTES: Final = 64 * 1024 * 1024
-_rand = random.Random()
 
 
-def _hex(digits: int) -> str:
-    return f"{_rand.getrandbits(4 * digits):0{digits}x}"
-
-
-def request_ids(endpoint: Endpoint, x_request_id: str | None) -> tuple[str, str]:
+def request_ids(endpoint: Endpoint, x_request_id: str | None, rand: random.Random) -> tuple[str, str]:
     """(response id, engine request id) as vLLM makes them; the engine id is prefill's remote_request_id."""
-    base = x_request_id if x_request_id is not None else _hex(16)
+
+    def hex_digits(num: int) -> str:
+        return f"{rand.getrandbits(4 * num):0{num}x}"
+
+    base = x_request_id if x_request_id is not None else hex_digits(16)
     if endpoint == "completions":
-        return f"cmpl-{base}", f"cmpl-{base}-0-{_hex(8)}"
-    return f"chatcmpl-{base}", f"chatcmpl-{base}-{_hex(8)}"
+        return f"cmpl-{base}", f"cmpl-{base}-0-{hex_digits(8)}"
+    return f"chatcmpl-{base}", f"chatcmpl-{base}-{hex_digits(8)}"
 
 
 class _Stop:
@@ -108,6 +107,9 @@ class GenerationEndpoint:
     def __init__(self, instance: SimInstance, endpoint: Endpoint) -> None:
         self._inst = instance
         self._endpoint = endpoint
+        # Unseeded, as vLLM's random_uuid is: nothing may rely on ids repeating from run to run (the
+        # faults' RNG is the seeded one).
+        self._rand = random.Random()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         inst = self._inst
@@ -125,7 +127,9 @@ class GenerationEndpoint:
         except SimRequestError as exc:
             await out.whole(exc.status, error_body(exc.message, exc.err_type, exc.status, exc.param))
             return
-        response_id, engine_request_id = request_ids(self._endpoint, header(scope, b"x-request-id"))
+        response_id, engine_request_id = request_ids(
+            self._endpoint, header(scope, b"x-request-id"), self._rand
+        )
         work = self._serve(req, response_id, engine_request_id, out, arrival)
         try:
             await run_until_disconnect(work, receive, out, lambda: out.dropped, DISCONNECT_WAIT_S)
