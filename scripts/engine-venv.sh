@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Creates the vLLM engine venv (separate from pdserve's: vLLM pins many packages the proxy must not inherit).
 # Usage: scripts/engine-venv.sh DIR        (PDSERVE_DEVICE=cuda for NVIDIA hosts; see README)
-# The fixes come from ../shared/REFERENCE.md: remove torchvision/torchaudio/torchcodec (they do not match
-# the +cpu torch and break `import transformers`), then install NIXL after vLLM so it keeps vLLM's torch.
+# The fixes are docs/vllm.md's ("Running vLLM on the CPU"): remove torchvision/torchaudio/torchcodec (they
+# do not match the +cpu torch and break `import transformers`), then install NIXL after vLLM so it keeps
+# vLLM's torch.
 set -euo pipefail
 dir=${1:?usage: engine-venv.sh DIR}
 device=${PDSERVE_DEVICE:-cpu}

@@ -138,7 +138,8 @@ def _handoff(**changes: float) -> Handoff:
 
 
 def test_a_slow_link_is_advised_against_with_its_numbers() -> None:
-    # REFERENCE.md's H200: 0.5 GiB/s over tcp/lo, 250 MB for a 2,000-token Llama-3-8B prompt.
+    # The H200's KV over tcp/lo (docs/gpu.md): about 0.5 GB/s; a 2,000-token Llama-3-8B prompt's KV is
+    # ~250 MB (128 KiB a token: 32 layers x K and V x 8 KV heads x 128 dims x 2 bytes).
     verdict = judge(_handoff())
     assert verdict is not None and not verdict.pays
     assert verdict.ratio == pytest.approx(4.66, rel=0.01)

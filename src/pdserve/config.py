@@ -89,7 +89,9 @@ class ProxyConfig:
     max_decode_attempts: int = 2  # tries on distinct decode instances before the first token
     retry_backoff_s: float = 0.05  # before retry n: retry_backoff_s * 2**(n-1), at most 1 s
     fallback_to_local_prefill: bool = False  # prefill exhausted → decode computes the prompt itself
-    kv_lease_s: float = 30.0  # prefill's kv_lease_duration: params older than this are not reused
+    # The instances' kv_lease_duration: the lease guard judges answers by it, and a handoff's params go to
+    # a second decode only while younger than half of it (proxy/ledger.py, Handoff.is_fresh).
+    kv_lease_s: float = 30.0
     health_interval_s: float = 2.0  # active /health + /metrics checks of every instance
     health_timeout_s: float = 5.0  # one check's wait for /health (a busy API server can be slow)
     unhealthy_after_checks: int = 3  # consecutive failed checks before an instance that answered before

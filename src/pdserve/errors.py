@@ -29,11 +29,14 @@
         ├── EngineStoppedError the engine stopped while a request was in it
         └── ConnectionDropped  raised out of an app to make the server close the connection
 
-Errors of the libraries underneath are translated into these in exactly one place each: connection,
-OS and timeout errors of the proxy's own HTTP client (``proxy/connection.py``) in ``proxy/upstream.py``;
-aiohttp in ``sim/transfer.py`` (the simulator's KV pulls), ``sim/probe.py``
-and ``bench/`` (measurement clients); urllib in ``httpclient.py``; subprocess in ``engines/launcher.py``
-and ``engines/benchclient.py``; yaml in ``config.py``; lightkube in ``proxy/k8s_watch.py``; ray in ``engines/ray_cluster.py``.
+Errors of the libraries underneath are translated into these at each client's boundary, and nowhere
+else: connection, OS and timeout errors of the proxy's own HTTP client (``proxy/connection.py``) in
+``proxy/upstream.py``; aiohttp in ``sim/transfer.py`` (the simulator's KV pulls) and ``sim/probe.py``
+(calibration), while ``bench/load.py`` counts them as failed requests; urllib in ``httpclient.py``;
+subprocess in ``engines/launcher.py`` (the instances), ``engines/model.py`` (the tiny model's build) and
+``engines/benchclient.py``, while ``engines/venv.py``'s version probe makes a failure "version unknown",
+a warning; yaml in ``topologyfile.py`` and ``sim/profile.py``; lightkube in ``proxy/k8s_watch.py``; ray in
+``engines/ray_cluster.py``.
 ``UpstreamError.status`` is the HTTP status the proxy answers the client with.
 """
 

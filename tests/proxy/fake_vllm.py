@@ -1,4 +1,4 @@
-"""A fake vLLM instance with NixlConnector, close enough for the proxy (shapes from shared/REFERENCE.md).
+"""A fake vLLM instance with NixlConnector, close enough for the proxy (shapes as docs/vllm.md's protocol).
 
 A Starlette app that records every request it gets; a test sets ``fault`` to make it misbehave the way
 real instances do. proxy_rig.py serves it over a real socket.
