@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 
 import pytest
 
-from pdserve.errors import UpstreamConnectError, UpstreamTimeout, UpstreamUnavailable
+from pdserve.errors import UpstreamConnectError, UpstreamStaleConnection, UpstreamTimeout, UpstreamUnavailable
 from pdserve.proxy.upstream import HTTPUpstream
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -104,6 +104,23 @@ async def test_a_stale_connection_is_not_retried_when_sending_twice_could_matter
         await upstream.post("/d", b"{}", {}, "decode", 2)
         with pytest.raises(UpstreamUnavailable, match="closed before the answer was complete"):
             await upstream.post("/d", b"{}", {}, "decode", 2)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_a_kept_alive_connection_closed_before_any_answer_says_so(stream: bool) -> None:
+    # The flow asks the same decode once more for such a failure (flow.py); a new connection that
+    # breaks is the instance's own failure, not a stale one.
+    server = Server(lambda n: None if n >= 2 else whole(b"{}"))
+    async with serving(server.handle) as upstream:
+        await upstream.post("/d", b"{}", {}, "decode", 2)
+        for expected in (UpstreamStaleConnection, UpstreamUnavailable):
+            with pytest.raises(UpstreamUnavailable) as caught:
+                if stream:
+                    async with upstream.open_stream("/d", b"{}", {}, "decode", 2):
+                        pass
+                else:
+                    await upstream.post("/d", b"{}", {}, "decode", 2)
+            assert type(caught.value) is expected
 
 
 async def test_chunked_and_read_until_close_bodies_arrive_whole() -> None:

@@ -12,7 +12,7 @@ from memory_upstream import Answer, MemoryUpstream, Recorder, Script
 
 from pdserve import sse
 from pdserve.config import ProxyConfig, Role, Timeouts
-from pdserve.errors import UpstreamConnectError, UpstreamUnavailable
+from pdserve.errors import UpstreamConnectError, UpstreamStaleConnection, UpstreamUnavailable
 from pdserve.events import InstanceEvent
 from pdserve.proxy.flow import Flow
 from pdserve.proxy.policies import make_policy
@@ -116,6 +116,22 @@ async def test_prefill_failing_everywhere_is_a_502_naming_prefill(stream: bool) 
     assert answer.status == 502
     assert "prefill instance http://p0:1" in orjson.loads(answer.body)["error"]["message"]
     assert system.calls("http://d0:1") == []
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_a_kept_alive_connection_decode_had_closed_is_retried_there_unseen_with_fresh_kv(
+    stream: bool,
+) -> None:
+    stale = UpstreamStaleConnection("decode", "http://d0:1", "connection closed before the answer")
+    answers = iter([failing(stale), decode_text(" fine")])
+    system = System([prefill_ok], [lambda body: next(answers)(body)])
+    answer = await system.ask({**COMPLETION, "stream": stream})
+    assert answer.status == 200 and b" fine" in answer.body
+    # The only decode, asked again; its first request may have pulled the KV, so the second has its own.
+    assert len(system.calls("http://d0:1")) == 2 and len(system.calls("http://p0:1")) == 2
+    assert system.state.stats.retries["decode_stale"] == 1
+    d0 = system.state.find("http://d0:1")
+    assert d0 is not None and d0.breaker.num_consecutive_failures == 0
 
 
 async def test_a_stream_whose_first_event_is_an_error_is_retried_unseen_by_the_client() -> None:

@@ -101,6 +101,7 @@ class Served:
 class DecodeFailed:
     failure: UpstreamError | Reply  # a 5xx answer, or a stream whose first event was an error
     kv_unused: bool = field(default=False)  # the request never reached decode: its params are unread
+    is_stale: bool = False  # a kept-alive connection closed before any answer byte (UpstreamStaleConnection)
 
 
 @dataclass(frozen=True)

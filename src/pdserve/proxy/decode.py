@@ -16,7 +16,13 @@ import orjson
 
 from pdserve import protocol, sse
 from pdserve.config import ProxyConfig
-from pdserve.errors import UpstreamConnectError, UpstreamError, UpstreamTimeout, UpstreamUnavailable
+from pdserve.errors import (
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamStaleConnection,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
 from pdserve.proxy.attempt import Call, DecodeFailed, LeaseSuspect, Served, describe, relay_rejection
 from pdserve.proxy.guard import LeaseGuard
 from pdserve.proxy.instance import Instance
@@ -48,12 +54,14 @@ class Decoder:
                 else:
                     result = await self._decode_whole(call, decode, payload)
             except UpstreamError as exc:
-                decode.failed(exc.detail, is_slow=exc.is_slow)
+                is_stale = isinstance(exc, UpstreamStaleConnection)
+                if not is_stale:  # the connection's age, not the instance, failed that one
+                    decode.failed(exc.detail, is_slow=exc.is_slow)
                 if isinstance(exc, UpstreamTimeout):
                     exc = call.timeout_cause(exc)
                 if call.out.started:
                     raise exc from None
-                return DecodeFailed(exc, kv_unused=isinstance(exc, UpstreamConnectError))
+                return DecodeFailed(exc, kv_unused=isinstance(exc, UpstreamConnectError), is_stale=is_stale)
         if isinstance(result, DecodeFailed):
             decode.failed(describe(result.failure))
         elif call.has_error_event:

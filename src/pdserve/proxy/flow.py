@@ -97,10 +97,11 @@ class _Retries:
     tried: list[Instance] = field(default_factory=list)  # decodes that failed or were given up on
     num_failed: int = 0  # decode attempts that failed
     num_lease: int = 0  # answers the lease guard withheld
+    num_stale: int = 0  # decode attempts lost to a kept-alive connection the instance had closed
 
     @property
     def is_first(self) -> bool:
-        return not self.tried and self.num_failed == 0 and self.num_lease == 0
+        return not self.tried and self.num_failed == self.num_lease == self.num_stale == 0
 
 
 class Flow:
@@ -214,10 +215,27 @@ class Flow:
             decoded = await self._decoder.attempt(call, decode, is_last)
             if isinstance(decoded, Served):
                 return
+            if isinstance(decoded, DecodeFailed) and decoded.is_stale and not retries.num_stale:
+                self._once_more_on_a_fresh_connection(call, decode, retries)
+                continue
             if isinstance(decoded, DecodeFailed) and is_last:
                 await self._give_up("decode", decode.url, decoded.failure, call)
                 return
             await self._before_retry(call, decode, decoded, retries, has_others=bool(others))
+
+    def _once_more_on_a_fresh_connection(self, call: Call, decode: Instance, retries: _Retries) -> None:
+        """A kept-alive connection to ``decode`` closed before it answered anything: most likely decode
+        had closed it while idle and never read the request, so the same decode is asked again, once,
+        unseen by the client. Under a fresh handoff: had decode died on the request after pulling the
+        KV, prefill has freed those blocks, and another pull of them would read whatever is there."""
+        retries.num_stale += 1
+        self._state.stats.retried("decode_stale")
+        call.trace.retries.append(f"decode {decode.url}: a kept-alive connection was closed; once more")
+        if call.handoff is not None:
+            self._state.ledger.abandon(
+                call.handoff, f"decode {decode.url}: stale connection", "decode_failed"
+            )
+            call.handoff = None
 
     async def _before_retry(
         self, call: Call, decode: Instance, decoded: DecodeFailed | LeaseSuspect, retries: _Retries,

@@ -18,7 +18,13 @@ from typing import Protocol
 from urllib.parse import urlsplit
 
 from pdserve.config import Role
-from pdserve.errors import UpstreamConnectError, UpstreamError, UpstreamTimeout, UpstreamUnavailable
+from pdserve.errors import (
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamStaleConnection,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
 from pdserve.proxy.connection import Connection, Pool
 
 _KEEPALIVE_S = 4.0
@@ -163,6 +169,11 @@ class HTTPUpstream:
             return UpstreamUnavailable(phase, self.url, "connection closed before the answer was complete")
         return UpstreamUnavailable(phase, self.url, f"{type(exc).__name__}: {exc}")
 
+    def _stale(self, phase: str) -> UpstreamStaleConnection:
+        return UpstreamStaleConnection(
+            phase, self.url, "connection closed before the answer was complete (a kept-alive one)"
+        )
+
     def _request(self, method: bytes, path: str, headers: Mapping[str, str], body: bytes | None) -> bytes:
         lines = [method, b" ", (self._prefix + path).encode("latin-1"), b" HTTP/1.1\r\n", self._host_header]
         if body is not None:
@@ -218,12 +229,14 @@ class HTTPUpstream:
                     parts = []
                     while chunk := await conn.read(deadline):
                         parts.append(chunk)
-                except ConnectionResetError:
+                except ConnectionResetError as exc:
                     self._connections.release(conn)
-                    # A kept-alive connection the instance had closed: the request never reached it.
-                    # Once more on a fresh one, invisibly, when sending twice is harmless.
-                    if is_repeatable and is_reused and not conn.has_head:
-                        continue
+                    if is_reused and not conn.has_head:
+                        # A kept-alive connection the instance had closed: the request never reached
+                        # it. Once more on a fresh one, invisibly, when sending twice is harmless.
+                        if is_repeatable:
+                            continue
+                        raise self._stale(phase) from exc
                     raise
                 except BaseException:
                     conn.close()
@@ -253,13 +266,15 @@ class HTTPUpstream:
         deadline = asyncio.get_running_loop().time() + timeout
         pool = self._connections
         try:
-            conn, _ = await self._connection(phase, deadline)
+            conn, is_reused = await self._connection(phase, deadline)
         except (OSError, TimeoutError) as exc:
             raise self.translate(phase, exc, timeout) from exc
         try:
             try:
                 conn.send(request)
                 await conn.head(deadline)
+            except ConnectionResetError as exc:
+                raise (self._stale(phase) if is_reused else self.translate(phase, exc, timeout)) from exc
             except (OSError, TimeoutError) as exc:
                 raise self.translate(phase, exc, timeout) from exc
             yield _HTTPStream(self, phase, conn)
