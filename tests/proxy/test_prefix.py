@@ -58,7 +58,7 @@ def test_requests_sharing_a_system_prompt_stick_to_one_instance_while_load_stays
     chosen: dict[int, set[str]] = {0: set(), 1: set()}
     for n in range(20):
         system = n % 2  # two long system prompts, requests alternating between them
-        chosen[system].add(policy.choose(instances, _hashes(_prompt(system, 1024, n))).url)
+        chosen[system].add(policy.pick(instances, _hashes(_prompt(system, 1024, n))).instance.url)
     assert len(chosen[0]) == len(chosen[1]) == 1  # each system prompt always on the same instance
     assert chosen[0] != chosen[1]  # and the two share the work
 
@@ -67,7 +67,7 @@ def test_a_hot_prefix_spills_to_a_second_instance_once_the_first_is_busy() -> No
     policy, instances = PrefixAware(load_cost_tokens=300), [Inst("p0"), Inst("p1")]
     routed = []
     for n in range(8):  # none finishes: each adds one request ahead on its instance
-        inst = policy.choose(instances, _hashes(_prompt(0, 1024, n)))
+        inst = policy.pick(instances, _hashes(_prompt(0, 1024, n))).instance
         inst.num_in_flight += 1
         routed.append(inst.url)
     first = routed[0]
@@ -84,26 +84,30 @@ def test_a_loaded_instance_loses_to_an_idle_one_when_the_shared_prefix_is_short(
     busy, idle = Inst("busy"), Inst("idle", load=Load(kv_usage=0.2))
     policy.index.record("busy", _hashes(_prompt(0, 32, 0)))
     busy.num_in_flight = 3
-    assert policy.choose([busy, idle], _hashes(_prompt(0, 32, 1))).url == "idle"
+    assert policy.pick([busy, idle], _hashes(_prompt(0, 32, 1))).instance.url == "idle"
 
 
 def test_engine_reported_queue_counts_as_load_too() -> None:
     policy = PrefixAware()
     policy.index.record("p0", _hashes(_prompt(0, 512, 0)))
     queued = Inst("p0", load=Load(num_running=4, num_waiting=8))
-    assert policy.choose([queued, Inst("p1")], _hashes(_prompt(0, 512, 1))).url == "p1"
+    assert policy.pick([queued, Inst("p1")], _hashes(_prompt(0, 512, 1))).instance.url == "p1"
 
 
 def test_without_a_prompt_it_is_least_loaded_with_ties_in_turn() -> None:
     policy = PrefixAware()
     instances = [Inst("a"), Inst("b", num_in_flight=2), Inst("c")]
-    assert {policy.choose(instances).url for _ in range(4)} == {"a", "c"}
-    assert {policy.choose(instances, []).url for _ in range(4)} == {"a", "c"}
+    assert {policy.pick(instances).instance.url for _ in range(4)} == {"a", "c"}
+    assert {policy.pick(instances, []).instance.url for _ in range(4)} == {"a", "c"}
 
 
 def test_no_match_anywhere_spreads_requests_in_turn() -> None:
     policy, instances = PrefixAware(), [Inst("a"), Inst("b"), Inst("c")]
-    assert [policy.choose(instances, _hashes(_prompt(n, 64, n))).url for n in range(3)] == ["a", "b", "c"]
+    assert [policy.pick(instances, _hashes(_prompt(n, 64, n))).instance.url for n in range(3)] == [
+        "a",
+        "b",
+        "c",
+    ]
 
 
 def test_reported_hit_is_what_the_instance_held_before_this_request() -> None:
@@ -116,9 +120,9 @@ def test_reported_hit_is_what_the_instance_held_before_this_request() -> None:
 
 def test_no_instance_to_choose_from_raises() -> None:
     with pytest.raises(LookupError):
-        PrefixAware().choose([], [1, 2])
+        PrefixAware().pick([], [1, 2])
     with pytest.raises(LookupError):
-        PrefixAware().choose([])
+        PrefixAware().pick([])
 
 
 def test_index_stays_within_its_bound_and_evicts_old_tails_first() -> None:

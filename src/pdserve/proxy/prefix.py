@@ -123,9 +123,6 @@ class PrefixAware:
         self.index.record(best.url, prompt)
         return Pick(best, best_cached)
 
-    def choose(self, candidates: Sequence[C], prompt: Sequence[int] | None = None) -> C:
-        return self.pick(candidates, prompt).instance
-
     def forget(self, url: str) -> None:
         self.index.forget(url)
 

@@ -66,9 +66,6 @@ class LoadPolicy:
             raise LookupError("no instance to choose from")
         return Pick(self._choose(candidates))
 
-    def choose(self, candidates: Sequence[C], prompt: Sequence[int] | None = None) -> C:
-        return self.pick(candidates, prompt).instance
-
     def forget(self, url: str) -> None:
         return None
 
