@@ -161,6 +161,11 @@ class ProxyConfig:
             raise ConfigError("proxy.retry_backoff_s and proxy.breaker_cooldown_s must be >= 0")
 
     @property
+    def models_timeout_s(self) -> float:
+        """One /v1/models question to an instance: its connect, then as long as a health check may wait."""
+        return self.timeouts.connect + self.health_timeout_s
+
+    @property
     def discovers_pods(self) -> bool:
         return self.k8s_prefill_selector is not None or self.k8s_decode_selector is not None
 

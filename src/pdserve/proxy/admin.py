@@ -78,7 +78,7 @@ async def add(request: Request) -> Response:
         return error_response(400, str(exc), "BadRequestError")
     if ctx.state.find(url) is not None:
         return error_response(409, f"{url} is already in a pool", "Conflict")
-    timeout = ctx.config.timeouts.connect + ctx.config.health_timeout_s
+    timeout = ctx.config.models_timeout_s
     instance = ctx.state.new_instance(role, url)
     await instance.upstream.open()
     served = await model_ids(instance, timeout)

@@ -71,8 +71,8 @@ def create_app(config: ProxyConfig, make_upstream: UpstreamFactory | None = None
         checker = asyncio.create_task(ctx.health.run())
         discoverer = asyncio.create_task(discovery.run()) if discovery is not None else None  # k8s
         try:
-            timeout = config.timeouts.connect + config.health_timeout_s
-            await check_models_match(state.pool("prefill").instances, state.pool("decode").instances, timeout)
+            prefill, decode = state.pool("prefill").instances, state.pool("decode").instances
+            await check_models_match(prefill, decode, config.models_timeout_s)
             yield
         finally:
             checker.cancel()

@@ -186,7 +186,7 @@ class Discovery:
         role, key = pod_key
         instance = self._state.new_instance(role, url)
         await instance.upstream.open()
-        timeout = self._config.timeouts.connect + self._config.health_timeout_s
+        timeout = self._config.models_timeout_s
         served = await model_ids(instance, timeout)
         expected = await models_in_service((self._state.pool(r).instances for r in ROLES), timeout)
         pod = self._pods[role].get(key)

@@ -104,7 +104,7 @@ class GenerationEndpoint:
 async def models(request: Request) -> Response:
     ctx = context(request)
     decode = ctx.state.pool("decode")
-    timeout = ctx.config.timeouts.connect + ctx.config.health_timeout_s
+    timeout = ctx.config.models_timeout_s
     errors = []
     for instance in decode.available() or decode.instances:
         try:
