@@ -76,3 +76,10 @@ def test_a_token_whose_text_spells_a_marker_is_not_one() -> None:
     fake = b'data: {"choices":[{"text":"data: {\\"error\\" data: [DONE]"}]}\n\n'
     assert watch.feed(fake) is False
     assert not watch.has_done
+
+
+def test_rewriting_error_events_touches_only_complete_error_payloads() -> None:
+    chunk = TOKEN + ERROR + sse.DONE + ERROR[:10]  # the last error event is cut by the chunk's edge
+    out = sse.rewrite_error_events(chunk, lambda payload: b'{"error": "rewritten"}')
+    assert out == TOKEN + sse.event(b'{"error": "rewritten"}') + sse.DONE + ERROR[:10]
+    assert sse.rewrite_error_events(TOKEN + sse.DONE, lambda payload: b"never") == TOKEN + sse.DONE

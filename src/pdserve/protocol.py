@@ -12,6 +12,7 @@ from typing import Any, Final, Literal
 
 import orjson
 
+from pdserve import sse
 from pdserve.errors import BadRequest
 
 Endpoint = Literal["completions", "chat"]
@@ -166,11 +167,7 @@ def with_error_event_origin(chunk: bytes, origin: str) -> bytes:
 
     Anything else (token events, [DONE], an event cut by the chunk's edge) passes unchanged.
     """
-    parts = chunk.split(b"\n\n")
-    for i, part in enumerate(parts):
-        if part.startswith(b'data: {"error"') and (i < len(parts) - 1):
-            parts[i] = b"data: " + with_error_origin(part[len(b"data: ") :], origin)
-    return b"\n\n".join(parts)
+    return sse.rewrite_error_events(chunk, lambda payload: with_error_origin(payload, origin))
 
 
 def with_error_origin(payload: bytes, origin: str) -> bytes:

@@ -7,11 +7,13 @@ Two readers, one grammar:
 - ``StreamWatch`` only watches relayed bytes for the error event and ``[DONE]``, for the proxy's hot path:
   it never splits or decodes a chunk. Its markers include the blank line that ends the previous event:
   JSON strings cannot hold a raw newline, so no token's text can fake one.
+
+``rewrite_error_events`` is the relay's error path: only a chunk ``StreamWatch`` found an error in is split.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Final
 
 import orjson
@@ -22,6 +24,8 @@ ERROR_MARK: Final = b'\n\ndata: {"error"'
 DONE_MARK: Final = b"\n\ndata: [DONE]"
 _MARK_TAIL: Final = max(len(ERROR_MARK), len(DONE_MARK))
 _DATA: Final = b"data:"
+_EVENT_END: Final = b"\n\n"
+_ERROR_EVENT: Final = ERROR_MARK.removeprefix(_EVENT_END)
 
 
 def event(payload: bytes) -> bytes:
@@ -62,6 +66,19 @@ def payloads(raw: bytes) -> list[bytes]:
     found = list(reader.feed(raw))
     tail = _payload(reader.pending)
     return [*found, tail] if tail else found
+
+
+def rewrite_error_events(chunk: bytes, rewrite: Callable[[bytes], bytes]) -> bytes:
+    """``chunk`` with the payload of each complete error event replaced by ``rewrite(payload)``.
+
+    Every other byte passes unchanged: token events, [DONE], and an event cut by the chunk's edge (its
+    end, and so its whole payload, is not here yet).
+    """
+    *events, cut = chunk.split(_EVENT_END)
+    rewritten = (
+        event(rewrite(e[len(b"data: ") :])) if e.startswith(_ERROR_EVENT) else e + _EVENT_END for e in events
+    )
+    return b"".join(rewritten) + cut
 
 
 def error_of(payload: bytes) -> dict[str, object] | None:
