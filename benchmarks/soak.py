@@ -35,6 +35,7 @@ from typing import Any
 
 import aiohttp
 
+from pdserve import sse
 from pdserve.config import Timeouts, Topology
 from pdserve.prometheus import parse_prometheus
 from pdserve.stack import Stack
@@ -131,19 +132,17 @@ async def ask(
                         message = (data.get("error") or {}).get("message") or str(data)[:100]
                         return "error", "", kind_of(resp.status, message), retry_after
                     return "ok", text_of(t, data["choices"][0], False), headers["X-Request-Id"], 0.0
-                buffer, num_events, is_done = b"", 0, False
+                reader, num_events, is_done = sse.EventReader(), 0, False
                 async for chunk in resp.content.iter_any():
-                    buffer += chunk
-                    while b"\n\n" in buffer:
-                        block, buffer = buffer.split(b"\n\n", 1)
-                        data_line = block.removeprefix(b"data: ")
-                        if data_line == b"[DONE]":
+                    for event_payload in reader.feed(chunk):
+                        if event_payload == sse.DONE_PAYLOAD:
                             is_done = True
                             continue
-                        event = json.loads(data_line)
-                        if "error" in event:
-                            message = event["error"].get("message", "")
+                        error = sse.error_of(event_payload)
+                        if error is not None:
+                            message = error.get("message", "")
                             return "error", text, kind_of(200, f"stream error event: {message}"), 0.0
+                        event = json.loads(event_payload)
                         for choice in event.get("choices") or []:
                             text += text_of(t, choice, True)
                         num_events += 1
