@@ -1,6 +1,16 @@
 from __future__ import annotations
 
-from pdserve.verify import Report, _read_stream, cases
+import http.server
+import json
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+
+from pdserve.cli import main
+from pdserve.verify import Report, _read_stream, cases, verify
 
 
 def test_stream_text_is_joined_from_deltas() -> None:
@@ -44,3 +54,71 @@ def test_report_fails_when_any_check_fails_and_when_empty() -> None:
     report.check(False, "b")
     assert not report.ok
     assert report.lines() == ["  PASS  a", "  FAIL  b"]
+
+
+class _Proxy(http.server.BaseHTTPRequestHandler):
+    """A proxy's GET /instances listing ``self.server.instances``; every path asked for is recorded."""
+
+    server: _ProxyServer
+
+    def do_GET(self) -> None:
+        self.server.paths.append(self.path)
+        body = json.dumps(self.server.instances if self.path == "/instances" else {}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self) -> None:
+        self.do_GET()
+
+    def log_message(self, format: str, *args: Any) -> None:
+        return None
+
+
+class _ProxyServer(http.server.ThreadingHTTPServer):
+    def __init__(self, instances: list[dict[str, Any]]) -> None:
+        super().__init__(("127.0.0.1", 0), _Proxy)
+        self.instances = instances
+        self.paths: list[str] = []
+
+
+@contextmanager
+def _proxy_listing(instances: list[dict[str, Any]]) -> Iterator[_ProxyServer]:
+    server = _ProxyServer(instances)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        thread.join(timeout=5)
+        server.server_close()
+
+
+def _instance(role: str, port: int) -> dict[str, Any]:
+    return {"role": role, "url": f"http://127.0.0.1:{port}", "healthy": True}
+
+
+@pytest.mark.parametrize(
+    ("instances", "failed"),
+    [
+        ([_instance("decode", 1)], ["the proxy lists 0 prefill instance(s)"]),
+        ([_instance("prefill", 1)], ["the proxy lists 0 decode instance(s)"]),
+        ([], ["the proxy lists 0 prefill instance(s)", "the proxy lists 0 decode instance(s)"]),
+    ],
+)
+def test_verify_fails_loudly_when_the_proxy_has_no_prefill_or_no_decode(
+    instances: list[dict[str, Any]], failed: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with _proxy_listing(instances) as proxy:
+        url = f"http://127.0.0.1:{proxy.server_address[1]}"
+        report = verify(url, say=lambda _line: None)
+        assert not report.ok
+        assert [what for ok, what in report.checks if not ok] == failed
+        assert main(["verify", url]) == 1
+    out = capsys.readouterr().out
+    assert "verify: FAILED" in out and all(f"FAIL  {what}" in out for what in failed)
+    # Nothing could prove PD, so nothing was sent: no request, no counter read, only the listing.
+    assert proxy.paths == ["/instances", "/instances"]
