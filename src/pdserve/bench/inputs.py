@@ -42,6 +42,10 @@ def write_sim_tokenizer(directory: Path) -> Path:
     tokenizer.save(str(directory / "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1_000_000}
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    # vLLM's client reads the directory's model config before the tokenizer; without one it fails, waits
+    # 2 s and retries (transformers_utils/repo_utils.with_retry): 2 s of every run. Any known model_type
+    # will do: the tokenizer class comes from tokenizer_config.json either way.
+    (directory / "config.json").write_text(json.dumps({"model_type": "llama"}))
     return directory
 
 
