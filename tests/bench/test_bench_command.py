@@ -1,4 +1,6 @@
-"""`pdserve plan` and `pdserve bench` as a user types them: what they print and their exit status."""
+"""`pdserve plan` and `pdserve bench` as a user types them: what they print and their exit status; and
+one small `bench --compare` end to end on the simulator (vLLM's benchmark client against sim instances,
+~25 s, most of it importing that client)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import re
 from pathlib import Path
 
 import pytest
+from test_bench_plots import png_size
 
 from pdserve.bench.evidence import RunEvidence
 from pdserve.bench.result import BenchResult, Latency
@@ -110,3 +113,59 @@ def test_bench_refuses_what_it_cannot_run_before_starting_anything(
 ) -> None:
     assert main([*argv, "--result-dir", str(tmp_path)]) == 2
     assert message in capsys.readouterr().err
+
+
+# The simulator with llama3-8b-a100's timing behind a 0.5 GB/s KV link: each 1,024-token prompt's KV
+# (134 MB) takes ~270 ms of simulated transfer, so splitting costs more than it saves by a wide margin
+# (TTFT ~4x colocated's). Ports of its own (21400-21499), away from test_bench_vllm's.
+SIM_COMPARE = ["bench", "--compare", "--engine", "sim", "--sim-profile", "llama3-8b-a100", "--sim-kv-gbps", "0.5",
+               "--num-prompts", "4", "--input-len", "1024", "--output-len", "8", "--request-rate", "8", "16",
+               "--max-concurrency", "2", "--num-warmups", "0", "--goodput", "ttft:2000", "tpot:100",
+               "--port", "21400", "--first-port", "21410", "--first-side-channel-port", "21450"]  # fmt: skip
+_CELL = r"(-?[\d.]+|inf|nan)"
+
+
+def _rows(text: str, rate: str) -> dict[str, tuple[float, ...]]:
+    """Each row of the side-by-side table at ``rate``: (disaggregated, colocated[, d/c])."""
+    table = text.split(f"rate {rate} req/s", 1)[1].split("\nrate ", 1)[0].split("\nverdict: ", 1)[0]
+    found = re.findall(rf"^  (\S.*?\S) +{_CELL} +{_CELL}(?: +{_CELL})?$", table, re.M)
+    return {name: tuple(float(v) for v in values if v) for name, *values in found}
+
+
+@pytest.mark.vllm  # not an engine, but vLLM's own benchmark client, run from the engine venv
+def test_compare_on_the_simulator_prints_both_modes_side_by_side_and_a_verdict_with_its_reasons(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([*SIM_COMPARE, "--result-dir", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    for rate in ("8", "16"):
+        assert f"disaggregated at {rate} req/s: 4 requests via http://127.0.0.1:21400" in text
+        assert f"colocated at {rate} req/s: 4 requests via http://127.0.0.1:21401" in text
+        rows = _rows(text, rate)
+        assert {"TTFT p50 ms", "TPOT p50 ms", "ITL p90 ms", "E2EL p50 ms", "goodput req/s"} <= set(rows), text
+        assert rows["failed"] == (0.0, 0.0), text  # no ratio printed for failures
+        for name in ("TTFT p50 ms", "E2EL p50 ms", "goodput req/s"):
+            d, c, ratio = rows[name]
+            assert ratio == pytest.approx(d / c, abs=0.01), (name, text)
+        # Every split request waits for its KV to cross the slow link; a whole one never does.
+        assert rows["TTFT p50 ms"][2] > 2, text
+    verdict = re.search(r"^verdict: COLOCATE: goodput disaggregated/colocated ([\d.]+)x \(summed over 2 rate\(s\)\)$",
+                        text, re.M)  # fmt: skip
+    assert verdict and float(verdict.group(1)) < 1, text
+    transfer = re.search(r"^  - transfer: (\d+) KV transfers, 134\.22 MB each, [\d.]+ ms mean \(([\d.]+) GB/s\)",
+                         text, re.M)  # fmt: skip
+    assert transfer, text
+    assert int(transfer.group(1)) == 2 * 4, text  # every split request moved its KV, once
+    assert float(transfer.group(2)) == pytest.approx(0.5, abs=0.05), text  # the link it was given
+    assert re.search(r"^  - queueing, disaggregated: @8: TTFT p50 [\d.]+ ms", text, re.M), text
+    assert re.search(r"^  - interference: colocated ITL p90 [\d.]+x disaggregated", text, re.M), text
+    # What it leaves for `pdserve plan --bench` and for people: the summary, the report, both plots.
+    summary = json.loads((tmp_path / "compare.json").read_text())
+    assert summary["verdict"]["decision"] == "colocate"
+    assert [r["rate"] for r in summary["rates"]] == ["8", "16"]
+    assert (tmp_path / "report.txt").read_text().startswith("rate 8 req/s")
+    for png in ("latency-cdf.png", "latency-vs-rate.png"):
+        assert f"plot: {tmp_path / png}" in text
+        assert png_size(tmp_path / png)[0] > 0
+    # vLLM's client took the sim's tokenizer directory as it is (a config it cannot parse costs 2 s a run).
+    assert "Error parsing config" not in (tmp_path / "vllm-bench.log").read_text()
