@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Mapping
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass, field
 
 import aiohttp
 import openai
 import orjson
 import pytest
 from fake_vllm import MODEL
+from memory_upstream import Answer, MemoryUpstream, Recorder
 from proxy_rig import Rig, running_proxy
+
+from pdserve.config import ProxyConfig, Role
+from pdserve.proxy.app import create_app
+from pdserve.proxy.upstream import Reply, Stream
 
 
 async def get_json(http: aiohttp.ClientSession, url: str) -> tuple[int, dict]:
@@ -57,6 +65,57 @@ async def test_health_is_503_naming_the_dead_instance(
     [dead] = [i for i in body["instances"] if not i["healthy"]]
     assert (dead["role"], dead["url"]) == ("decode", dead_url)
     assert "cannot connect" in dead["error"]
+
+
+@dataclass
+class _CountingUpstream(MemoryUpstream):
+    """Records every GET and POST the proxy makes to the instance."""
+
+    asked: list[str] = field(default_factory=list)
+
+    async def get(self, path: str, phase: str, timeout: float) -> Reply:
+        self.asked.append(f"GET {path}")
+        return await super().get(path, phase, timeout)
+
+    async def post(
+        self, path: str, body: bytes, headers: Mapping[str, str], phase: str, timeout: float,
+        is_repeatable: bool = False,
+    ) -> Reply:  # fmt: skip
+        self.asked.append(f"POST {path}")
+        return await super().post(path, body, headers, phase, timeout, is_repeatable)
+
+    def open_stream(
+        self, path: str, body: bytes, headers: Mapping[str, str], phase: str, timeout: float
+    ) -> AbstractAsyncContextManager[Stream]:
+        self.asked.append(f"POST {path} (streamed)")
+        return super().open_stream(path, body, headers, phase, timeout)
+
+
+async def test_health_and_instances_only_read_what_the_health_checks_last_saw() -> None:
+    upstreams: list[_CountingUpstream] = []
+
+    def make(role: Role, url: str) -> _CountingUpstream:
+        upstreams.append(_CountingUpstream(role, url, lambda body: Answer()))
+        return upstreams[-1]
+
+    # A check interval longer than the test: the health checker makes no call while the reads run.
+    app = create_app(ProxyConfig(("http://p0:1",), ("http://d0:1",), health_interval_s=3600), make)
+    async with app.router.lifespan_context(app):
+        for upstream in upstreams:
+            upstream.asked.clear()  # the start-up model check asked /v1/models
+        for path in ("/health", "/instances") * 3:
+            send = Recorder()
+
+            async def receive() -> dict[str, object]:
+                return {"type": "http.request", "body": b"", "more_body": False}
+
+            scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET",
+                     "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+                     "root_path": "", "headers": [], "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 8000)}  # fmt: skip
+            await app(scope, receive, send)
+            assert send.status == 200, (path, send.body)
+    assert len(upstreams) == 2
+    assert [u.asked for u in upstreams] == [[], []]
 
 
 async def test_instances_lists_role_url_and_health(rig: Rig, http: aiohttp.ClientSession) -> None:
