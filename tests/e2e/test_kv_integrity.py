@@ -92,10 +92,9 @@ def test_decode_stalled_past_the_lease_never_yields_an_answer_from_released_kv(
         os.kill(engine, signal.SIGCONT)
     thread.join(timeout=120)
     assert not thread.is_alive(), "the request hung after decode resumed"
-    if "error" in answer:  # allowed: a clear error; never a wrong answer
-        assert "lease" in str(answer["error"]).lower(), answer["error"]
-    else:
-        assert answer["text"] == expected, "decode's answer was built from released KV and relayed"
+    # Once decode steps again, the redo's fresh handoff is pulled in time: the client gets the answer.
+    assert "error" not in answer, answer.get("error")
+    assert answer["text"] == expected, "decode's answer was built from released KV and relayed"
     assert _suspects(stack) > suspects_before, "the late pull went unnoticed"
     # The late pull's blocks went into decode's prefix cache under this prompt's hashes: the guard
     # reset it (vLLM's dev-mode route, on for decodes pdserve starts), and the next turn misses them.
