@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from pdserve.config import ProxyConfig, Timeouts, Topology, normalize_url
+from pdserve.config import ProxyConfig, Timeouts, Topology, lease_warnings, normalize_url
 from pdserve.errors import ConfigError
 from pdserve.topologyfile import topology_from_mapping
 
@@ -178,3 +178,23 @@ def test_an_address_a_peer_cannot_dial_is_refused(hosts: dict[str, tuple[str, ..
 def test_a_wildcard_host_is_reached_and_advertised_as_loopback() -> None:
     # vLLM would advertise 0.0.0.0 verbatim as prefill's side channel, and decode would dial itself.
     assert Topology(host="0.0.0.0").instance_hosts == ("127.0.0.1", "127.0.0.1")
+
+
+def test_start_up_warns_when_decode_attempts_can_outlast_half_the_kv_lease() -> None:
+    # 3 attempts x 5 s connect + two backoffs (0.05 s, 0.1 s) reach half of a 30 s lease: a retried
+    # handoff would rarely still be held.
+    config = ProxyConfig(("http://p:1",), ("http://d:1",), max_decode_attempts=3, kv_lease_s=30)
+    [warning] = lease_warnings(config)
+    assert "3 decode attempts x connect timeout 5 s" in warning and "--kv-lease" in warning
+    assert lease_warnings(ProxyConfig(("http://p:1",), ("http://d:1",))) == []  # the defaults fit
+
+
+def test_start_up_warns_of_a_kv_lease_a_stalled_decode_outlasts() -> None:
+    config = ProxyConfig(("http://p:1",), ("http://d:1",), kv_lease_s=8, timeouts=Timeouts(connect=1))
+    [warning] = lease_warnings(config)
+    assert warning.startswith("KV lease 8 s:") and "prefills again" in warning
+
+
+def test_retries_back_off_doubling_to_at_most_a_second() -> None:
+    config = ProxyConfig(("http://p:1",), ("http://d:1",), retry_backoff_s=0.3)
+    assert [config.backoff_s(n) for n in (1, 2, 3, 4)] == [0.3, 0.6, 1.0, 1.0]

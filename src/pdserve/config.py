@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Final, Literal
 from urllib.parse import urlsplit
 
 from pdserve.addresses import check_addresses, reachable
@@ -21,6 +21,7 @@ Device = Literal["cpu", "cuda"]
 EngineKind = Literal["vllm", "sim"]
 OnInstanceExit = Literal["restart", "stop"]
 ROLES: tuple[Role, ...] = ("prefill", "decode")
+MAX_BACKOFF_S: Final = 1.0  # the longest pause between two attempts of one phase (ProxyConfig.backoff_s)
 
 
 def _check_positive(owner: str, **values: float) -> None:
@@ -87,7 +88,7 @@ class ProxyConfig:
     decode_policy: str = "round_robin"
     max_prefill_attempts: int = 2  # tries on distinct prefill instances before giving up
     max_decode_attempts: int = 2  # tries on distinct decode instances before the first token
-    retry_backoff_s: float = 0.05  # before retry n: retry_backoff_s * 2**(n-1), at most 1 s
+    retry_backoff_s: float = 0.05  # before retry n: retry_backoff_s * 2**(n-1) (backoff_s)
     fallback_to_local_prefill: bool = False  # prefill exhausted → decode computes the prompt itself
     # The instances' kv_lease_duration: the lease guard judges answers by it, and a handoff's params go to
     # a second decode only while younger than half of it (proxy/ledger.py, Handoff.is_fresh).
@@ -160,6 +161,10 @@ class ProxyConfig:
         if self.retry_backoff_s < 0 or self.breaker_cooldown_s < 0:
             raise ConfigError("proxy.retry_backoff_s and proxy.breaker_cooldown_s must be >= 0")
 
+    def backoff_s(self, attempt: int) -> float:
+        """The pause before retry ``attempt`` (1, 2, …) of a phase: doubling, at most ``MAX_BACKOFF_S``."""
+        return float(min(MAX_BACKOFF_S, self.retry_backoff_s * 2 ** (attempt - 1)))
+
     @property
     def models_timeout_s(self) -> float:
         """One /v1/models question to an instance: its connect, then as long as a health check may wait."""
@@ -203,7 +208,9 @@ def lease_warnings(config: ProxyConfig) -> list[str]:
     """
     lease, t = config.kv_lease_s, config.timeouts
     warnings = []
-    reach = config.max_decode_attempts * t.connect + (config.max_decode_attempts - 1) * 1.0
+    reach = config.max_decode_attempts * t.connect + sum(
+        config.backoff_s(n) for n in range(1, config.max_decode_attempts)
+    )
     if reach >= lease / 2:
         warnings.append(
             f"{config.max_decode_attempts} decode attempts x connect timeout {t.connect:g} s (+ backoff) "

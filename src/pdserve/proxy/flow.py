@@ -22,14 +22,15 @@ Once the client has bytes, a failure ends the stream with an error event; nothin
 The lease guard (guard.py): decode's answer is held back until it is known not to rest on KV prefill
 had already released; a suspect one is dropped and the request prefilled again (``LeaseSuspect``), at
 most ``_MAX_LEASE_RETRIES`` times, under a fresh ``cache_salt``: the late pull's wrong blocks stay in
-decode's prefix cache under the prompt's hashes, and the redo must not match them. Decodes whose streams wait long for a first byte are avoided. The
-overall deadline (``Timeouts.request``) bounds every attempt, backoff and lease retry together. When
-every instance of a role is out of service, the one most likely to answer is tried anyway (panic
-mode): health checks, not single failures, decide who is out.
+decode's prefix cache under the prompt's hashes, and the redo must not match them. A request lost to a
+kept-alive connection decode had closed is asked of the same decode once more, under a fresh prefill.
+The overall deadline (``Timeouts.request``) bounds every attempt, backoff and lease retry together.
 
-Each attempt returns a typed result (attempt.py: ``Prefilled``/``Relayed``/``PrefillFailed``, ``Served``/
-``DecodeFailed``/``LeaseSuspect``); the decode attempt and its relay live in decode.py. The ``Trace``
-only records what happened, for /requests.
+Who takes each attempt (choice.py): the role's policy over the instances in service, decodes that show
+no sign of stepping left out, and panic mode when a whole role is out of service. Each attempt returns
+a typed result (attempt.py: ``Prefilled``/``Relayed``/``PrefillFailed``, ``Served``/``DecodeFailed``/
+``LeaseSuspect``); the prefill attempts live in prefill.py, the decode attempt and its relay in
+decode.py. The ``Trace`` only records what happened, for /requests.
 """
 
 from __future__ import annotations
@@ -37,21 +38,15 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
-
 from pdserve import protocol
 from pdserve.blocks import block_hashes
-from pdserve.config import ProxyConfig, Role
+from pdserve.config import ProxyConfig
 from pdserve.errors import (
     BadRequest,
-    NoInstanceAvailable,
     UpstreamError,
-    UpstreamProtocolError,
-    UpstreamTimeout,
     UpstreamUnavailable,
 )
 from pdserve.protocol import Endpoint
@@ -59,7 +54,6 @@ from pdserve.proxy.attempt import (
     Call,
     DecodeFailed,
     LeaseSuspect,
-    Prefilled,
     PrefillFailed,
     Prompt,
     Relayed,
@@ -67,10 +61,12 @@ from pdserve.proxy.attempt import (
     describe,
     relay_rejection,
 )
+from pdserve.proxy.choice import Chooser
 from pdserve.proxy.decode import Decoder
 from pdserve.proxy.guard import LeaseGuard
 from pdserve.proxy.instance import Instance
 from pdserve.proxy.ledger import Handoff
+from pdserve.proxy.prefill import Prefiller
 from pdserve.proxy.prefix import should_skip_prefill
 from pdserve.proxy.responder import Responder
 from pdserve.proxy.state import Outcome, ProxyState
@@ -84,10 +80,6 @@ log = logging.getLogger("pdserve.proxy")
 
 
 _MAX_LEASE_RETRIES = 2
-# A decode that has shown no sign of stepping for this share of the lease (Instance.lag_s: a stream still
-# waiting for its first byte, token counters that do not move while requests are there) sends no lease
-# heartbeats: it gets no handoff while another can take it.
-_LAGGING_SHARE = 1 / 3
 
 
 @dataclass
@@ -116,6 +108,8 @@ class Flow:
         self._config = config
         self._tokenizer = tokenizer
         self._t = config.timeouts
+        self._chooser = Chooser(state, config)
+        self._prefiller = Prefiller(state, config, self._chooser)
         self._decoder = Decoder(state, config, LeaseGuard(state, state.ledger))
         self._tracing = tracing
 
@@ -189,13 +183,13 @@ class Flow:
         call.prompt = self._prompt(call.body)
         retries = _Retries()
         while True:
-            decode, num_cached = self._pick_decode(retries.tried, call.prompt)
+            decode, num_cached = self._chooser.decode(retries.tried, call.prompt)
             if retries.is_first and local_reason is None:
                 local_reason = self._skip_reason(call.prompt, num_cached)
             # A split request needs a handoff: the one in play if the last decode left it reusable
             # (``_before_retry``), else a fresh prefill.
             if local_reason is None and call.handoff is None:
-                prefilled = await self._prefill(call)
+                prefilled = await self._prefiller.attempts(call)
                 if isinstance(prefilled, Relayed):
                     return
                 if isinstance(prefilled, PrefillFailed):
@@ -210,8 +204,8 @@ class Flow:
                     call.handoff = prefilled.handoff
             call.trace.local_prefill_reason = local_reason
             # A retry goes to another instance: none left (or no attempts left) makes this the last.
-            others = self._state.pool("decode").available([*retries.tried, decode])
-            is_last = retries.num_failed + 1 >= self._config.max_decode_attempts or not others
+            has_others = self._chooser.has_other("decode", [*retries.tried, decode])
+            is_last = retries.num_failed + 1 >= self._config.max_decode_attempts or not has_others
             decoded = await self._decoder.attempt(call, decode, is_last)
             if isinstance(decoded, Served):
                 return
@@ -221,7 +215,7 @@ class Flow:
             if isinstance(decoded, DecodeFailed) and is_last:
                 await self._give_up("decode", decode.url, decoded.failure, call)
                 return
-            await self._before_retry(call, decode, decoded, retries, has_others=bool(others))
+            await self._before_retry(call, decode, decoded, retries, has_others)
 
     def _once_more_on_a_fresh_connection(self, call: Call, decode: Instance, retries: _Retries) -> None:
         """A kept-alive connection to ``decode`` closed before it answered anything: most likely decode
@@ -264,7 +258,7 @@ class Flow:
             self._state.ledger.abandon(call.handoff, f"decode {decode.url}: {describe(decoded.failure)}",
                                        "decode_failed")  # fmt: skip
             call.handoff = None  # decode may have pulled, and prefill freed, those blocks: prefill again
-        await call.sleep(self._backoff(retries.num_failed))
+        await call.sleep(self._config.backoff_s(retries.num_failed))
 
     @staticmethod
     def _may_reuse(handoff: Handoff, decoded: DecodeFailed) -> bool:
@@ -293,106 +287,6 @@ class Flow:
         if prompt is None or not should_skip_prefill(prompt.num_tokens, num_cached, threshold):
             return None
         return f"{prompt.num_tokens - num_cached} uncached prompt tokens < {threshold}"
-
-    def _candidates(self, role: Role, tried: Sequence[Instance]) -> list[Instance]:
-        pool = self._state.pool(role)
-        candidates = pool.available(exclude=tried)
-        if candidates:
-            return candidates
-        # Panic mode: every instance is out of service, by health checks or circuits. Refusing everyone
-        # would turn a flap (a busy machine, one slow check) into an outage; the instance likeliest to
-        # answer gets the request, and its answer feeds its breaker as usual.
-        now = time.monotonic()
-        fallbacks = [i for i in pool.instances if i.is_panic_candidate and i not in tried]
-        if fallbacks:
-            best = min(fallbacks, key=lambda i: i.failure_score)
-            self._state.stats.panicked(role)
-            log.warning(
-                "no %s instance in service; trying %s (%s)", role, best.url, best.why_unavailable(now)
-            )
-            return [best]
-        states = ", ".join(f"{i.url} ({i.why_unavailable(now)})" for i in pool.instances)
-        raise NoInstanceAvailable(role, states or "none configured")
-
-    def _pick_decode(self, tried: Sequence[Instance], prompt: Prompt | None) -> tuple[Instance, int]:
-        """A decode instance and how many of the prompt's tokens it likely holds in its prefix cache.
-
-        Decodes that show no sign of stepping are left out while others can serve: a handoff sent
-        there may outwait prefill's lease."""
-        candidates = self._candidates("decode", tried)
-        now, limit = time.monotonic(), self._config.kv_lease_s * _LAGGING_SHARE
-        stepping = [c for c in candidates if c.lag_s(now) < limit]
-        hashes = prompt.hashes if prompt is not None else None
-        pick = self._state.policy("decode").pick(stepping or candidates, hashes)
-        return pick.instance, pick.num_cached_tokens
-
-    def _pick_prefill(self, tried: Sequence[Instance], prompt: Prompt | None) -> Instance:
-        hashes = prompt.hashes if prompt is not None else None
-        return self._state.policy("prefill").pick(self._candidates("prefill", tried), hashes).instance
-
-    def _backoff(self, attempt: int) -> float:
-        return float(min(1.0, self._config.retry_backoff_s * 2 ** (attempt - 1)))
-
-    # --- prefill ----------------------------------------------------------------------------------
-
-    async def _prefill(self, call: Call) -> Prefilled | Relayed | PrefillFailed:
-        payload = orjson.dumps(protocol.prefill_body(call.body))
-        trace = call.trace
-        tried: list[Instance] = []
-        failure: UpstreamError | Reply | None = None
-        for attempt in range(1, self._config.max_prefill_attempts + 1):
-            if attempt > 1:
-                if not self._state.pool("prefill").available(tried):
-                    break  # a retry goes to another instance, and there is none
-                self._state.stats.retried("prefill")
-                await call.sleep(self._backoff(attempt - 1))
-            try:
-                prefill = self._pick_prefill(tried, call.prompt)
-            except NoInstanceAvailable as exc:
-                failure = exc  # none in service (e.g. the only one restarting): a fallback may still serve
-                break
-            tried.append(prefill)
-            trace.prefill_url = prefill.url
-            begun = time.perf_counter()
-            try:
-                limit = call.limit("prefill", prefill.url, self._t.prefill)
-                call.timeline.prefill_sent = time.perf_counter()
-                with prefill.dispatched():
-                    # A prefill sent twice costs only compute: a stale keep-alive connection is retried.
-                    reply = await prefill.upstream.post(
-                        call.path, payload, call.headers, "prefill", limit, is_repeatable=True
-                    )
-                call.timeline.prefill_done = time.perf_counter()
-                trace.prefill_ms = (call.timeline.prefill_done - begun) * 1000
-                trace.prefill_status = reply.status
-                if reply.status == 200:
-                    try:
-                        params = protocol.kv_params_from_prefill(reply.body)
-                    except ValueError as exc:
-                        raise UpstreamProtocolError("prefill", prefill.url, str(exc)) from None
-                    prefill.succeeded()
-                    trace.kv_transfer_params = params
-                    ledger = self._state.ledger
-                    return Prefilled(
-                        ledger.open(call.request_id, prefill.url, params, prefill.num_kv_expired)
-                    )
-                if reply.status < 500:  # the client's own mistake: no other instance would differ
-                    prefill.succeeded()
-                    await relay_rejection("prefill", prefill.url, reply, call)
-                    return Relayed()
-                prefill.failed(f"answered {reply.status}")
-                failure = reply
-            except UpstreamTimeout as exc:
-                prefill.failed(exc.detail, is_slow=True)
-                failure = call.timeout_cause(exc)
-            except UpstreamError as exc:
-                prefill.failed(exc.detail, is_slow=exc.is_slow)
-                failure = exc
-            trace.retries.append(f"prefill {prefill.url}: {describe(failure)}")
-            if time.monotonic() >= call.deadline:
-                break
-        assert failure is not None
-        return PrefillFailed(failure, tried[-1].url if tried else "-")
 
     async def _give_up(self, phase: str, url: str, failure: UpstreamError | Reply, call: Call) -> None:
         """The last attempt of ``phase`` failed: the client hears of that failure."""
