@@ -7,10 +7,10 @@ import asyncio
 import time
 
 import aiohttp
-from otlp_receiver import otlp_receiver
 from proxy_rig import Rig, running_proxy
 from test_flow import COMPLETION, post
 
+from otlp_receiver import otlp_receiver
 from pdserve.prometheus import parse_prometheus
 
 

@@ -134,6 +134,8 @@ def test_set_rejects_fields_a_profile_does_not_have() -> None:
         parse_sets(["max_num_sequences=12"])
     with pytest.raises(PDServeError):
         parse_sets(["max_num_seqs"])
+    with pytest.raises(PDServeError, match="not YAML"):  # a clear error, not yaml's traceback
+        parse_sets(["max_num_seqs=[12"])
 
 
 @pytest.mark.parametrize("name", sorted(named_profiles()))

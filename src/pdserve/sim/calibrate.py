@@ -192,7 +192,10 @@ def parse_sets(items: Sequence[str]) -> dict[str, Any]:
         key, sep, raw = item.partition("=")
         if not sep or key.strip() not in fields:
             raise CalibrationError(f"--set wants KEY=VALUE, KEY one of {', '.join(sorted(fields))}: {item!r}")
-        sets[key.strip()] = yaml.safe_load(raw)
+        try:
+            sets[key.strip()] = yaml.safe_load(raw)
+        except yaml.YAMLError as exc:
+            raise CalibrationError(f"--set {item!r}: the value is not YAML ({exc})") from None
     return sets
 
 
