@@ -115,33 +115,35 @@ async def run_until_disconnect(
     disconnect notice is awaited, at most ``close_wait_s``, so the app never returns before the server
     knows the connection is gone.
     """
-    work_task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(wait_for_disconnect(receive))
+    # The work runs in this task (one task fewer per request): a disconnect cancels this task, and the
+    # cancellation is taken back here once the work has run its cleanup (closing upstream connections).
+    current = asyncio.current_task()
+    assert current is not None, "run_until_disconnect runs in a task"
+    is_gone = is_done = False
 
     def on_disconnect(_: object) -> None:
-        if not work_task.done() and not responder.finished:
-            work_task.cancel()
+        nonlocal is_gone
+        if not is_done and not responder.finished:
+            is_gone = True
+            current.cancel()
 
     # A callback, not asyncio.wait: this runs once per request, and wait's bookkeeping showed up.
+    watcher = asyncio.ensure_future(wait_for_disconnect(receive))
     watcher.add_done_callback(on_disconnect)
     try:
-        # Cancelled work still runs its cleanup (closing upstream connections) before we return.
         try:
-            await work_task
+            await work
         except asyncio.CancelledError:
-            current = asyncio.current_task()
-            if current is not None and current.cancelling():
+            if not is_gone or current.uncancel() > 0:
                 raise  # this task itself is being cancelled, not only the work
+            return True
+        finally:
+            is_done = True
         if await_close is not None and await_close():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(watcher), close_wait_s)
     finally:
         watcher.cancel()
-        if not work_task.done():
-            work_task.cancel()
-    if work_task.cancelled():
-        return True
-    work_task.result()  # re-raise a failure of the work itself
     return False
 
 

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 
 from pdserve.errors import Overloaded
 
@@ -28,13 +26,9 @@ class Admission:
     def num_queued(self) -> int:
         return len(self._waiters)
 
-    @asynccontextmanager
-    async def slot(self) -> AsyncIterator[None]:
-        await self._acquire()
-        try:
-            yield
-        finally:
-            self._release()
+    def slot(self) -> _Slot:
+        """``async with admission.slot():`` holds one slot (a class, not a generator: once per request)."""
+        return _Slot(self)
 
     async def _acquire(self) -> None:
         if self.max_concurrent is None or (self.num_running < self.max_concurrent and not self._waiters):
@@ -75,3 +69,16 @@ class Admission:
                 waiter.set_result(None)  # the slot moves to the waiter; num_running is unchanged
                 return
         self.num_running -= 1
+
+
+class _Slot:
+    __slots__ = ("_admission",)
+
+    def __init__(self, admission: Admission) -> None:
+        self._admission = admission
+
+    async def __aenter__(self) -> None:
+        await self._admission._acquire()
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._admission._release()

@@ -93,8 +93,9 @@ class Stats:
         self.purges[result] += 1
 
     def timed(self, timeline: Timeline) -> None:
+        phases = self.timings.phases
         for phase, seconds in timeline.spans().items():
-            self.timings.phases[phase].observe(seconds)
+            phases[phase].observe(seconds)
 
 
 class ProxyState:

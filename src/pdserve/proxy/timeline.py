@@ -114,16 +114,22 @@ class Timeline:
         self.last_chunk = now
 
     def spans(self) -> dict[str, float]:
-        """Each phase's seconds, for those that happened."""
-        pairs = {
-            "queue": (self.arrived, self.admitted),
-            "prefill": (self.prefill_sent, self.prefill_done),
-            "handoff_gap": (self.prefill_done, self.decode_sent),
-            "decode_first_byte": (self.decode_sent, self.decode_first_byte),
-            "ttft": (self.arrived, self.first_byte),
-            "e2e": (self.arrived, self.ended),
-        }
-        return {k: b - a for k, (a, b) in pairs.items() if a is not None and b is not None}
+        """Each phase's seconds, for those that happened (once per request: plain tests, no temporaries)."""
+        out: dict[str, float] = {}
+        arrived, prefill_done, decode_sent = self.arrived, self.prefill_done, self.decode_sent
+        if self.admitted is not None:
+            out["queue"] = self.admitted - arrived
+        if self.prefill_sent is not None and prefill_done is not None:
+            out["prefill"] = prefill_done - self.prefill_sent
+        if prefill_done is not None and decode_sent is not None:
+            out["handoff_gap"] = decode_sent - prefill_done
+        if decode_sent is not None and self.decode_first_byte is not None:
+            out["decode_first_byte"] = self.decode_first_byte - decode_sent
+        if self.first_byte is not None:
+            out["ttft"] = self.first_byte - arrived
+        if self.ended is not None:
+            out["e2e"] = self.ended - arrived
+        return out
 
     def as_ms(self) -> dict[str, float]:
         out = {f"{k}_ms": round(v * 1000, 3) for k, v in self.spans().items()}

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.protocol import Endpoint
+from pdserve.proxy.timeline import Timeline
 
 
 @dataclass
@@ -31,8 +32,9 @@ class Trace:
     stream_error_event: bool = False  # decode streamed vLLM's own error event
     retries: list[str] = field(default_factory=list)  # each failed attempt, and why
     outcome: str | None = None  # the label /metrics counted the request under (state.Outcome)
-    timeline: dict[str, float] = field(default_factory=dict)  # each phase in ms (timeline.py)
+    timeline: Timeline | None = None  # its moments; /requests shows each phase in ms (timeline.py)
     trace_id: str | None = None  # the OpenTelemetry trace, when tracing is on
 
     def as_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        # The phases in ms only when asked for: the request path stores the Timeline as it is.
+        return {**self.__dict__, "timeline": self.timeline.as_ms() if self.timeline is not None else {}}
