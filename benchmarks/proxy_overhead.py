@@ -411,11 +411,11 @@ def process(
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-def _pdserve(prefill: int, decode: int, port: int) -> list[str]:
+def _pdserve(prefill: int, decode: int, port: int, workers: int = 1) -> list[str]:
     # Defaults but for the pool size, which must hold --open-streams decode connections at once.
-    code = ("from pdserve.config import ProxyConfig; from pdserve.proxy.server import serve; "
+    code = ("from pdserve.config import ProxyConfig; from pdserve.proxy.workers import serve; "
             f"serve(ProxyConfig(prefill_urls=('http://{HOST}:{prefill}',), decode_urls=('http://{HOST}:{decode}',), "
-            f"host='{HOST}', port={port}, max_connections_per_upstream=4096), 'warning')")  # fmt: skip
+            f"host='{HOST}', port={port}, max_connections_per_upstream=4096, workers={workers}), 'warning')")  # fmt: skip
     return [sys.executable, "-c", code]
 
 
@@ -433,6 +433,7 @@ def main() -> int:
     parser.add_argument("--no-direct", action="store_true", help="skip the direct-to-decode floor")
     parser.add_argument("--baseline-src", metavar="DIR", help="another pdserve's src/, run beside this one")
     parser.add_argument("--first-port", type=int, default=23100)
+    parser.add_argument("--workers", default="1", help="pdserve's worker processes, one path per value: 1,2")
     parser.add_argument("--clients", type=int, default=1, help="load-generating processes")
     parser.add_argument("--fake-procs", type=int, default=1, help="fake-instance processes (SO_REUSEPORT)")
     parser.add_argument("--proxy-cpus", help="taskset CPU list for the proxies, e.g. 0-1 (the same for each)")
@@ -447,9 +448,10 @@ def main() -> int:
     logs.mkdir(parents=True, exist_ok=True)
     p = args.first_port
     prefill, decode = p, p + 1
-    proxies: dict[str, tuple[list[str], int, dict[str, str]]] = {
-        "pdserve": (_pdserve(prefill, decode, p + 2), p + 2, {})
-    }
+    proxies: dict[str, tuple[list[str], int, dict[str, str]]] = {}
+    for i, workers in enumerate(int(w) for w in args.workers.split(",")):
+        name, port = ("pdserve" if workers == 1 else f"pdserve {workers} workers"), p + 6 + i if i else p + 2
+        proxies[name] = (_pdserve(prefill, decode, port, workers), port, {})
     if args.baseline_src:
         env = {"PYTHONPATH": str(Path(args.baseline_src).resolve())}
         proxies["pdserve baseline"] = (_pdserve(prefill, decode, p + 5), p + 5, env)

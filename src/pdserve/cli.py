@@ -62,7 +62,7 @@ def cmd_up(a: argparse.Namespace) -> int:
 
 def cmd_proxy(a: argparse.Namespace) -> int:
     from pdserve.k8s.command import k8s_discovery
-    from pdserve.proxy.server import serve
+    from pdserve.proxy.workers import serve
 
     config = ProxyConfig(
         prefill_urls=tuple(a.prefill),

@@ -21,6 +21,7 @@ Device = Literal["cpu", "cuda"]
 EngineKind = Literal["vllm", "sim"]
 OnInstanceExit = Literal["restart", "stop"]
 ROLES: tuple[Role, ...] = ("prefill", "decode")
+MAX_WORKERS: Final = 64
 MAX_BACKOFF_S: Final = 1.0  # the longest pause between two attempts of one phase (ProxyConfig.backoff_s)
 
 
@@ -111,6 +112,9 @@ class ProxyConfig:
     prefix_load_cost_tokens: float = 256.0  # prefix_aware: cached tokens worth one more request ahead
     skip_prefill_below_tokens: int = 0  # uncached prompt shorter than this → decode alone; 0: never
     max_body_bytes: int = 32 * 1024 * 1024
+    # Proxy processes serving the port together (SO_REUSEPORT; proxy/workers.py): each enforces its share
+    # of max_concurrent and max_queued, and answers the reads (/metrics, ledger, requests) for them all.
+    workers: int = 1
     # No split at all: each request is served whole by one instance of the decode pool. The colocated
     # baseline that `pdserve bench --compare` measures disaggregation against, through the same proxy.
     colocated: bool = False
@@ -160,6 +164,16 @@ class ProxyConfig:
             raise ConfigError("proxy.max_queued must be >= 0 and proxy.queue_timeout_s > 0")
         if self.retry_backoff_s < 0 or self.breaker_cooldown_s < 0:
             raise ConfigError("proxy.retry_backoff_s and proxy.breaker_cooldown_s must be >= 0")
+        if not 1 <= self.workers <= MAX_WORKERS:
+            raise ConfigError(f"proxy.workers must be in 1..{MAX_WORKERS}, got {self.workers}")
+
+    def worker_share(self) -> ProxyConfig:
+        """What each of ``workers`` processes enforces: its share of the admission limits, rounded up."""
+        if self.workers == 1:
+            return self
+        per = self.workers
+        concurrent = None if self.max_concurrent is None else -(-self.max_concurrent // per)
+        return dataclasses.replace(self, max_concurrent=concurrent, max_queued=-(-self.max_queued // per))
 
     def backoff_s(self, attempt: int) -> float:
         """The pause before retry ``attempt`` (1, 2, …) of a phase: doubling, at most ``MAX_BACKOFF_S``."""

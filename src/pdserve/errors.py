@@ -4,6 +4,7 @@
     ├── ConfigError            a config, flag or topology file is invalid (raised at construction)
     ├── EngineError            launching or supervising a vLLM instance failed
     │   └── EngineStartError   an instance died or never became healthy while starting
+    ├── ProxyStartError        a worker of a multi-process proxy died or did not answer while starting
     ├── ModelBuildError        the embedded tiny model could not be built
     ├── VerifyError            `pdserve verify` could not run its checks (not: a check failed)
     ├── CalibrationError       `pdserve sim calibrate` could not measure or fit the instance
@@ -57,6 +58,10 @@ class EngineError(PDServeError):
 
 class EngineStartError(EngineError):
     """An instance exited or did not become healthy in time; the message holds its log tail."""
+
+
+class ProxyStartError(PDServeError):
+    """A proxy worker (proxy/workers.py) exited or did not answer while starting."""
 
 
 class ModelBuildError(PDServeError):

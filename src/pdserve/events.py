@@ -9,11 +9,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal, get_args
 
 InstanceEventKind = Literal["exited", "restarting", "ready", "gave_up", "moved"]
 KVLogEventKind = Literal["expired", "late_pull"]
+_INSTANCE_KINDS = get_args(InstanceEventKind)
+_KV_LOG_KINDS = get_args(KVLogEventKind)
 
 
 @dataclass(frozen=True)
@@ -36,3 +39,22 @@ class KVLogEvent:
 # nixl/pull_worker.py); the request id is the handoff's remote_request_id.
 EXPIRED_LINE = "Releasing expired KV blocks for request "
 LATE_PULL_LINE = "Potentially invalid KV blocks for unrecognized request "
+
+
+def to_dict(event: InstanceEvent | KVLogEvent) -> dict[str, object]:
+    """An event as JSON takes it, for a proxy in another process (proxy/workers.py)."""
+    kind = "instance" if isinstance(event, InstanceEvent) else "kv_log"
+    return {"type": kind, **dataclasses.asdict(event)}
+
+
+def from_dict(data: dict[str, Any]) -> InstanceEvent | KVLogEvent:
+    """The event ``to_dict`` made; ValueError when ``data`` is not one."""
+    fields = {k: v for k, v in data.items() if k != "type"}
+    try:
+        if data.get("type") == "instance" and fields.get("kind") in _INSTANCE_KINDS:
+            return InstanceEvent(**fields)
+        if data.get("type") == "kv_log" and fields.get("kind") in _KV_LOG_KINDS:
+            return KVLogEvent(**fields)
+    except TypeError as exc:
+        raise ValueError(f"not an event: {exc}") from None
+    raise ValueError(f"not an event: {data!r}")

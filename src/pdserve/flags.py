@@ -55,6 +55,9 @@ def add_routing(p: argparse.ArgumentParser) -> None:
     g.add_argument("--admin-api-key", help="enables the admin API (/admin/...) with this key")
     g.add_argument("--otlp-traces-endpoint", metavar="URL",
                    help="send OpenTelemetry spans of every request to this OTLP/HTTP traces URL (…/v1/traces)")  # fmt: skip
+    g.add_argument("--workers", type=int, default=proxy_default("workers"),
+                   help="proxy processes sharing the port (SO_REUSEPORT), each with its share of "
+                        "--max-concurrent/--max-queued; one CPython process is about one core of proxy")  # fmt: skip
 
 
 def routing_from_args(a: argparse.Namespace) -> dict[str, Any]:
@@ -69,6 +72,7 @@ def routing_from_args(a: argparse.Namespace) -> dict[str, Any]:
         "api_key": a.api_key,
         "admin_api_key": a.admin_api_key,
         "otlp_traces_endpoint": a.otlp_traces_endpoint,
+        "workers": a.workers,
     }
 
 

@@ -39,6 +39,7 @@ from pdserve.errors import EngineError
 from pdserve.events import InstanceEvent, KVLogEvent
 from pdserve.proxy.app import create_app
 from pdserve.proxy.server import make_server
+from pdserve.proxy.workers import ProxyWorkers
 from pdserve.sim.profile import load_profile
 
 if TYPE_CHECKING:
@@ -107,6 +108,11 @@ class ProxyThread:
         self._thread.join(timeout=10)
 
 
+def proxy_for(config: ProxyConfig, log_level: str = "warning") -> ProxyThread | ProxyWorkers:
+    """The proxy of ``config``, not yet started: on a thread here, or as its worker processes."""
+    return ProxyWorkers(config, log_level) if config.workers > 1 else ProxyThread(config, log_level)
+
+
 class Stack:
     def __init__(
         self,
@@ -132,7 +138,7 @@ class Stack:
         self.model: ResolvedModel | None = None
         self.vllm_version: str | None = None  # the engine venv's, learnt at start (None: unknown)
         self.group: EngineGroup | None = None
-        self.proxy: ProxyThread | None = None
+        self.proxy: ProxyThread | ProxyWorkers | None = None  # workers: config.workers > 1
         self.supervisor: Supervisor | None = None
         self.log_watcher: LogWatcher | None = None
         self.ray_group: RayEngineGroup | None = None  # instead of group, on a Ray cluster (topology.ray)
@@ -245,7 +251,7 @@ class Stack:
             timeouts=self._timeouts,
             **self._proxy_options,
         )
-        self.proxy = ProxyThread(config, self._proxy_log_level)
+        self.proxy = proxy_for(config, self._proxy_log_level)
         self.proxy.start()
         for warning in lease_warnings(config):
             self._say(f"warning: {warning}")

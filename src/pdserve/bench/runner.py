@@ -31,7 +31,7 @@ from pdserve.config import Timeouts, Topology
 from pdserve.engines.benchclient import BenchClient
 from pdserve.engines.venv import find_engine_python
 from pdserve.errors import BenchError, ConfigError, Unreachable
-from pdserve.stack import ProxyThread, Stack, wait_http_ok
+from pdserve.stack import Stack, proxy_for, wait_http_ok
 
 SIM_ROOT_PREFIX = "pdserve-sim/"  # the simulator's /v1/models "root": it has no tokenizer on disk
 _HEALTH_TIMEOUT_S = 60.0
@@ -144,7 +144,7 @@ def run_compare(
             every = (*urls["prefill"], *urls["decode"])
             config = dataclasses.replace(stack.proxy.config, prefill_urls=(), decode_urls=every,
                                          colocated=True, port=coloc_port, otlp_traces_endpoint=None)  # fmt: skip
-            colocated = ProxyThread(config)
+            colocated = proxy_for(config)
             colocated.start()
             try:
                 proxies: dict[Mode, str] = {"disaggregated": stack.proxy_url, "colocated": colocated.url}

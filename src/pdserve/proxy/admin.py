@@ -7,11 +7,13 @@
     GET    /admin/ledger              open and recent KV handoffs, counts by outcome
 
 All need "Authorization: Bearer <admin_api_key>"; without a configured key the admin API is off (403).
-Handlers change nothing themselves: they ask ``ProxyState`` (state.py), which owns the pools.
+Handlers change nothing themselves: they ask ``ProxyState`` (state.py), which owns the pools. In a proxy of
+several workers (workers.py) a change is repeated on every worker and the reads merge theirs (peers.py).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -22,10 +24,13 @@ from starlette.routing import Route
 
 from pdserve.config import ROLES, normalize_url
 from pdserve.errors import ConfigError
-from pdserve.proxy.context import context
+from pdserve.proxy.context import context, peers_of
 from pdserve.proxy.instance import Instance
+from pdserve.proxy.ledger import merge_snapshots
 from pdserve.proxy.models import model_ids, models_in_service
-from pdserve.proxy.routes import error_response, is_authorized
+from pdserve.proxy.routes import describe_instances, error_response, is_authorized
+
+log = logging.getLogger("pdserve.proxy")
 
 Handler = Callable[[Request], Awaitable[Response]]
 
@@ -40,6 +45,25 @@ def guarded(handler: Handler) -> Handler:
         if not is_authorized(request, key):
             return error_response(401, "missing or wrong admin API key", "AuthenticationError")
         return await handler(request)
+
+    return wrapper
+
+
+def everywhere(handler: Handler) -> Handler:
+    """A change this worker made, every other worker makes too (the same request, over its socket);
+    the client gets this worker's answer, and a worker that refused is logged."""
+
+    async def wrapper(request: Request) -> Response:
+        response = await handler(request)
+        peers = peers_of(request)
+        if peers is not None and response.status_code < 300:
+            headers = {"Authorization": request.headers.get("authorization", "")}
+            answers = await peers.ask(request.method, request.url.path, await request.body(), headers)
+            for status, body in answers:
+                if status >= 300:
+                    log.warning("a proxy worker refused %s %s: %s %s", request.method, request.url.path,
+                                status, body[:300])  # fmt: skip
+        return response
 
     return wrapper
 
@@ -64,7 +88,7 @@ async def _instance_named(request: Request) -> Instance:
 
 
 async def list_instances(request: Request) -> Response:
-    return JSONResponse(context(request).state.describe())
+    return JSONResponse(await describe_instances(request))
 
 
 async def add(request: Request) -> Response:
@@ -112,13 +136,19 @@ async def remove(request: Request) -> Response:
 
 
 async def ledger(request: Request) -> Response:
-    return JSONResponse(context(request).state.ledger.snapshot())
+    snapshot = context(request).state.ledger.snapshot()
+    peers = peers_of(request)
+    if peers is not None:
+        headers = {"Authorization": request.headers.get("authorization", "")}
+        others = [orjson.loads(b) for b in await peers.bodies(request.url.path, headers)]
+        snapshot = merge_snapshots([snapshot, *others])
+    return JSONResponse(snapshot)
 
 
 ADMIN_ROUTES = [
     Route("/admin/instances", guarded(list_instances), methods=["GET"]),
-    Route("/admin/instances", guarded(add), methods=["POST"]),
-    Route("/admin/instances", guarded(remove), methods=["DELETE"]),
-    Route("/admin/instances/drain", guarded(drain), methods=["POST"]),
+    Route("/admin/instances", guarded(everywhere(add)), methods=["POST"]),
+    Route("/admin/instances", guarded(everywhere(remove)), methods=["DELETE"]),
+    Route("/admin/instances/drain", guarded(everywhere(drain)), methods=["POST"]),
     Route("/admin/ledger", guarded(ledger), methods=["GET"]),
 ]

@@ -25,6 +25,8 @@ from pdserve.proxy.context import Context
 from pdserve.proxy.flow import Flow
 from pdserve.proxy.health import HealthChecker
 from pdserve.proxy.models import check_models_match
+from pdserve.proxy.peer_routes import PEER_ROUTES
+from pdserve.proxy.peers import Peers
 from pdserve.proxy.policies import PolicyOptions, make_policy
 from pdserve.proxy.routing import Policy
 from pdserve.proxy.state import ProxyState, UpstreamFactory
@@ -34,7 +36,10 @@ from pdserve.proxy.tracing import RequestTracing
 log = logging.getLogger("pdserve.proxy")
 
 
-def create_app(config: ProxyConfig, make_upstream: UpstreamFactory | None = None) -> Starlette:
+def create_app(
+    config: ProxyConfig, make_upstream: UpstreamFactory | None = None, peers: Peers | None = None
+) -> Starlette:
+    """The proxy; ``peers``: it is one worker of several (worker.py), which share its port."""
     options = PolicyOptions(config.prefix_block_size, config.prefix_load_cost_tokens)
     policies: dict[Role, Policy] = {
         "prefill": make_policy(config.prefill_policy, options),
@@ -45,12 +50,16 @@ def create_app(config: ProxyConfig, make_upstream: UpstreamFactory | None = None
     if config.tokenizer and tokenizer is None:
         log.warning("no tokenizer.json in %s: prompt-aware routing falls back to load only", config.tokenizer)
     tracing = RequestTracing(config.otlp_traces_endpoint) if config.otlp_traces_endpoint else None
+    share = config.worker_share() if peers is not None else config
+    is_prompt_aware = any(p.wants_prompt for p in policies.values())
+    on_pick = peers.share_pick if peers is not None and is_prompt_aware else None
     ctx = Context(
         config=config,
         state=state,
-        flow=Flow(state, config, tokenizer, tracing),
-        admission=Admission(config.max_concurrent, config.max_queued, config.queue_timeout_s),
+        flow=Flow(state, config, tokenizer, tracing, on_pick),
+        admission=Admission(share.max_concurrent, share.max_queued, config.queue_timeout_s),
         health=HealthChecker(state, config.health_interval_s, config.health_timeout_s),
+        peers=peers,
     )
 
     # --- Kubernetes discovery (proxy/discovery.py), only when configured: lightkube is an optional
@@ -70,12 +79,15 @@ def create_app(config: ProxyConfig, make_upstream: UpstreamFactory | None = None
         await state.open()
         checker = asyncio.create_task(ctx.health.run())
         discoverer = asyncio.create_task(discovery.run()) if discovery is not None else None  # k8s
+        gossip = asyncio.create_task(peers.run()) if on_pick is not None and peers is not None else None
         try:
             prefill, decode = state.pool("prefill").instances, state.pool("decode").instances
             await check_models_match(prefill, decode, config.models_timeout_s)
             yield
         finally:
             checker.cancel()
+            if gossip is not None:
+                gossip.cancel()
             if discoverer is not None:  # k8s discovery: stop before the instances close
                 discoverer.cancel()
                 await asyncio.gather(discoverer, return_exceptions=True)
@@ -97,6 +109,7 @@ def create_app(config: ProxyConfig, make_upstream: UpstreamFactory | None = None
             Route("/requests", routes.requests, methods=["GET"]),
             Route("/metrics", routes.metrics, methods=["GET"]),
             *ADMIN_ROUTES,
+            *PEER_ROUTES,
         ],
         lifespan=lifespan,
     )

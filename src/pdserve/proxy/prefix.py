@@ -126,6 +126,9 @@ class PrefixAware:
     def forget(self, url: str) -> None:
         self.index.forget(url)
 
+    def learn(self, url: str, prompt: Sequence[int]) -> None:
+        self.index.record(url, prompt)
+
     def num_cached_tokens(self, url: str, hashes: Sequence[int]) -> int:
         """The instance's estimated cache hit for this prompt, in tokens (whole blocks only)."""
         return self.index.match_blocks(url, hashes) * self.block_size

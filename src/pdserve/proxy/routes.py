@@ -18,6 +18,7 @@ import logging
 import secrets
 import time
 
+import orjson
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -25,7 +26,9 @@ from pdserve import protocol
 from pdserve.asgi import Receive, Scope, Send, header, read_body, run_until_disconnect
 from pdserve.errors import BodyTooLarge, ClientGone, Overloaded, UpstreamError
 from pdserve.protocol import Endpoint
-from pdserve.proxy.context import Context, context
+from pdserve.proxy.context import Context, context, peers_of
+from pdserve.proxy.instance import merge_descriptions
+from pdserve.proxy.metrics import merge as merge_metrics
 from pdserve.proxy.metrics import render as render_metrics
 from pdserve.proxy.responder import Responder
 
@@ -118,14 +121,24 @@ async def models(request: Request) -> Response:
 
 
 async def health(request: Request) -> JSONResponse:
+    """This worker's own answer: a load balancer's probe must not wait on the others."""
     state = context(request).state
     ok = state.can_serve()
     body = {"status": "ok" if ok else "unavailable", "instances": state.describe()}
     return JSONResponse(body, status_code=200 if ok else 503)
 
 
+async def describe_instances(request: Request) -> list[dict[str, object]]:
+    """Each instance as this worker sees it, with what every worker has in flight there."""
+    local = context(request).state.describe()
+    peers = peers_of(request)
+    if peers is None:
+        return local
+    return merge_descriptions(local, [orjson.loads(b) for b in await peers.bodies(request.url.path)])
+
+
 async def instances(request: Request) -> JSONResponse:
-    return JSONResponse(context(request).state.describe())
+    return JSONResponse(await describe_instances(request))
 
 
 async def requests(request: Request) -> Response:
@@ -133,10 +146,26 @@ async def requests(request: Request) -> Response:
     if not is_authorized(request, ctx.config.admin_api_key):
         return error_response(401, "missing or wrong admin API key", "AuthenticationError")
     wanted = request.query_params.get("id")
-    traces = [t for t in ctx.state.traces if wanted is None or t.request_id == wanted]
-    return JSONResponse({"requests": [trace.as_dict() for trace in traces]})
+    found = [t.as_dict() for t in ctx.state.traces if wanted is None or t.request_id == wanted]
+    peers = peers_of(request)
+    if peers is not None:
+        path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        for body in await peers.bodies(path, _auth(request)):
+            found += orjson.loads(body)["requests"]
+        found.sort(key=lambda t: t["started"])  # oldest first, as one worker lists them
+    return JSONResponse({"requests": found})
 
 
 async def metrics(request: Request) -> Response:
     ctx = context(request)
-    return Response(render_metrics(ctx.state, ctx.admission), media_type="text/plain; version=0.0.4")
+    text = render_metrics(ctx.state, ctx.admission)
+    peers = peers_of(request)
+    if peers is not None:
+        text = merge_metrics([text, *(b.decode() for b in await peers.bodies("/metrics"))])
+    return Response(text, media_type="text/plain; version=0.0.4")
+
+
+def _auth(request: Request) -> dict[str, str]:
+    """The client's credentials, for a peer's answer to the same question."""
+    given = request.headers.get("authorization")
+    return {"Authorization": given} if given else {}

@@ -55,6 +55,10 @@ class Policy(Protocol):
         """What the policy remembers of the instance no longer holds (it restarted or left)."""
         ...
 
+    def learn(self, url: str, prompt: Sequence[int]) -> None:
+        """Another proxy worker sent a prompt with these block hashes to ``url`` (peers.py)."""
+        ...
+
 
 class LoadPolicy:
     """Base of the policies that route on load alone: no prompt wanted, nothing to forget."""
@@ -67,6 +71,9 @@ class LoadPolicy:
         return Pick(self._choose(candidates))
 
     def forget(self, url: str) -> None:
+        return None
+
+    def learn(self, url: str, prompt: Sequence[int]) -> None:
         return None
 
     def _choose(self, candidates: Sequence[C]) -> C:

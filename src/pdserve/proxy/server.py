@@ -5,7 +5,6 @@ connection's writes of one loop turn sent as one (``CorkedTransport``)."""
 from __future__ import annotations
 
 import asyncio
-import logging
 from typing import Any, cast
 
 import uvicorn
@@ -79,10 +78,3 @@ def make_server(config: ProxyConfig, log_level: str = "info", app: Starlette | N
         timeout_graceful_shutdown=5,
     )
     return uvicorn.Server(uv_config)
-
-
-def serve(config: ProxyConfig, log_level: str = "info") -> None:
-    """Run the proxy until SIGINT/SIGTERM."""
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    server = make_server(config, log_level)
-    server.run()

@@ -1,0 +1,214 @@
+"""A proxy of several worker processes on one port (workers.py, worker.py, peers.py): the kernel spreads
+clients over them; what a client reads of the proxy, or changes through its admin API, spans them all;
+what the launcher learns reaches each; a worker that dies comes back while the others serve."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+from fake_vllm import FakeVLLM
+from proxy_rig import CLIENT_TIMEOUT, TIMEOUTS, serve_fake
+from test_flow import COMPLETION
+from test_tokens import SYSTEM, _write_model_dir
+
+from pdserve.config import ProxyConfig
+from pdserve.errors import ProxyStartError
+from pdserve.events import InstanceEvent
+from pdserve.prometheus import parse_prometheus, parse_samples
+from pdserve.proxy.workers import ProxyWorkers
+
+KEY = "admin-key"
+ADMIN = {"Authorization": f"Bearer {KEY}"}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextmanager
+def workers_proxy(prefill: Sequence[str], decode: Sequence[str], **config: Any) -> Iterator[ProxyWorkers]:
+    settings = {"breaker_threshold": 10**6, "admin_api_key": KEY, "workers": 2, **config}
+    proxy = ProxyWorkers(ProxyConfig(tuple(prefill), tuple(decode), port=_free_port(), timeouts=TIMEOUTS,
+                                     **settings))  # fmt: skip
+    proxy.start()
+    try:
+        yield proxy
+    finally:
+        proxy.stop()
+
+
+@pytest.fixture
+def fakes() -> Iterator[tuple[FakeVLLM, FakeVLLM, list[str]]]:
+    prefill, decode = FakeVLLM("prefill"), FakeVLLM("decode")
+    with serve_fake(prefill) as p0, serve_fake(decode) as d0:
+        yield prefill, decode, [p0, d0]
+
+
+@pytest.fixture
+async def fresh() -> AsyncIterator[aiohttp.ClientSession]:
+    """A client that opens a new connection for every request, as many clients would."""
+    connector = aiohttp.TCPConnector(force_close=True)
+    timeout = aiohttp.ClientTimeout(total=CLIENT_TIMEOUT)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        yield session
+
+
+async def _complete(http: aiohttp.ClientSession, url: str, prompt: str = "hello") -> None:
+    async with http.post(f"{url}/v1/completions", json={**COMPLETION, "prompt": prompt}) as resp:
+        assert resp.status == 200, await resp.text()
+
+
+async def _own(path: str, route: str, headers: dict[str, str] | None = None) -> Any:
+    """One worker's own answer, over its Unix socket."""
+    async with (
+        aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=path)) as http,
+        http.get(f"http://worker{route}", headers=headers) as resp,
+    ):
+        assert resp.status == 200
+        return await resp.read()
+
+
+def _served(metrics: bytes) -> float:
+    return parse_prometheus(metrics.decode()).get("pdserve_requests_total", 0.0)
+
+
+async def test_clients_are_spread_over_the_workers_and_every_read_counts_them_all(
+    fakes: tuple[FakeVLLM, FakeVLLM, list[str]], fresh: aiohttp.ClientSession
+) -> None:
+    _, _, (p0, d0) = fakes
+    with workers_proxy([p0], [d0]) as proxy:
+        await asyncio.gather(*(_complete(fresh, proxy.url) for _ in range(40)))
+        own = [_served(await _own(path, "/metrics")) for path in proxy.sockets]
+        assert sum(own) == 40 and min(own) > 0, own  # both served; neither's view is the whole
+        async with fresh.get(f"{proxy.url}/metrics") as resp:
+            merged = parse_samples((await resp.read()).decode())
+        values = {(s.name, tuple(sorted(s.labels.items()))): s.value for s in merged}
+        assert values[("pdserve_requests_total", (("endpoint", "completions"), ("outcome", "ok")))] == 40
+        assert values[("pdserve_kv_handoffs_total", (("state", "delivered"),))] == 40
+        assert values[("pdserve_e2e_seconds_count", ())] == 40
+        # A state both workers see stays 1, not 2: every worker's view must agree to show it.
+        assert values[("pdserve_instance_available", (("role", "decode"), ("url", d0)))] == 1
+        async with fresh.get(f"{proxy.url}/admin/ledger", headers=ADMIN) as resp:
+            ledger = orjson.loads(await resp.read())
+        assert (ledger["issued"], ledger["delivered"], len(ledger["recent"])) == (40, 40, 40)
+        async with fresh.get(f"{proxy.url}/requests", headers=ADMIN) as resp:
+            assert len(orjson.loads(await resp.read())["requests"]) == 40
+
+
+async def test_an_admin_change_made_through_either_worker_is_made_by_both(
+    fakes: tuple[FakeVLLM, FakeVLLM, list[str]], fresh: aiohttp.ClientSession
+) -> None:
+    _, decode, (p0, d0) = fakes
+    other = FakeVLLM("decode")
+    with serve_fake(other) as d1, workers_proxy([p0], [d0, d1]) as proxy:
+        async with fresh.post(f"{proxy.url}/admin/instances/drain", json={"url": d0}, headers=ADMIN) as resp:
+            assert resp.status == 200
+        before = len(decode.generations())
+        await asyncio.gather(*(_complete(fresh, proxy.url) for _ in range(20)))
+        assert len(decode.generations()) == before  # no worker sends the drained decode anything
+        assert len(other.generations()) == 20
+        for path in proxy.sockets:
+            states = {i["url"]: i["state"] for i in orjson.loads(await _own(path, "/instances"))}
+            assert states[d0] == "draining"
+
+
+async def test_what_the_launcher_learns_reaches_every_worker(
+    fakes: tuple[FakeVLLM, FakeVLLM, list[str]],
+) -> None:
+    _, _, (p0, d0) = fakes
+    with workers_proxy([p0], [d0]) as proxy:
+        proxy.deliver(InstanceEvent(d0, "exited", "status -9"))
+        for path in proxy.sockets:
+            states = {i["url"]: i["state"] for i in orjson.loads(await _own(path, "/instances"))}
+            assert states[d0] == "restarting"
+        proxy.deliver(InstanceEvent(d0, "ready"))
+        for path in proxy.sockets:
+            states = {i["url"]: i["state"] for i in orjson.loads(await _own(path, "/instances"))}
+            assert states[d0] == "serving"
+
+
+async def test_prefix_aware_workers_send_a_shared_prefix_where_either_sent_it(tmp_path: Path) -> None:
+    model_dir = _write_model_dir(tmp_path)
+    prefills, decode = [FakeVLLM("prefill"), FakeVLLM("prefill")], FakeVLLM("decode")
+    with (
+        serve_fake(prefills[0]) as p0, serve_fake(prefills[1]) as p1, serve_fake(decode) as d0,
+        workers_proxy([p0, p1], [d0], tokenizer=str(model_dir), prefill_policy="prefix_aware",
+                      prefix_block_size=4) as proxy,
+    ):  # fmt: skip
+        first, second = proxy.sockets
+        # Worker 0 sends an unrelated prompt first, so that its next tie goes to the second prefill.
+        await _own_completion(first, "something else entirely")
+        await _own_completion(first, SYSTEM + "what is prefill?")
+        assert [len(p.generations()) for p in prefills] == [1, 1]
+        await asyncio.sleep(0.5)  # worker 1 hears of it within a gossip interval (0.1 s)
+        for i in range(3):  # worker 1 would break its own tie toward the first prefill
+            await _own_completion(second, SYSTEM + f"question {i}: why split them?")
+    assert [len(p.generations()) for p in prefills] == [1, 4]
+
+
+async def _own_completion(path: str, prompt: str) -> None:
+    """A completion sent to one worker, over its Unix socket (it serves every route there too)."""
+    async with (
+        aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=path)) as http,
+        http.post("http://worker/v1/completions", json={**COMPLETION, "prompt": prompt}) as resp,
+    ):
+        assert resp.status == 200, await resp.text()
+
+
+async def test_a_worker_that_dies_is_started_again_while_the_other_serves(
+    fakes: tuple[FakeVLLM, FakeVLLM, list[str]], fresh: aiohttp.ClientSession
+) -> None:
+    _, _, (p0, d0) = fakes
+    with workers_proxy([p0], [d0]) as proxy:
+        first = proxy.pids[0]
+        assert first is not None
+        os.kill(first, signal.SIGKILL)
+        await asyncio.sleep(0.3)
+        await asyncio.gather(*(_complete(fresh, proxy.url) for _ in range(10)))  # the other one serves
+        deadline = time.monotonic() + 30
+        while proxy.pids[0] in (first, None) or not await _answers(proxy.sockets[0]):
+            assert time.monotonic() < deadline, "the dead worker was not started again"
+            await asyncio.sleep(0.2)
+
+
+async def _answers(path: str) -> bool:
+    try:
+        await _own(path, "/_pdserve/ready")
+    except (aiohttp.ClientError, AssertionError):
+        return False
+    return True
+
+
+def test_a_port_taken_by_another_program_fails_the_start_and_leaves_nothing_running(
+    fakes: tuple[FakeVLLM, FakeVLLM, list[str]],
+) -> None:
+    _, _, (p0, d0) = fakes
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        proxy = ProxyWorkers(ProxyConfig((p0,), (d0,), port=port, workers=2))
+        with pytest.raises(ProxyStartError, match=f"port {port}"):
+            proxy.start()
+    assert all(pid is None or not _alive(pid) for pid in proxy.pids)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
