@@ -32,9 +32,11 @@ def _raise_on_sigterm() -> None:
 
 
 def cmd_up(a: argparse.Namespace) -> int:
+    from pdserve.proxy.server import tune_gc
     from pdserve.stack import Stack
 
     _raise_on_sigterm()
+    tune_gc()  # this process runs the proxy (on a thread) for as long as it lives
     stack_ = Stack(
         flags.topology_from_args(a),
         timeouts=flags.timeouts_from_args(a),

@@ -16,11 +16,10 @@ Health checks (health.py) report through ``check_passed``/``check_failed``; the 
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pdserve import prometheus
@@ -190,35 +189,32 @@ class Instance:
 
     # --- requests -------------------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def dispatched(self) -> Iterator[None]:
-        """Count one request in flight here for the duration of the block."""
+    def dispatched(self) -> _Dispatched:
+        """``with instance.dispatched():`` counts one request in flight here for the block (a class,
+        not a generator: twice per request)."""
+        return _Dispatched(self)
+
+    def awaiting_first_byte(self) -> _AwaitingFirstByte:
+        """Within the block the instance owes a streamed request its first byte; call what it yields
+        when the byte comes. How long the oldest such wait is tells a stalled engine from a busy one."""
+        return _AwaitingFirstByte(self)
+
+    def _dispatch(self) -> None:
         now = time.monotonic()
         self.breaker.on_dispatch(now)
         if self._num_in_flight == 0:
             self._progress_at = now  # idle until now: the wait for progress starts here
         self._num_in_flight += 1
-        try:
-            yield
-        finally:
-            self._num_in_flight -= 1
 
-    @contextlib.contextmanager
-    def awaiting_first_byte(self) -> Iterator[Callable[[], None]]:
-        """Within the block the instance owes a streamed request its first byte; call what it yields
-        when the byte comes. How long the oldest such wait is tells a stalled engine from a busy one."""
-        token = object()
-        key = id(token)
+    def _undispatch(self) -> None:
+        self._num_in_flight -= 1
+
+    def _owe_first_byte(self, key: int) -> None:
         self._awaiting_first[key] = time.monotonic()
 
-        def arrived() -> None:
-            if self._awaiting_first.pop(key, None) is not None:
-                self._progress_at = time.monotonic()
-
-        try:
-            yield arrived
-        finally:
-            arrived()
+    def _first_byte(self, key: int) -> None:
+        if self._awaiting_first.pop(key, None) is not None:
+            self._progress_at = time.monotonic()
 
     def first_byte_wait_s(self, now: float) -> float:
         """How long the oldest streamed request here has waited for its first byte (0: none waits)."""
@@ -272,6 +268,36 @@ class Instance:
             "lag_s": round(self.lag_s(time.monotonic()), 1),
             "error": self._last_error,
         }
+
+
+class _Dispatched:
+    __slots__ = ("_instance",)
+
+    def __init__(self, instance: Instance) -> None:
+        self._instance = instance
+
+    def __enter__(self) -> None:
+        self._instance._dispatch()
+
+    def __exit__(self, *exc: object) -> None:
+        self._instance._undispatch()
+
+
+class _AwaitingFirstByte:
+    __slots__ = ("_instance",)
+
+    def __init__(self, instance: Instance) -> None:
+        self._instance = instance
+
+    def __enter__(self) -> Callable[[], None]:
+        self._instance._owe_first_byte(id(self))
+        return self.arrived
+
+    def arrived(self) -> None:
+        self._instance._first_byte(id(self))
+
+    def __exit__(self, *exc: object) -> None:
+        self.arrived()
 
 
 def merge_descriptions(

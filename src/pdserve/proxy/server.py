@@ -5,6 +5,7 @@ connection's writes of one loop turn sent as one (``CorkedTransport``)."""
 from __future__ import annotations
 
 import asyncio
+import gc
 from typing import Any, cast
 
 import uvicorn
@@ -78,3 +79,13 @@ def make_server(config: ProxyConfig, log_level: str = "info", app: Starlette | N
         timeout_graceful_shutdown=5,
     )
     return uvicorn.Server(uv_config)
+
+
+def tune_gc() -> None:
+    """For a process that is mostly proxy, once at start. A request allocates dozens of short-lived
+    containers, and CPython's default (a young collection every 700 allocations) spent 7 % of the proxy's
+    CPU in the collector (py-spy, whole answers at 64 concurrent). The young objects alive at any moment
+    are the requests in flight, so a young collection every 50,000 allocations costs about as much as one
+    every 700 and happens 70 times less often; what start-up built is frozen out of every collection."""
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 20)

@@ -101,7 +101,7 @@ class _HTTPStream:
         self.content_type = conn.content_type or "application/json"
 
     async def read_all(self, timeout: float) -> bytes:
-        conn, deadline = self._conn, asyncio.get_running_loop().time() + timeout
+        conn, deadline = self._conn, self._upstream.loop.time() + timeout
         parts = []
         try:
             while chunk := await conn.read(deadline):
@@ -113,7 +113,7 @@ class _HTTPStream:
     async def chunks(
         self, first_timeout: float, idle_timeout: float, first_budget: float | None = None
     ) -> AsyncIterator[bytes]:
-        conn, loop = self._conn, asyncio.get_running_loop()
+        conn, loop = self._conn, self._upstream.loop
         limit, quoted = first_timeout, first_budget if first_budget is not None else first_timeout
         while True:
             try:
@@ -155,6 +155,11 @@ class HTTPUpstream:
             self._pool = None
 
     @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The loop the pool lives on (asyncio.get_running_loop() costs a getpid() syscall each time)."""
+        return self._connections.loop
+
+    @property
     def _connections(self) -> Pool:
         if self._pool is None:
             raise RuntimeError(f"upstream {self.url} used before open()")
@@ -193,7 +198,7 @@ class HTTPUpstream:
         conn = await pool.acquire(deadline)
         if conn is not None:
             return conn, True
-        loop = asyncio.get_running_loop()
+        loop = self.loop
         limit = min(self._connect_timeout, deadline - loop.time())
         try:
             async with asyncio.timeout(limit):
@@ -219,7 +224,7 @@ class HTTPUpstream:
         timeout: float, is_repeatable: bool,
     ) -> Reply:  # fmt: skip
         request = self._request(method, path, headers, body)
-        deadline = asyncio.get_running_loop().time() + timeout
+        deadline = self.loop.time() + timeout
         try:
             while True:
                 conn, is_reused = await self._connection(phase, deadline)
@@ -263,7 +268,7 @@ class HTTPUpstream:
         self, path: str, body: bytes, headers: Mapping[str, str], phase: str, timeout: float
     ) -> AsyncIterator[Stream]:
         request = self._request(b"POST", path, headers, body)
-        deadline = asyncio.get_running_loop().time() + timeout
+        deadline = self.loop.time() + timeout
         pool = self._connections
         try:
             conn, is_reused = await self._connection(phase, deadline)

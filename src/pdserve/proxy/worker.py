@@ -19,7 +19,7 @@ import uvloop
 from pdserve.config import ProxyConfig
 from pdserve.proxy.app import create_app
 from pdserve.proxy.peers import Peers, socket_path
-from pdserve.proxy.server import make_server
+from pdserve.proxy.server import make_server, tune_gc
 
 _BACKLOG = 2048
 _PARENT_POLL_S = 1.0
@@ -33,6 +33,7 @@ def run_worker(config: ProxyConfig, index: int, directory: str, log_level: str) 
     app = create_app(config, peers=Peers(directory, index, config.workers))
     server = make_server(config, log_level, app)
     sockets = [_shared_port(config.host, config.port), _own_socket(socket_path(directory, index))]
+    tune_gc()
     uvloop.run(_serve(server, sockets, os.getppid()))
 
 

@@ -30,7 +30,7 @@ from pdserve.config import ProxyConfig
 from pdserve.errors import ProxyStartError
 from pdserve.events import InstanceEvent, KVLogEvent
 from pdserve.proxy.peers import PEER_TIMEOUT_S, parse_response, request_bytes, socket_path
-from pdserve.proxy.server import make_server
+from pdserve.proxy.server import make_server, tune_gc
 from pdserve.proxy.worker import run_worker
 
 log = logging.getLogger("pdserve.proxy")
@@ -180,7 +180,9 @@ def serve(config: ProxyConfig, log_level: str = "info") -> None:
     SIGTERM."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if config.workers == 1:
-        make_server(config, log_level).run()
+        server = make_server(config, log_level)
+        tune_gc()
+        server.run()
         return
     workers = ProxyWorkers(config, log_level)
     for sig in (signal.SIGINT, signal.SIGTERM):
