@@ -28,7 +28,7 @@ from pdserve.proxy.context import context, peers_of
 from pdserve.proxy.instance import Instance
 from pdserve.proxy.ledger import merge_snapshots
 from pdserve.proxy.models import model_ids, models_in_service
-from pdserve.proxy.routes import describe_instances, error_response, is_authorized
+from pdserve.proxy.routes import credentials, describe_instances, error_response, is_authorized
 
 log = logging.getLogger("pdserve.proxy")
 
@@ -57,8 +57,8 @@ def everywhere(handler: Handler) -> Handler:
         response = await handler(request)
         peers = peers_of(request)
         if peers is not None and response.status_code < 300:
-            headers = {"Authorization": request.headers.get("authorization", "")}
-            answers = await peers.ask(request.method, request.url.path, await request.body(), headers)
+            body = await request.body()
+            answers = await peers.ask(request.method, request.url.path, body, credentials(request))
             for status, body in answers:
                 if status >= 300:
                     log.warning("a proxy worker refused %s %s: %s %s", request.method, request.url.path,
@@ -139,8 +139,7 @@ async def ledger(request: Request) -> Response:
     snapshot = context(request).state.ledger.snapshot()
     peers = peers_of(request)
     if peers is not None:
-        headers = {"Authorization": request.headers.get("authorization", "")}
-        others = [orjson.loads(b) for b in await peers.bodies(request.url.path, headers)]
+        others = [orjson.loads(b) for b in await peers.bodies(request.url.path, credentials(request))]
         snapshot = merge_snapshots([snapshot, *others])
     return JSONResponse(snapshot)
 

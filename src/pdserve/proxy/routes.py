@@ -150,7 +150,7 @@ async def requests(request: Request) -> Response:
     peers = peers_of(request)
     if peers is not None:
         path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
-        for body in await peers.bodies(path, _auth(request)):
+        for body in await peers.bodies(path, credentials(request)):
             found += orjson.loads(body)["requests"]
         found.sort(key=lambda t: t["started"])  # oldest first, as one worker lists them
     return JSONResponse({"requests": found})
@@ -165,7 +165,7 @@ async def metrics(request: Request) -> Response:
     return Response(text, media_type="text/plain; version=0.0.4")
 
 
-def _auth(request: Request) -> dict[str, str]:
-    """The client's credentials, for a peer's answer to the same question."""
+def credentials(request: Request) -> dict[str, str]:
+    """The client's credentials, for a peer worker's answer to the same question."""
     given = request.headers.get("authorization")
     return {"Authorization": given} if given else {}
