@@ -14,7 +14,7 @@ import pytest
 
 from pdserve import cli, httpclient
 from pdserve.config import ProxyConfig
-from pdserve.doctor.report import EXIT_COULD_NOT_RUN, EXIT_FAILED, EXIT_HEALTHY
+from pdserve.doctor.report import EXIT_COULD_NOT_RUN, EXIT_DOES_NOT_PAY, EXIT_FAILED, EXIT_HEALTHY
 from pdserve.stack import ProxyThread, Stack
 
 pytestmark = pytest.mark.vllm
@@ -77,7 +77,14 @@ def test_doctor_passes_on_the_real_pair_and_measures_the_transfer(
     report = json.loads(out)
     [pair] = report["pairs"]
     failed = [c["what"] for c in pair["checks"] if c["status"] == "fail"]
-    assert failed == [] and code == EXIT_HEALTHY, (code, failed, report["summary"])
+    # Whether the split pays is a timing verdict (one canary's pull against a ~1,000-token prefill of the
+    # tiny model, on two shared cores): either may come out, and the exit status must say which.
+    verdict = pair["verdict"]
+    assert failed == [] and code == (EXIT_HEALTHY if verdict["pays"] else EXIT_DOES_NOT_PAY), (
+        code,
+        failed,
+        report["summary"],
+    )
     handoff = pair["handoff"]
     assert handoff["num_transfers"] == 1 and handoff["num_failed"] == 0
     assert handoff["bytes"] > 0 and handoff["bandwidth_bytes_per_s"] > 0
@@ -86,7 +93,7 @@ def test_doctor_passes_on_the_real_pair_and_measures_the_transfer(
     checks = " | ".join(c["what"] for c in pair["checks"])
     assert "dtype agrees: float32" in checks and "KV layout agrees" in checks
     assert pair["transport"].startswith("NIXL backend UCX")
-    assert pair["verdict"]["pays"] is True and "KV moves at" in pair["verdict"]["lines"][0]
+    assert "KV moves at" in verdict["lines"][0] and "to prefill here" in verdict["lines"][0]
 
 
 def test_doctor_fails_clearly_when_decode_does_not_pull_the_kv(
