@@ -19,6 +19,8 @@ stops the steps that do not need it), all within ``--deadline-s``:
   calibrate  `pdserve sim calibrate` on the decode instance → llama3-8b-h200.yaml (KV pull cost patched
              in from the load step's NIXL counters)
   bench      `pdserve bench --compare` (when this checkout has it and time is left: it starts its own pair)
+  restart    only with ``--steps restart``: who holds a SIGKILLed prefill's GPU memory when it shares the GPU
+             with its decode, and whether prefill restarts next to it (benchmarks/gpu_restart.py)
   e2e        the real-vLLM end-to-end tests that mean something on a GPU (``--e2e-tests``), with their pair
              on the GPU (PDSERVE_E2E_DEVICE=cuda; needs pytest from .gpu/whl); not with ``demo`` (both
              would want the GPU's memory): run it with ``--steps e2e``
@@ -57,7 +59,19 @@ H200_SETS = (
 )
 # A 16-token block of Llama-3-8B: 16 tokens x 128 KiB (2 (K,V) x 32 layers x 8 KV heads x 128 x 2 B)
 KV_BLOCK_BYTES = 16 * 131072
-STEPS = ("facts", "model", "nixl", "demo", "doctor", "load", "benchurl", "calibrate", "bench", "e2e")
+STEPS = (
+    "facts",
+    "model",
+    "nixl",
+    "demo",
+    "doctor",
+    "load",
+    "benchurl",
+    "calibrate",
+    "bench",
+    "restart",
+    "e2e",
+)
 # Not the saturated-cores test: in bf16 a batch of four is not computed as four batches of one (docs/gpu.md).
 E2E_TESTS = (
     "tests/e2e/test_pd.py,tests/e2e/test_vllm_faults.py,"
@@ -318,6 +332,7 @@ def step_nixl(run: Run) -> dict[str, Any]:
         str(budget),
         "--mem",
         run.a.nixl_mem,
+        *(["--settings", run.a.nixl_settings] if run.a.nixl_settings else []),
     ]
     rc, text = call(run, "nixl", argv, budget + 90)
     for line in text.splitlines():
@@ -642,6 +657,16 @@ def step_e2e(run: Run) -> dict[str, Any]:
     return {"exit": rc, "summary": summary[-1] if summary else None, "tests": run.a.e2e_tests}
 
 
+def step_restart(run: Run) -> dict[str, Any]:
+    rc, text = call(run, "restart", [PY, str(HERE / "gpu_restart.py"), "--out", str(run.work / "restart")],
+                    run.left() - 10)  # fmt: skip
+    run.say("\n".join(ln for ln in text.splitlines()[-40:] if not ln.startswith("RESULT ")))
+    path = run.work / "restart" / "gpu_restart.json"
+    if not path.exists():
+        raise RuntimeError(f"gpu_restart.py exit {rc}, no gpu_restart.json")
+    return {"exit": rc, **json.loads(path.read_text())}
+
+
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
@@ -651,7 +676,11 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/gpu-run-out")))
     p.add_argument("--work", type=Path, default=Path("/tmp/gpurun"))
     p.add_argument("--deadline-s", type=float, default=560.0, help="every step ends within this")
-    p.add_argument("--steps", default=",".join(STEPS), help=f"comma-separated, of {','.join(STEPS)}")
+    p.add_argument(
+        "--steps",
+        default=",".join(s for s in STEPS if s not in ("restart", "e2e")),
+        help=f"comma-separated, of {','.join(STEPS)} (restart and e2e only when named)",
+    )
     p.add_argument(
         "--model", default="8b", help="8b (built here), tiny (pdserve's embedded model) or a model dir"
     )
@@ -670,6 +699,7 @@ def main() -> int:
     p.add_argument("--device", default="cuda", help="cuda; cpu only to try this driver on a CPU machine")
     p.add_argument("--bench-python", default=PY, help="python with torch and nixl (on the H200: this one)")
     p.add_argument("--nixl-mem", default="vram,dram", help="memory kinds for the nixl step")
+    p.add_argument("--nixl-settings", default="", help="UCX settings for the nixl step (nixl_transfer.py's)")
     p.add_argument("--e2e-tests", default=E2E_TESTS, help="comma-separated test files for the e2e step")
     run = Run(p.parse_args())
     signal.signal(signal.SIGTERM, _interrupt)  # `timeout` ends us: still stop the pair and write results
@@ -684,6 +714,7 @@ def main() -> int:
         run.do("benchurl", step_bench_url, 90)
         run.do("calibrate", step_calibrate, 80)
         run.do("bench", step_bench, 280)
+        run.do("restart", step_restart, 300)
         run.do("e2e", step_e2e, 240)
     except KeyboardInterrupt:
         run.say("interrupted: stopping and writing what was measured")

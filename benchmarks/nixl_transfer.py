@@ -48,6 +48,9 @@ SETTINGS: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
     # Most telling first: the budget may end the list early.
     "default": ({}, ("vram", "dram")),
     "get-zcopy-on": ({"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}, ("vram",)),
+    # Without UCX's IPC mapping cache an importer unmaps the peer's memory after each operation, so a dead
+    # exporter's GPU memory is freed at once (benchmarks/gpu_restart.py); what does a READ pay for it?
+    "get-zcopy-on-cache-off": ({"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y", "UCX_CUDA_IPC_CACHE": "n"}, ("vram",)),
     "debug-log": ({"UCX_LOG_LEVEL": "debug"}, ("vram",)),  # confirms the reason in UCX's own words
     "tls-ipc-copy-tcp+get-zcopy": (
         {"UCX_TLS": "cuda_ipc,cuda_copy,tcp", "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"},

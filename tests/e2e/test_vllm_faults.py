@@ -263,6 +263,13 @@ def test_prefill_killed_mid_request_is_a_prompt_clear_error_and_up_restarts_it_a
         os.killpg(pgid, signal.SIGSTOP)  # the request is certainly inside prefill when the kill comes
         killed_at = _kill_during_a_request(quick_client, model_name, pgid, spec)
         _restarted_by_the_supervisor(stack, spec, killed_at)
+        if stack.topology.device == "cuda":
+            # Decode kept the dead prefill's KV buffers mapped (cuda_ipc), which held prefill's GPU memory
+            # and refused its restart: the supervisor restarted decode too (docs/gpu.md).
+            decode = _spec(stack, "decode")
+            _, recycled = _supervisor_event(stack, decode.url, "exited", killed_at, timeout=10)
+            assert "to free prefill-0's GPU memory" in recycled.detail
+            _supervisor_event(stack, decode.url, "ready", killed_at, timeout=RESTART_S)
     # While prefill was down the proxy said so (503 naming the phase), and nothing hung.
     errors = load.assert_answered_or_clearly_refused()
     assert any(e.status_code == 503 and "prefill" in str(e) for e in errors), errors

@@ -8,6 +8,10 @@ Takes the vLLM flags the launcher passes (--host, --port) plus its own:
                      vLLM does ("(EngineCore pid=N) ..."), with no process title (as without setproctitle)
   --crash-if-exists PATH   as --crash-after 0.1 when PATH exists at start (a restart that keeps failing)
   --slow-if-exists PATH    as --delay 60 when PATH exists at start (a restart that takes long)
+  --write-pid PATH         write its pid to PATH at start (a decode that maps a prefill's GPU memory)
+  --gpu-held-by PATH       exit with vLLM's "Free memory on device" error while the process whose pid PATH
+                           holds runs (a prefill whose dead predecessor's memory a live decode keeps mapped)
+  --traceback-lines N      after that error, N lines of traceback (vLLM's API server prints ~60)
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import subprocess
 import sys
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 
 class Health(BaseHTTPRequestHandler):
@@ -31,6 +36,14 @@ class Health(BaseHTTPRequestHandler):
         pass
 
 
+def _is_running(pid_file: str) -> bool:
+    try:
+        stat = Path(f"/proc/{int(Path(pid_file).read_text())}/stat").read_text()
+    except (OSError, ValueError):
+        return False
+    return stat[stat.rindex(")") + 2] not in "ZX"  # a killed process not yet reaped holds nothing
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--host", default="127.0.0.1")
@@ -41,7 +54,22 @@ def main() -> None:
     parser.add_argument("--child", action="store_true")
     parser.add_argument("--crash-if-exists")
     parser.add_argument("--slow-if-exists")
+    parser.add_argument("--write-pid")
+    parser.add_argument("--gpu-held-by")
+    parser.add_argument("--traceback-lines", type=int, default=0)
     args, _unknown = parser.parse_known_args()
+    if args.write_pid:
+        with open(args.write_pid, "w") as f:
+            f.write(str(os.getpid()))
+    if args.gpu_held_by and _is_running(args.gpu_held_by):
+        # vLLM 0.26's words (v1/worker/utils.py), as a prefill restarted beside a live decode printed them
+        print("(EngineCore pid=1) ValueError: Free memory on device cuda:0 (13.19/139.8 GiB) on startup is "
+              "less than desired GPU memory utilization (0.45, 62.91 GiB).", flush=True)  # fmt: skip
+        for i in range(args.traceback_lines):
+            print(
+                f'(APIServer pid=2)   File "vllm/v1/engine/core_client.py", line {i}, in __init__', flush=True
+            )
+        sys.exit(1)
     if args.crash_if_exists and os.path.exists(args.crash_if_exists):
         args.crash_after = 0.1
     if args.slow_if_exists and os.path.exists(args.slow_if_exists):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
@@ -206,5 +207,95 @@ def test_a_restart_refused_for_gpu_memory_another_process_holds_says_what_to_do(
         "memory used by other processes."
     )
     hint = restart_hint(tail)
-    assert hint is not None and "13.19 of 139.8 GiB" in hint and "restart the instances on that GPU" in hint
+    assert hint is not None and "13.19 of 139.8 GiB" in hint and "until that decode restarts" in hint
     assert restart_hint("RuntimeError: fake engine failed to allocate KV cache") is None
+
+
+def _on_gpu(spec: InstanceSpec, gpu: str, stage: int = 0) -> InstanceSpec:
+    return dataclasses.replace(spec, env=(("CUDA_VISIBLE_DEVICES", gpu),), start_stage=stage)
+
+
+def _span(recorder: Recorder, url: str, kind: str = "restarting") -> tuple[float, float]:
+    """When its last restart began and when it was healthy again."""
+    began = [t for t, e in recorder.events if e.url == url and e.kind == kind][-1]
+    ready = [t for t, e in recorder.events if e.url == url and e.kind == "ready"][-1]
+    return began, ready
+
+
+def test_a_prefill_refused_its_gpu_memory_gets_it_back_by_a_restart_of_the_decodes_that_hold_it(
+    supervised: Callable[..., tuple[EngineGroup, Supervisor]], recorder: Recorder, tmp_path: Path
+) -> None:
+    # The fakes act out the H200: while the decode runs, a new prefill finds the dead one's memory held.
+    decode_pid = tmp_path / "decode.pid"
+    prefill = _on_gpu(fake_spec("prefill", 0, "--gpu-held-by", str(decode_pid)), "0")
+    decode = _on_gpu(fake_spec("decode", 0, "--write-pid", str(decode_pid), "--delay", "0.5"), "0", stage=1)
+    group, _ = supervised(prefill, decode)
+    _kill(group, prefill)
+    recycled = recorder.wait_for(decode.url, "exited")
+    assert "to free prefill-0's GPU memory" in recycled.detail
+    recorder.wait_for(prefill.url, "ready", timeout=20)
+    recorder.wait_for(decode.url, "ready", timeout=20)
+    assert recorder.kinds(prefill.url) == ["exited", "restarting", "exited", "restarting", "ready"]
+    assert recorder.kinds(decode.url) == ["exited", "restarting", "ready"]
+    # Prefill first, decode once prefill was healthy: never two vLLM start-ups on one GPU at once.
+    assert _span(recorder, prefill.url)[1] <= _span(recorder, decode.url)[0]
+    said = "\n".join(recorder.messages)
+    assert "only 13.19 of 139.8 GiB of its GPU are free" in said
+    assert "decode-0 restarted to free prefill-0's GPU memory" in said
+    assert health_status(prefill) == 200 and health_status(decode) == 200
+
+
+def test_a_prefill_still_refused_after_the_decodes_restarted_does_not_restart_them_again(
+    supervised: Callable[..., tuple[EngineGroup, Supervisor]], recorder: Recorder, tmp_path: Path
+) -> None:
+    # Something else holds the memory (the pid file names this test's own process): the decodes were
+    # restarted once to no avail, and the prefill crash-loops alone while the decode keeps serving.
+    holder = tmp_path / "holder.pid"
+    prefill = _on_gpu(fake_spec("prefill", 0, "--gpu-held-by", str(holder)), "0")
+    decode = _on_gpu(fake_spec("decode", 0), "0", stage=1)
+    group, _ = supervised(
+        prefill, decode, policy=RestartPolicy(first_backoff_s=0.1, max_restarts=3, poll_s=0.05)
+    )
+    holder.write_text(str(os.getpid()))
+    _kill(group, prefill)
+    recorder.wait_for(prefill.url, "gave_up", timeout=20)
+    recorder.wait_for(decode.url, "ready", timeout=20)
+    assert recorder.kinds(decode.url) == ["exited", "restarting", "ready"]  # once, not per refusal
+    assert health_status(decode) == 200
+
+
+def test_instances_sharing_a_gpu_restart_one_at_a_time(
+    supervised: Callable[..., tuple[EngineGroup, Supervisor]], recorder: Recorder
+) -> None:
+    prefill = _on_gpu(fake_spec("prefill", 0, "--delay", "1.0"), "0")
+    decode = _on_gpu(fake_spec("decode", 0, "--delay", "1.0"), "0", stage=1)
+    other = _on_gpu(fake_spec("decode", 1, "--delay", "1.0"), "1")  # its own GPU: no need to wait
+    group, _ = supervised(prefill, decode, other)
+    for spec in (prefill, decode, other):
+        _kill(group, spec)
+    for spec in (prefill, decode, other):
+        recorder.wait_for(spec.url, "ready", timeout=20)
+    first, second = sorted([_span(recorder, prefill.url), _span(recorder, decode.url)])
+    assert first[1] <= second[0], "two instances started on GPU 0 at once"
+    assert _span(recorder, other.url)[0] < first[1]  # GPU 1 did not wait for GPU 0
+
+
+def test_the_gpu_memory_hint_is_read_above_vllms_traceback_but_never_from_an_earlier_run(
+    supervised: Callable[..., tuple[EngineGroup, Supervisor]], recorder: Recorder, tmp_path: Path
+) -> None:
+    # vLLM prints the engine core's ValueError, then ~60 lines of the API server's traceback: the cause is
+    # above the tail the operator is shown. A run before the latest one does not count.
+    decode_pid = tmp_path / "decode.pid"
+    prefill = _on_gpu(
+        fake_spec("prefill", 0, "--gpu-held-by", str(decode_pid), "--traceback-lines", "80"), "0"
+    )
+    decode = _on_gpu(fake_spec("decode", 0, "--write-pid", str(decode_pid)), "0", stage=1)
+    group, _ = supervised(prefill, decode)
+    _kill(group, prefill)
+    assert "to free prefill-0's GPU memory" in recorder.wait_for(decode.url, "exited").detail
+    recorder.wait_for(prefill.url, "ready", timeout=20)
+    recorder.wait_for(decode.url, "ready", timeout=20)
+    decode_pid.unlink()  # this time decode maps nothing of prefill's
+    _kill(group, prefill)  # its log still holds the refusal of two runs ago: decode is left alone
+    recorder.wait_for(prefill.url, "ready", count=2, timeout=20)
+    assert recorder.kinds(decode.url) == ["exited", "restarting", "ready"]

@@ -35,6 +35,7 @@ DEFAULT_ENTRYPOINT: tuple[str, ...] = ("-m", "vllm.entrypoints.openai.api_server
 _POLL_INTERVAL = 0.25  # seconds between health rounds while starting, and between checks while stopping
 _HEARTBEAT_INTERVAL = 10.0
 _LOG_TAIL_LINES = 30
+RUN_HEADER = "# pdserve:"  # the first line each (re)start writes into the instance's log: the command
 _ENGINE_CORE_LOG_PID = re.compile(r"\(EngineCore(?:_DP\d+)? pid=(\d+)\)")
 _ENGINESITE = Path(__file__).parent / "enginesite"  # a sitecustomize for vLLM's processes, not a package
 
@@ -218,7 +219,7 @@ class EngineGroup:
     def _spawn(self, spec: InstanceSpec, mode: str = "wb") -> None:
         command = [*spec.command_prefix, self._engine_python, *self._entrypoint, *spec.args]
         with open(self.log_path(spec), mode) as log:
-            log.write(f"# pdserve: {' '.join(command)}\n# env: {dict(spec.env)}\n".encode())
+            log.write(f"{RUN_HEADER} {' '.join(command)}\n# env: {dict(spec.env)}\n".encode())
             log.flush()
             try:
                 proc = self._procs[spec.name] = subprocess.Popen(

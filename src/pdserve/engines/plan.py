@@ -87,6 +87,12 @@ class InstanceSpec:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
+    @property
+    def gpus(self) -> frozenset[str]:
+        """The host GPUs it runs on (its CUDA_VISIBLE_DEVICES); empty on a CPU host."""
+        visible = dict(self.env).get("CUDA_VISIBLE_DEVICES", "")
+        return frozenset(g.strip() for g in visible.split(",") if g.strip())
+
 
 def plan_instances(
     topology: Topology,
