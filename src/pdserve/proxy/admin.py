@@ -57,8 +57,8 @@ def everywhere(handler: Handler) -> Handler:
         response = await handler(request)
         peers = peers_of(request)
         if peers is not None and response.status_code < 300:
-            body = await request.body()
-            answers = await peers.ask(request.method, request.url.path, body, credentials(request))
+            sent = await request.body()
+            answers = await peers.ask(request.method, request.url.path, sent, credentials(request))
             for status, body in answers:
                 if status >= 300:
                     log.warning("a proxy worker refused %s %s: %s %s", request.method, request.url.path,
