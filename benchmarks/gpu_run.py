@@ -38,6 +38,7 @@ import json
 import os
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -377,7 +378,7 @@ def choose_pair_env(run: Run, report: dict[str, Any]) -> dict[str, str]:
 
 def step_demo(run: Run) -> dict[str, Any]:
     argv = [PY, "-m", "pdserve.cli", "demo", "--device", run.a.device, "--keep", "--run-dir", str(run.work / "run"),
-            "--on-instance-exit", "stop", "--vllm-arg=--enforce-eager", f"--port={run.a.proxy_port}",
+            "--on-instance-exit", "stop", *eager_args(run), f"--port={run.a.proxy_port}",
             f"--first-port={run.a.first_port}", f"--first-side-channel-port={run.a.side_port}"]  # fmt: skip
     if run.model_dir:
         argv += ["--model", run.model_dir]
@@ -418,6 +419,11 @@ def step_demo(run: Run) -> dict[str, Any]:
     if run.demo.poll() is not None or "--keep: still running" not in text:
         raise RuntimeError(f"demo is not up (exit {run.demo.poll()}): {text[-1500:]}")
     return {"verdict": next((ln for ln in text.splitlines() if ln.startswith("demo:")), None), "lines": keep}
+
+
+def eager_args(run: Run) -> list[str]:
+    """--enforce-eager unless --cuda-graphs: eager starts in about a minute, graphs take longer."""
+    return [] if run.a.cuda_graphs else ["--vllm-arg=--enforce-eager"]
 
 
 def need_pair(run: Run) -> None:
@@ -467,64 +473,114 @@ def step_calibrate(run: Run) -> dict[str, Any]:
     return {"quick": bool(quick)}
 
 
+# vLLM's own per-request timers (histograms): where an arm's TTFT and ITL went, as each instance saw it
+ENGINE_TIMERS = (
+    "vllm:request_queue_time_seconds",
+    "vllm:request_prefill_time_seconds",
+    "vllm:request_decode_time_seconds",
+    "vllm:time_to_first_token_seconds",
+    "vllm:inter_token_latency_seconds",
+    "vllm:request_time_per_output_token_seconds",
+)
+# Summary fields reported as the median of the rounds (sim_h200.py reads the first and the third)
+ROUND_FIELDS = ("ttft_median_ms", "ttft_p90_ms", "itl_median_ms", "itl_p90_ms", "itl_coalesced_share")
+
+
+def engine_timers(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Mean ms of each of vLLM's request timers over an arm: its histogram's sum and count deltas."""
+    means = {}
+    for name in ENGINE_TIMERS:
+        count = after.get(f"{name}_count", 0.0) - before.get(f"{name}_count", 0.0)
+        if count > 0:
+            total = after.get(f"{name}_sum", 0.0) - before.get(f"{name}_sum", 0.0)
+            means[name.removeprefix("vllm:").removesuffix("_seconds") + "_mean_ms"] = round(
+                1e3 * total / count, 3
+            )
+    return means
+
+
 def step_load(run: Run) -> dict[str, Any]:
+    """The arms in turn, ``--load-rounds`` times (eager vLLM's step times drift by a quarter between runs
+    of one morning: interleaved rounds compare the arms under the same drift); medians of the rounds."""
     need_pair(run)
     from pdserve.engines.metrics import scrape
     from pdserve.prometheus import BYTES_SUM, XFER_COUNT, XFER_TIME_SUM
 
-    colocated = spawn(
-        [
-            PY,
-            "-m",
-            "pdserve.cli",
-            "proxy",
-            "--colocated",
-            "--decode",
-            run.prefill,
-            "--decode",
-            run.decode,
-            "--port",
-            str(run.a.proxy_port + 1),
-        ],
-        run.work / "colocated.log",
-    )
+    argv = [PY, "-m", "pdserve.cli", "proxy", "--colocated", "--decode", run.prefill, "--decode", run.decode,
+            "--port", str(run.a.proxy_port + 1)]  # fmt: skip
+    colocated = spawn(argv, run.work / "colocated.log")
+    arms_urls = (("disaggregated", run.proxy), ("colocated", run.colocated), ("one-instance", run.decode))
     try:
-        arms: dict[str, Any] = {}
-        for name, url in (
-            ("disaggregated", run.proxy),
-            ("colocated", run.colocated),
-            ("one-instance", run.decode),
-        ):
-            if run.left() < 70:
-                arms[name] = {"skipped": f"{run.left():.0f} s left"}
-                continue
-            before = scrape(run.decode)
-            summary = run_arm(run, url)
-            after = scrape(run.decode)
-            delta = {
-                k: after.get(k, 0.0) - before.get(k, 0.0) for k in (XFER_COUNT, XFER_TIME_SUM, BYTES_SUM)
-            }
-            kv = {"transfers": delta[XFER_COUNT], "bytes": delta[BYTES_SUM], "seconds": delta[XFER_TIME_SUM]}
-            if delta[XFER_COUNT] and delta[XFER_TIME_SUM]:
-                kv["gb_per_s"] = delta[BYTES_SUM] / delta[XFER_TIME_SUM] / 1e9
-                kv["ms_per_transfer"] = 1e3 * delta[XFER_TIME_SUM] / delta[XFER_COUNT]
-            arms[name] = {**summary, "kv": kv}
-            run.say(f"  {name:<13} TTFT p50 {summary['ttft_median_ms']:.0f} ms p90 {summary['ttft_p90_ms']:.0f}  ITL p50 {summary['itl_median_ms']:.1f} ms  "
-                    f"{summary['num_ok']} ok {summary['num_failed']} failed  KV {json.dumps({k: round(v, 3) for k, v in kv.items()})}")  # fmt: skip
+        rounds: list[dict[str, Any]] = []
+        for number in range(run.a.load_rounds):
+            arms: dict[str, Any] = {}
+            for name, url in arms_urls:
+                if run.left() < 70:
+                    arms[name] = {"skipped": f"{run.left():.0f} s left"}
+                    continue
+                before = {u: scrape(u) for u in (run.prefill, run.decode)}
+                summary = run_arm(run, url, number)
+                after = {u: scrape(u) for u in (run.prefill, run.decode)}
+                d_before, d_after = before[run.decode], after[run.decode]
+                delta = {
+                    k: d_after.get(k, 0.0) - d_before.get(k, 0.0)
+                    for k in (XFER_COUNT, XFER_TIME_SUM, BYTES_SUM)
+                }
+                kv = {
+                    "transfers": delta[XFER_COUNT],
+                    "bytes": delta[BYTES_SUM],
+                    "seconds": delta[XFER_TIME_SUM],
+                }
+                engine = {
+                    role: engine_timers(before[u], after[u])
+                    for role, u in (("prefill", run.prefill), ("decode", run.decode))
+                }
+                arms[name] = {**summary, "kv": kv, "engine": engine}
+                run.say(f"  round {number + 1} {name:<13} TTFT p50 {summary['ttft_median_ms']:.0f} ms p90 {summary['ttft_p90_ms']:.0f}  "
+                        f"ITL p50 {summary['itl_median_ms']:.1f} ms ({summary['itl_coalesced_share']:.0%} of gaps < 1 ms)  {summary['num_ok']} ok {summary['num_failed']} failed  "
+                        f"KV {json.dumps({k: round(v, 3) for k, v in kv.items()})}  vLLM {json.dumps(engine)}")  # fmt: skip
+            rounds.append(arms)
         return {
             "workload": {
                 "concurrency": run.a.concurrency,
                 "requests": run.a.requests,
                 "prompt_tokens": run.a.prompt_tokens,
                 "output_tokens": run.a.output_tokens,
+                "rounds": run.a.load_rounds,
             },
-            "arms": arms,
+            "arms": {
+                name: combine_rounds([r[name] for r in rounds if "skipped" not in r[name]])
+                for name, _ in arms_urls
+            },
+            "rounds": rounds,
         }
     finally:
         stop(colocated, 10)
 
 
-def run_arm(run: Run, url: str) -> dict[str, Any]:
+def combine_rounds(done: list[dict[str, Any]]) -> dict[str, Any]:
+    """One arm over its rounds: the median of each summary field, the KV moved in all of them."""
+    if not done:
+        return {"skipped": "no round ran"}
+    arm: dict[str, Any] = {k: statistics.median(r[k] for r in done) for k in ROUND_FIELDS}
+    arm["num_ok"] = sum(r["num_ok"] for r in done)
+    arm["num_failed"] = sum(r["num_failed"] for r in done)
+    kv = {k: sum(r["kv"][k] for r in done) for k in ("transfers", "bytes", "seconds")}
+    if kv["transfers"] and kv["seconds"]:
+        kv["gb_per_s"] = kv["bytes"] / kv["seconds"] / 1e9
+        kv["ms_per_transfer"] = 1e3 * kv["seconds"] / kv["transfers"]
+    arm["kv"] = kv
+    arm["engine"] = {
+        role: {
+            k: statistics.median(r["engine"][role][k] for r in done if k in r["engine"][role])
+            for k in done[0]["engine"][role]
+        }
+        for role in ("prefill", "decode")
+    }
+    return arm
+
+
+def run_arm(run: Run, url: str, number: int = 0) -> dict[str, Any]:
     from pdserve.bench.load import Job, run_load
     from pdserve.stack import wait_http_ok
 
@@ -532,12 +588,18 @@ def run_arm(run: Run, url: str) -> dict[str, Any]:
         raise RuntimeError(f"{url} is not healthy")
     vocab, context = model_limits(run)
     prompt_tokens = min(run.a.prompt_tokens, context - run.a.output_tokens - 8)
-    rng = random.Random(url)  # fresh random token ids per arm: no prefix-cache hits across arms
+    rng = random.Random(f"{url}#{number}")  # fresh random token ids per arm and round: no prefix-cache hits
     jobs = [Job("/v1/completions", {"prompt": [rng.randrange(300, vocab) for _ in range(prompt_tokens)],
                                     "max_tokens": run.a.output_tokens, "temperature": 0, "ignore_eos": True})
             for _ in range(run.a.requests)]  # fmt: skip
-    summary, _ = asyncio.run(run_load(url, jobs, run.a.concurrency, timeout=min(120.0, run.left() - 10)))
-    return dict(summary.as_row())
+    summary, outcomes = asyncio.run(
+        run_load(url, jobs, run.a.concurrency, timeout=min(120.0, run.left() - 10))
+    )
+    # Gaps under 1 ms are events that reached the client together (one read): the client's ITL median then
+    # says less about the engine's step than vLLM's own inter-token timer (the arm's "engine" figures).
+    gaps = [g for o in outcomes for g in o.itls]
+    coalesced = sum(1 for g in gaps if g < 1e-3) / len(gaps) if gaps else 0.0
+    return {**summary.as_row(), "itl_coalesced_share": round(coalesced, 3)}
 
 
 def model_limits(run: Run) -> tuple[int, int]:
@@ -558,7 +620,7 @@ def step_bench(run: Run) -> dict[str, Any]:
     if run.demo is not None:
         stop(run.demo)  # bench --compare starts its own pair on the same GPU
     argv = [PY, "-m", "pdserve.cli", "bench", "--compare", f"--device={run.a.device}",
-            "--vllm-arg=--enforce-eager", f"--run-dir={run.work / 'bench-run'}",
+            *eager_args(run), f"--run-dir={run.work / 'bench-run'}",
             f"--port={run.a.proxy_port}", f"--first-port={run.a.first_port}",
             f"--first-side-channel-port={run.a.side_port}", *bench_workload(run, "compare")]  # fmt: skip
     if run.model_dir:
@@ -691,6 +753,9 @@ def main() -> int:
     p.add_argument("--demo-timeout-s", type=float, default=300.0)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--load-rounds", type=int, default=1, help="the load step's arms in turn, this many times")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="vLLM with CUDA graphs (longer start-up, steadier steps); default --enforce-eager")  # fmt: skip
     p.add_argument("--prompt-tokens", type=int, default=2000)
     p.add_argument("--output-tokens", type=int, default=128)
     p.add_argument("--proxy-port", type=int, default=8000)
