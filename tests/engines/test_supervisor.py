@@ -215,9 +215,9 @@ def _on_gpu(spec: InstanceSpec, gpu: str, stage: int = 0) -> InstanceSpec:
     return dataclasses.replace(spec, env=(("CUDA_VISIBLE_DEVICES", gpu),), start_stage=stage)
 
 
-def _span(recorder: Recorder, url: str, kind: str = "restarting") -> tuple[float, float]:
+def _span(recorder: Recorder, url: str) -> tuple[float, float]:
     """When its last restart began and when it was healthy again."""
-    began = [t for t, e in recorder.events if e.url == url and e.kind == kind][-1]
+    began = [t for t, e in recorder.events if e.url == url and e.kind == "restarting"][-1]
     ready = [t for t, e in recorder.events if e.url == url and e.kind == "ready"][-1]
     return began, ready
 

@@ -186,10 +186,8 @@ class Supervisor:
             self._say(f"{watched.spec.name} is crash-looping ({why}); leaving it down, the rest keep serving")
             self._emit(watched, "gave_up", why)
             return
-        watched.state = "waiting"
         delay = self.policy.backoff(len(watched.exits))
-        watched.due = now + delay
-        watched.next_complaint = watched.due + 5.0  # a moment's wait for ports is normal: not worth a line
+        self._wait(watched, now + delay)
         self._say(f"restarting {watched.spec.name} in {delay:g} s")
         if hint is not None and spec.role == "prefill" and spec.gpus and not watched.has_freed_gpu:
             watched.has_freed_gpu = True
@@ -206,10 +204,14 @@ class Supervisor:
             self._say(f"{spec.name} {why}")
             self._emit(watched, "exited", why)
             self._group.kill(spec)
-            watched.state = "waiting"
             watched.exited_at = now
-            watched.due = prefill.due  # prefill first, as the launcher starts them
-            watched.next_complaint = watched.due + 5.0
+            self._wait(watched, prefill.due)  # prefill first, as the launcher starts them
+
+    def _wait(self, watched: _Watched, due: float) -> None:
+        """Restart it at ``due``, or as soon after as its GPU, processes and ports allow."""
+        watched.state = "waiting"
+        watched.due = due
+        watched.next_complaint = due + 5.0  # a moment's wait for ports is normal: not worth a line
 
     def _gpu_blocker(self, watched: _Watched) -> str | None:
         """Another instance starting on one of its GPUs: they start one at a time."""
