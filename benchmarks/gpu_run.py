@@ -57,6 +57,8 @@ H200_SETS = (
     "max_num_seqs=1024",
     "max_num_batched_tokens=8192",
     "served_model_name=meta-llama/Meta-Llama-3-8B",
+    "async_scheduling=true",  # its log: "Asynchronous scheduling is enabled."
+    "kv_bytes_per_token=131072",  # 2 (K, V) x 32 layers x 8 KV heads x 128 x 2 bytes
 )
 # A 16-token block of Llama-3-8B: 16 tokens x 128 KiB (2 (K,V) x 32 layers x 8 KV heads x 128 x 2 B)
 KV_BLOCK_BYTES = 16 * 131072
@@ -311,7 +313,9 @@ def start_model(run: Run) -> threading.Thread | None:
 
 def step_model(run: Run, thread: threading.Thread | None) -> dict[str, Any]:
     if thread is not None:
-        thread.join(max(1.0, run.left() - 200))
+        # The build takes ~30 s; without it every later step would serve the tiny model instead (seen on
+        # 2026-12-04 with 213 s left: the old "leave 200 s" rule waited 13 s and the run was lost).
+        thread.join(max(1.0, min(120.0, run.left() - 60)))
         if thread.is_alive():
             raise TimeoutError("the model build is still running")
     build = run.record.get("model_build", {})
@@ -385,6 +389,7 @@ def step_demo(run: Run) -> dict[str, Any]:
     env = {"UCX_PROTO_INFO": "y", **run.pair_env}  # the pair's logs then say which transport moved the KV
     run.say(f"pair env: {run.pair_env or '(UCX defaults)'}")
     log = run.work / "demo.log"
+    log.unlink(missing_ok=True)  # a warm machine keeps --work: an earlier call's "still running" is no news
     run.demo = spawn(argv, log, env)
     deadline = time.monotonic() + min(run.a.demo_timeout_s, run.left() - 60)
     while time.monotonic() < deadline:
@@ -448,7 +453,7 @@ def step_calibrate(run: Run) -> dict[str, Any]:
     if run.a.model == "tiny":
         run.say("calibrate: the tiny model is no Llama-3-8B; skipped")
         return {"skipped": "tiny model"}
-    quick = ["--quick"] if run.left() < 300 else []
+    quick = ["--quick"] if run.left() < 120 else []  # the full plan took 27 s on the H200 with graphs
     sets = [f"--set={s}" for s in H200_SETS]
     rc, text = call(
         run,
@@ -482,13 +487,30 @@ ENGINE_TIMERS = (
     "vllm:inter_token_latency_seconds",
     "vllm:request_time_per_output_token_seconds",
 )
-# Summary fields reported as the median of the rounds (sim_h200.py reads the first and the third)
-ROUND_FIELDS = ("ttft_median_ms", "ttft_p90_ms", "itl_median_ms", "itl_p90_ms", "itl_coalesced_share")
+STEP_TOKENS = "vllm:iteration_tokens_total"
+# Summary fields reported as the median of the rounds (sim_h200.py reads the TTFT, ITL and TPOT ones)
+ROUND_FIELDS = (
+    "ttft_median_ms",
+    "ttft_p90_ms",
+    "itl_median_ms",
+    "itl_p90_ms",
+    "itl_coalesced_share",
+    "tpot_token_median_ms",
+    "chunks_per_request",
+    "duration_s",
+)
 
 
 def engine_timers(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """Mean ms of each of vLLM's request timers over an arm: its histogram's sum and count deltas."""
+    """Mean ms of each of vLLM's request timers over an arm: its histogram's sum and count deltas; and the
+    engine steps it ran (one observation of vllm:iteration_tokens_total per step that had output)."""
     means = {}
+    steps = after.get(f"{STEP_TOKENS}_count", 0.0) - before.get(f"{STEP_TOKENS}_count", 0.0)
+    if steps > 0:
+        means["steps"] = steps
+        means["tokens_per_step"] = round(
+            (after.get(f"{STEP_TOKENS}_sum", 0.0) - before.get(f"{STEP_TOKENS}_sum", 0.0)) / steps, 2
+        )
     for name in ENGINE_TIMERS:
         count = after.get(f"{name}_count", 0.0) - before.get(f"{name}_count", 0.0)
         if count > 0:
@@ -519,7 +541,8 @@ def step_load(run: Run) -> dict[str, Any]:
                     arms[name] = {"skipped": f"{run.left():.0f} s left"}
                     continue
                 before = {u: scrape(u) for u in (run.prefill, run.decode)}
-                summary = run_arm(run, url, number)
+                with GpuSampler(run) as gpu:
+                    summary = run_arm(run, url, number)
                 after = {u: scrape(u) for u in (run.prefill, run.decode)}
                 d_before, d_after = before[run.decode], after[run.decode]
                 delta = {
@@ -535,9 +558,13 @@ def step_load(run: Run) -> dict[str, Any]:
                     role: engine_timers(before[u], after[u])
                     for role, u in (("prefill", run.prefill), ("decode", run.decode))
                 }
-                arms[name] = {**summary, "kv": kv, "engine": engine}
+                for timers in engine.values():
+                    if timers.get("steps"):  # the mean step while the arm ran (engines busy throughout)
+                        timers["ms_per_step"] = round(1e3 * summary["duration_s"] / timers["steps"], 2)
+                arms[name] = {**summary, "kv": kv, "engine": engine, "gpu": gpu.summary()}
                 run.say(f"  round {number + 1} {name:<13} TTFT p50 {summary['ttft_median_ms']:.0f} ms p90 {summary['ttft_p90_ms']:.0f}  "
                         f"ITL p50 {summary['itl_median_ms']:.1f} ms ({summary['itl_coalesced_share']:.0%} of gaps < 1 ms)  {summary['num_ok']} ok {summary['num_failed']} failed  "
+                        f"TPOT/token p50 {summary['tpot_token_median_ms']:.1f} ms  GPU {json.dumps(arms[name]['gpu'])}  "
                         f"KV {json.dumps({k: round(v, 3) for k, v in kv.items()})}  vLLM {json.dumps(engine)}")  # fmt: skip
             rounds.append(arms)
         return {
@@ -577,7 +604,56 @@ def combine_rounds(done: list[dict[str, Any]]) -> dict[str, Any]:
         }
         for role in ("prefill", "decode")
     }
+    arm["gpu"] = {
+        k: statistics.median(r["gpu"][k] for r in done if k in r.get("gpu", {}))
+        for k in done[0].get("gpu", {})
+    }
     return arm
+
+
+class GpuSampler:
+    """nvidia-smi every 100 ms while an arm runs: how busy GPU 0 was and at what SM clock (an eager step
+    that is CPU-launch-bound leaves it idle; a clock that never ramps makes every step slower). GPU 0 holds
+    the whole pair on one GPU, but only prefill where each instance has its own."""
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
+        self.proc: subprocess.Popen[str] | None = None
+        self.rows: list[tuple[float, float, float]] = []
+
+    def __enter__(self) -> GpuSampler:
+        if self.run.a.device == "cuda":
+            argv = ["nvidia-smi", "-i", "0", "--query-gpu=utilization.gpu,clocks.sm,power.draw",
+                    "--format=csv,noheader,nounits", "-lms", "100"]  # fmt: skip
+            try:
+                self.proc = subprocess.Popen(
+                    argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+                )
+            except OSError:
+                self.proc = None
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is None:
+            return
+        self.proc.terminate()
+        out, _ = self.proc.communicate(timeout=10)
+        for line in out.splitlines():
+            try:
+                util, clock, power = (float(x) for x in line.split(","))
+            except ValueError:
+                continue
+            self.rows.append((util, clock, power))
+
+    def summary(self) -> dict[str, float]:
+        if not self.rows:
+            return {}
+        return {
+            "util_mean_pct": round(statistics.fmean(r[0] for r in self.rows), 1),
+            "sm_clock_median_mhz": statistics.median(r[1] for r in self.rows),
+            "power_median_w": round(statistics.median(r[2] for r in self.rows), 1),
+            "samples": len(self.rows),
+        }
 
 
 def run_arm(run: Run, url: str, number: int = 0) -> dict[str, Any]:
@@ -599,7 +675,16 @@ def run_arm(run: Run, url: str, number: int = 0) -> dict[str, Any]:
     # says less about the engine's step than vLLM's own inter-token timer (the arm's "engine" figures).
     gaps = [g for o in outcomes for g in o.itls]
     coalesced = sum(1 for g in gaps if g < 1e-3) / len(gaps) if gaps else 0.0
-    return {**summary.as_row(), "itl_coalesced_share": round(coalesced, 3)}
+    # Per token, not per chunk: vLLM's API server merges a stream's tokens into one chunk when it falls
+    # behind, and ignore_eos makes every request produce exactly output_tokens
+    ok = [o for o in outcomes if o.ok]
+    per_token = [(o.e2e - o.ttft) * 1e3 / (run.a.output_tokens - 1) for o in ok if run.a.output_tokens > 1]
+    return {
+        **summary.as_row(),
+        "itl_coalesced_share": round(coalesced, 3),
+        "tpot_token_median_ms": round(statistics.median(per_token), 3) if per_token else float("nan"),
+        "chunks_per_request": round(statistics.fmean(o.num_chunks for o in ok), 1) if ok else 0.0,
+    }
 
 
 def model_limits(run: Run) -> tuple[int, int]:
