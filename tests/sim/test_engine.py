@@ -308,10 +308,10 @@ async def test_idle_engine_does_not_spin(monkeypatch: pytest.MonkeyPatch) -> Non
     schedule = engine.scheduler.schedule
     num_plans = 0
 
-    def counted() -> StepPlan:
+    def counted(admit_until: float) -> StepPlan:
         nonlocal num_plans
         num_plans += 1
-        return schedule()
+        return schedule(admit_until)
 
     monkeypatch.setattr(engine.scheduler, "schedule", counted)
     async with running(engine):
@@ -334,3 +334,42 @@ async def test_zero_cost_engine_streams_every_token_of_64_concurrent_requests() 
     async with running(engine):
         num_tokens = sum(await asyncio.gather(*(consume(r) for r in reqs)))
     assert num_tokens == 64 * 256  # how fast: benchmarks/sim_throughput.py
+
+
+async def test_async_scheduling_makes_a_request_arriving_mid_step_wait_one_step_more() -> None:
+    """vLLM's async scheduling plans step k+1 as step k starts: a request that arrives during step k is
+    first computed in step k+2, one step later than with the plan made when step k ends."""
+
+    async def second_ttft(async_scheduling: bool) -> float:
+        profile = Profile(step_base_s=0.01, max_num_batched_tokens=512, async_scheduling=async_scheduling)
+        clock = VirtualClock()
+        engine = SimEngine(profile, "both", "e", clock=clock)
+        async with running(engine):
+
+            async def late() -> float:
+                await clock.sleep(0.005)  # mid-way through the first request's first step
+                return (await timed_events(engine, SimRequest("b", prompt(4, 100), 1)))[0][0] - 0.005
+
+            first = asyncio.ensure_future(timed_events(engine, SimRequest("a", prompt(4), 20)))
+            ttft = await late()
+            await first
+        return ttft
+
+    assert await second_ttft(False) == pytest.approx(0.015)  # the rest of step 1, then step 2
+    assert await second_ttft(True) == pytest.approx(0.025)  # step 2 was planned without it
+
+
+async def test_a_burst_reaches_the_scheduler_spread_out_by_the_api_servers_turn_per_request() -> None:
+    profile = Profile(step_base_s=0.01, frontend_per_request_s=0.002, max_num_batched_tokens=512)
+    clock = VirtualClock()
+    engine = SimEngine(profile, "both", "e", clock=clock)
+    async with running(engine):
+        firsts = await asyncio.gather(
+            *(timed_events(engine, SimRequest(f"r{i}", prompt(4, 10 * i), 1)) for i in range(3))
+        )
+    # r0 alone in the step starting at 2 ms; r1 (at 4 ms) and r2 (at 6 ms) in the next, from 12 ms
+    assert [events[0][0] for events in firsts] == [
+        pytest.approx(0.012),
+        pytest.approx(0.022),
+        pytest.approx(0.022),
+    ]

@@ -236,3 +236,13 @@ def test_local_prefix_hits_shrink_what_a_decode_pulls() -> None:
     sched.mark_pulled("d")
     run(sched)
     assert sched.prompt_tokens_remote == 12 - 1 - 8
+
+
+def test_a_request_that_arrived_after_the_admission_cutoff_waits_for_a_later_step() -> None:
+    sched = Scheduler(SMALL, "both")
+    sched.add_request(req("early", 8, 2), now=1.0)
+    sched.add_request(req("late", 8, 2, first=100), now=2.0)
+    plan = sched.schedule(admit_until=1.5)
+    assert [seq.request_id for seq, _ in plan.prefills] == ["early"]
+    sched.update(plan, now=2.5)
+    assert [seq.request_id for seq, _ in sched.schedule().prefills] == ["late"]

@@ -134,7 +134,7 @@ class Model:
         wait = _wait_quantile(q, rate / num_prefill, s, num_prefill)
         if math.isinf(step) or math.isinf(wait):
             return math.inf, math.inf
-        overhead = 2 * self.p.request_overhead_s  # prefill's request, then decode's
+        overhead = 2 * self.p.lone_request_overhead_s  # prefill's request, then decode's
         return overhead + s + wait + self.transfer_s + 2 * step, tpot
 
     def colocated_latency(self, num: int, rate: float) -> tuple[float, float]:
@@ -165,7 +165,7 @@ class Model:
             mean = lam * ((n_out - 1) * plain + extra * prompt_s)
             extra = mean + self.z * math.sqrt(mean / num) + 0.5
         tpot = ((n_out - 1 - extra) * plain + extra * long) / (n_out - 1)
-        return p.request_overhead_s + residual + own, max(tpot, step)
+        return p.lone_request_overhead_s + residual + own, max(tpot, step)
 
     def _meets(self, latency: tuple[float, float]) -> bool:
         ttft_ms, tpot_ms = self.req.slo.ttft_ms, self.req.slo.tpot_ms
@@ -281,7 +281,7 @@ def _explain(m: Model, pd: Config | None, coloc: Config | None, decision: Decisi
         f"{m.transfer_s * 1000:.1f} ms to move at {link}",
     ]
     ttft_ms = req.slo.ttft_ms or 0.0
-    floor_ms = (m.prefill_s + m.transfer_s + 2 * p.step_base_s + 2 * p.request_overhead_s) * 1000
+    floor_ms = (m.prefill_s + m.transfer_s + 2 * p.step_base_s + 2 * p.lone_request_overhead_s) * 1000
     if floor_ms > ttft_ms:
         lines.append(f"split TTFT cannot go below {floor_ms:.1f} ms (prefill + transfer + decode's first steps): "
                      f"over the {ttft_ms:g} ms SLO before any queueing")  # fmt: skip

