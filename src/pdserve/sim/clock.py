@@ -14,6 +14,17 @@ class Clock(Protocol):
     async def sleep(self, seconds: float) -> None: ...
 
 
+async def sleep_unless_set(clock: Clock, seconds: float, event: asyncio.Event) -> None:
+    """Return after ``seconds`` on ``clock``, or as soon as ``event`` is set if that comes first."""
+    woken = asyncio.ensure_future(event.wait())
+    timer = asyncio.ensure_future(clock.sleep(seconds))
+    try:
+        await asyncio.wait((woken, timer), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        woken.cancel()
+        timer.cancel()
+
+
 class LoopClock:
     """The running event loop's monotonic time."""
 

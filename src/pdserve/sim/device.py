@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 
-from pdserve.sim.clock import Clock
+from pdserve.sim.clock import Clock, sleep_unless_set
 
 _DONE_S = 1e-9  # work left below this is float noise of the subtractions, not work
 
@@ -46,13 +46,7 @@ class SharedDevice:
                 changed = self._changed
                 assert changed is not None
                 # At the current share this step ends in left * n seconds, unless the share changes first.
-                finish = asyncio.ensure_future(self._clock.sleep(self._left[step] * len(self._left)))
-                moved = asyncio.ensure_future(changed.wait())
-                try:
-                    await asyncio.wait((finish, moved), return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    finish.cancel()
-                    moved.cancel()
+                await sleep_unless_set(self._clock, self._left[step] * len(self._left), changed)
                 self._account()
         finally:
             self._account()

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from pdserve.errors import EngineStoppedError, KVPullError
 from pdserve.events import EXPIRED_LINE, LATE_PULL_LINE
-from pdserve.sim.clock import Clock, LoopClock
+from pdserve.sim.clock import Clock, LoopClock, sleep_unless_set
 from pdserve.sim.clock import VirtualClock as VirtualClock  # tests and the cluster simulator take it here
 from pdserve.sim.device import SharedDevice
 from pdserve.sim.leases import HolderLeases, Notification, ReaderLeases
@@ -287,13 +287,7 @@ class SimEngine:
         if wake_at is None:
             await self._wake.wait()
             return
-        woken = asyncio.ensure_future(self._wake.wait())
-        timer = asyncio.ensure_future(self.clock.sleep(max(0.0, wake_at - self.clock.now())))
-        try:
-            await asyncio.wait((woken, timer), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            woken.cancel()
-            timer.cancel()
+        await sleep_unless_set(self.clock, max(0.0, wake_at - self.clock.now()), self._wake)
 
     def _deliver(self, outputs: list[StepOutput]) -> None:
         streams = self._streams
