@@ -110,12 +110,12 @@ async def closed_loop(
     }
 
 
-def load_measured(name_or_path: str) -> tuple[dict[str, Any], dict[str, Any], bool | None]:
-    """(arms, workload, whether the pair shared one GPU if the run's facts say) of a gpu_run.json."""
+def load_measured(name_or_path: str) -> tuple[dict[str, Any], dict[str, Any], bool]:
+    """(arms, workload, whether the run's facts say the pair shared one GPU) of a gpu_run.json."""
     record = json.loads(Path(MEASURED.get(name_or_path, name_or_path)).read_text())
     load = record["steps"]["load"]
     plan = record["steps"].get("facts", {}).get("default_plan")
-    one_gpu = len({i["env"] for i in plan}) == 1 if plan else None
+    one_gpu = bool(plan) and len({i["env"] for i in plan}) == 1
     return load["arms"], load["workload"], one_gpu
 
 
@@ -134,7 +134,7 @@ def fit_prefill(profile: Profile, real: dict[str, Any], args: tuple[int, ...], s
 def side_by_side(a: argparse.Namespace) -> int:
     profile = load_profile(a.profile)
     measured, workload, one_gpu = load_measured(a.measured)
-    one_gpu = a.one_gpu or bool(one_gpu)
+    one_gpu = a.one_gpu or one_gpu
     args = tuple(workload[k] for k in ("requests", "concurrency", "prompt_tokens", "output_tokens"))
     if a.fit_prefill:
         fitted = fit_prefill(profile, measured["one-instance"], args, a.seed)
@@ -150,7 +150,7 @@ def side_by_side(a: argparse.Namespace) -> int:
         if "ttft_median_ms" not in real:
             continue
         sim = asyncio.run(
-            closed_loop(profile, arm, *args, seed=a.seed, one_gpu=one_gpu and arm != "one-instance")
+            closed_loop(profile, arm, *args, seed=a.seed, one_gpu=one_gpu)  # one engine alone: the same
         )
         # vLLM's own inter-token timer (the engine's step times, not the client's reads): decode's mean
         engine_itl = real.get("engine", {}).get("decode", {}).get("inter_token_latency_mean_ms", float("nan"))

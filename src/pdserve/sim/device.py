@@ -21,12 +21,11 @@ _DONE_S = 1e-9  # work left below this is float noise of the subtractions, not w
 class SharedDevice:
     """Runs steps of given seconds of work (what each would take alone) on one device, shared fairly."""
 
-    def __init__(self, clock: Clock, name: str = "gpu0") -> None:
-        self.name = name
+    def __init__(self, clock: Clock) -> None:
         self._clock = clock
         self._left: dict[object, float] = {}  # each running step: seconds of its own work still to do
         self._since = 0.0  # when _left was last brought up to date
-        self._changed: asyncio.Event | None = None  # set when a step joins or leaves (shares change)
+        self._changed = asyncio.Event()  # set when a step joins or leaves (shares change); then replaced
 
     @property
     def num_running(self) -> int:
@@ -43,10 +42,8 @@ class SharedDevice:
         self._signal()
         try:
             while self._left[step] > _DONE_S:
-                changed = self._changed
-                assert changed is not None
                 # At the current share this step ends in left * n seconds, unless the share changes first.
-                await sleep_unless_set(self._clock, self._left[step] * len(self._left), changed)
+                await sleep_unless_set(self._clock, self._left[step] * len(self._left), self._changed)
                 self._account()
         finally:
             self._account()
@@ -64,5 +61,4 @@ class SharedDevice:
 
     def _signal(self) -> None:
         old, self._changed = self._changed, asyncio.Event()
-        if old is not None:
-            old.set()
+        old.set()
