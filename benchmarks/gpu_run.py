@@ -26,7 +26,8 @@ stops the steps that do not need it), all within ``--deadline-s``:
              would want the GPU's memory): run it with ``--steps e2e``
 
 Writes to --out (at most 8 files come back): gpu_run.json (everything), gpu_run.txt (the same in words),
-nixl_transfer.json, llama3-8b-h200.yaml, logs.tar.gz (instance, nixl and step logs, tails only).
+nixl_transfer.json, llama3-8b-h200.yaml, logs.tar.gz (instance, nixl and step logs, tails only),
+load_trace.json (the load step's requests on one clock).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ import tarfile
 import threading
 import time
 import traceback
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -97,6 +99,9 @@ class Run:
         self.proxy, self.colocated, self.prefill, self.decode = (f"http://127.0.0.1:{p}" for p in urls)
         self.demo: subprocess.Popen[bytes] | None = None
         self.model_dir: str | None = None
+        # Each load arm's requests on one clock (wall seconds): when each was sent, its TTFT and every gap;
+        # for the PD proxy also its /requests phases. How decode's steps line up with prefill's on one GPU.
+        self.traces: dict[str, Any] = {}
         # The UCX environment of the vLLM pair: given, or chosen by the nixl step (--pair-ucx auto)
         self.pair_env: dict[str, str] = (
             {}
@@ -668,9 +673,17 @@ def run_arm(run: Run, url: str, number: int = 0) -> dict[str, Any]:
     jobs = [Job("/v1/completions", {"prompt": [rng.randrange(300, vocab) for _ in range(prompt_tokens)],
                                     "max_tokens": run.a.output_tokens, "temperature": 0, "ignore_eos": True})
             for _ in range(run.a.requests)]  # fmt: skip
+    # Outcome.begun is perf_counter(); the proxy's traces are time.time()
+    wall = time.time() - time.perf_counter()
     summary, outcomes = asyncio.run(
         run_load(url, jobs, run.a.concurrency, timeout=min(120.0, run.left() - 10))
     )
+    trace: dict[str, Any] = {
+        "requests": [{"sent": wall + o.begun, "ttft": o.ttft, "itls": o.itls, "ok": o.ok} for o in outcomes]
+    }
+    if url == run.proxy:
+        trace["proxy"] = json.loads(urllib.request.urlopen(f"{url}/requests", timeout=10).read())["requests"]
+    run.traces[f"{url}#{number}"] = trace
     # Gaps under 1 ms are events that reached the client together (one read): the client's ITL median then
     # says less about the engine's step than vLLM's own inter-token timer (the arm's "engine" figures).
     gaps = [g for o in outcomes for g in o.itls]
@@ -773,6 +786,8 @@ def finish(run: Run) -> None:
                 + "\n"
             )
         (run.out / "llama3-8b-h200.yaml").write_text(text)
+    if run.traces:
+        (run.out / "load_trace.json").write_text(json.dumps(run.traces))
     with tarfile.open(run.out / "logs.tar.gz", "w:gz") as tar:
         for path in sorted(run.work.rglob("*")):
             if (

@@ -106,6 +106,17 @@ def test_the_table_shows_both_modes_and_their_ratio_per_rate() -> None:
     assert any(line.startswith("verdict: ") for line in lines)
 
 
+def test_a_column_that_reads_0_00_gets_the_ratio_the_table_shows() -> None:
+    # vLLM's client times merged stream events as 0.004 ms gaps: 9.53 over that is not a ratio to print.
+    pairs = [pair(result("d", 100, 9.53), result("c", 100, 0.004))]
+    lines = render(pairs, decide(pairs))
+    assert any(line.split() == ["TPOT", "p50", "ms", "9.53", "0.00", "inf"] for line in lines)
+    both_tiny = [pair(result("d", 100, 0.003), result("c", 100, 0.001))]
+    assert any(
+        line.split() == ["TPOT", "p50", "ms", "0.00", "0.00"] for line in render(both_tiny, decide(both_tiny))
+    )
+
+
 def test_expired_leases_and_re_prefills_during_the_split_runs_are_reported() -> None:
     repaired = dataclasses.replace(evidence(), num_expired_leases=2, num_suspect_handoffs=2, num_retries=3)
     reasons = decide([pair(result("d", 100, 20), result("c", 100, 20), repaired)]).reasons

@@ -1,4 +1,4 @@
-"""SharedDevice: engines sharing one GPU stretch each other's steps, and only while both step."""
+"""SharedDevice: engines sharing one GPU take turns of it, and only while both have a step to run."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 
+from pdserve.errors import ConfigError
 from pdserve.sim.device import SharedDevice
 from pdserve.sim.engine import SimEngine, VirtualClock
 from pdserve.sim.profile import Profile
@@ -30,30 +31,55 @@ async def test_a_step_alone_on_the_device_takes_its_own_time() -> None:
     assert await _finish_times(clock, SharedDevice(clock), [(0.0, 1.0)]) == [pytest.approx(1.0)]
 
 
-async def test_two_steps_started_together_share_the_device_and_end_together() -> None:
+async def test_two_long_steps_started_together_take_turns_and_the_first_ends_a_turn_earlier() -> None:
     clock = VirtualClock()
-    assert await _finish_times(clock, SharedDevice(clock), [(0.0, 1.0), (0.0, 1.0)]) == [
-        pytest.approx(2.0),
-        pytest.approx(2.0),
-    ]
+    ends = await _finish_times(clock, SharedDevice(clock, turn_s=0.25), [(0.0, 1.0), (0.0, 1.0)])
+    assert ends == [pytest.approx(1.75), pytest.approx(2.0)]
 
 
-async def test_a_short_step_arriving_mid_way_slows_the_long_one_only_while_it_runs() -> None:
+async def test_a_short_step_waits_out_the_turn_under_way_then_runs_whole() -> None:
     clock = VirtualClock()
-    # The long step has 1.5 s left at 0.5; both run at half speed until the short one ends at 1.5 (its
-    # 0.5 s took 1 s), then the long one has 1.0 s left and the device to itself: it ends at 2.5.
-    ends = await _finish_times(clock, SharedDevice(clock), [(0.0, 2.0), (0.5, 0.5)])
-    assert ends == [pytest.approx(2.5), pytest.approx(1.5)]
+    # The long step's turn under way at 0.6 ends at 0.75; the short one runs 0.75-0.85 unbroken, and the
+    # long one, 1.25 s of work left, ends 0.1 s later than alone.
+    ends = await _finish_times(clock, SharedDevice(clock, turn_s=0.25), [(0.0, 2.0), (0.6, 0.1)])
+    assert ends == [pytest.approx(2.1), pytest.approx(0.85)]
+
+
+async def test_short_steps_beside_a_long_one_mostly_keep_their_speed() -> None:
+    # vLLM's decode on one GPU with a prefill (BENCHMARKS.md): a step shorter than a turn either runs
+    # alone or waits one turn of the prefill, never crawls at half speed the whole time.
+    clock = VirtualClock()
+    device = SharedDevice(clock, turn_s=0.008)
+    durations: list[float] = []
+
+    async def decode() -> None:
+        for _ in range(40):
+            start = clock.now()
+            await device.run(0.005)
+            durations.append(clock.now() - start)
+
+    async def prefill() -> None:
+        await clock.sleep(0.05)
+        await device.run(0.1)
+
+    await asyncio.gather(decode(), prefill())
+    assert all(0.005 - 1e-9 <= d <= 0.005 + 0.008 + 1e-9 for d in durations)  # at most one turn's wait
+    assert sum(d == pytest.approx(0.005) for d in durations) > len(durations) / 2
 
 
 async def test_the_device_is_free_again_once_its_steps_end() -> None:
     clock = VirtualClock()
     device = SharedDevice(clock)
     await _finish_times(clock, device, [(0.0, 1.0), (0.0, 1.0)])
-    assert device.num_running == 0
+    assert not device.is_busy
     start = clock.now()
     await device.run(0.25)
     assert clock.now() - start == pytest.approx(0.25)
+
+
+def test_a_turn_must_be_positive() -> None:
+    with pytest.raises(ConfigError, match="turn must be positive"):
+        SharedDevice(VirtualClock(), turn_s=0.0)
 
 
 async def test_two_engines_on_one_device_decode_slower_than_on_devices_of_their_own() -> None:

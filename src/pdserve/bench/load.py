@@ -30,6 +30,7 @@ class Outcome:
     ok: bool
     ttft: float = 0.0
     e2e: float = 0.0
+    begun: float = 0.0  # time.perf_counter() when it was sent: lines requests up on one timeline
     itls: list[float] = field(default_factory=list)
     num_chunks: int = 0
     error: str | None = None
@@ -65,7 +66,7 @@ async def _one(session: aiohttp.ClientSession, base: str, job: Job, timeout: flo
     body = {**job.body, "stream": True}
     begun = time.perf_counter()
     first = last = 0.0
-    out = Outcome(ok=False)
+    out = Outcome(ok=False, begun=begun)
     try:
         async with asyncio.timeout(timeout):
             async with session.post(base + job.path, data=orjson.dumps(body)) as resp:
