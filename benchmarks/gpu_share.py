@@ -110,20 +110,14 @@ def child(role: str, target_ms: float) -> None:
         if not active:
             begin = end
             continue
-        if role == "prefill":
+        if role == "prefill" or mode == "sync":
+            gap = 0.002 if role == "prefill" else 0.0003  # the CPU's part between two steps
             while time.time() < end:
                 s = time.time()
                 step()
                 torch.cuda.synchronize()
                 steps.append({"phase": name, "start": s, "end": time.time()})
-                time.sleep(0.002)
-        elif mode == "sync":
-            while time.time() < end:
-                s = time.time()
-                step()
-                torch.cuda.synchronize()
-                steps.append({"phase": name, "start": s, "end": time.time()})
-                time.sleep(0.0003)
+                time.sleep(gap)
         else:  # two deep: step k+1 is queued before step k is waited for
             pending: list[torch.cuda.Event] = []
             last = time.time()
