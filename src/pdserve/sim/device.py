@@ -1,11 +1,12 @@
 """One GPU that several simulated engines share, as two vLLM processes share a GPU in the article's demo.
 
 Without MPS a GPU runs one process's kernels at a time. While another process has work queued, the one on
-the GPU keeps it for at most a time slice; a process whose queue runs dry hands it over at once. vLLM's
-step ends in such a gap (the CPU reads the sampled tokens and plans the next step), so SharedDevice gives
-each step turns of at most ``turn_s`` of device time, first come first served: a step shorter than a turn
-runs whole, and the other engine's waiting step goes next; a longer one runs in turns, alternating with
-the other engine's steps.
+the GPU keeps it for at most a time slice; a process whose queue runs dry hands it over at once. The model
+takes vLLM's queue to run dry at each step's end (the CPU reads the sampled tokens before the next step
+goes out; the H200's ITL below fits that, benchmarks/gpu_share.py is there to measure it), so SharedDevice
+gives each step turns of at most ``turn_s`` of device time, first come first served: a step shorter than a
+turn runs whole, and the other engine's waiting step goes next; a longer one runs in turns, alternating
+with the other engine's steps.
 
 Against the H200 (BENCHMARKS.md "CUDA graphs, one GPU and two"): 1P1D on one GPU, where a prefill step of
 6,400 tokens (150 ms alone) meets decode steps of 5.6 ms, decode's ITL was 6.3 ms at p50 and 13.5 at p90:
