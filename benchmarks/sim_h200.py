@@ -115,24 +115,20 @@ async def closed_loop(
     }
 
 
-def load_measured(name_or_path: str) -> tuple[dict[str, Any], dict[str, Any], bool]:
-    """(arms, workload, whether the run's facts say the pair shared one GPU) of a gpu_run.json."""
+def load_measured(name_or_path: str) -> tuple[dict[str, Any], dict[str, Any], bool, list[dict[str, Any]]]:
+    """(arms, workload, whether the pair shared one GPU, the rounds each arm ran) of a gpu_run.json."""
     record = json.loads(Path(MEASURED.get(name_or_path, name_or_path)).read_text())
     load = record["steps"]["load"]
     plan = record["steps"].get("facts", {}).get("default_plan")
     # Those runs had no facts step: their names say where the pair ran.
     one_gpu = name_or_path.startswith("one-gpu") or (bool(plan) and len({i["env"] for i in plan}) == 1)
-    arms = {name: dict(arm) for name, arm in load["arms"].items()}
-    for name, arm in arms.items():
-        arm["ttft_median_ms_rounds"] = [r[name]["ttft_median_ms"] for r in load.get("rounds", []) if name in r
-                                        and "ttft_median_ms" in r[name]]  # fmt: skip
-    return arms, load["workload"], one_gpu
+    return load["arms"], load["workload"], one_gpu, load.get("rounds", [])
 
 
-def spread(real: dict[str, Any]) -> str:
-    """The measured rounds' TTFT p50s, where there were several: how far that statistic moves by itself."""
-    rounds = real.get("ttft_median_ms_rounds", [])
-    return f"  (rounds {min(rounds):.0f}-{max(rounds):.0f})" if len(rounds) > 1 else ""
+def spread(rounds: list[dict[str, Any]], arm: str) -> str:
+    """The arm's TTFT p50 in each measured round, where there were several: how far it moves by itself."""
+    p50s = [r[arm]["ttft_median_ms"] for r in rounds if "ttft_median_ms" in r.get(arm, {})]
+    return f"  (rounds {min(p50s):.0f}-{max(p50s):.0f})" if len(p50s) > 1 else ""
 
 
 def vllm_ttft_mean(arm: str, real: dict[str, Any]) -> float:
@@ -160,7 +156,7 @@ def fit_prefill(profile: Profile, real: dict[str, Any], args: tuple[int, ...], s
 
 def side_by_side(a: argparse.Namespace) -> int:
     profile = load_profile(a.profile)
-    measured, workload, one_gpu = load_measured(a.measured)
+    measured, workload, one_gpu, rounds = load_measured(a.measured)
     one_gpu = a.one_gpu or one_gpu
     args = tuple(workload[k] for k in ("requests", "concurrency", "prompt_tokens", "output_tokens"))
     if a.fit_prefill:
@@ -187,7 +183,7 @@ def side_by_side(a: argparse.Namespace) -> int:
         print(f"{arm:<14} {'sim':>8} {sim['ttft_mean_ms']:13.1f} {sim['itl_median_ms']:11.2f} "
               f"{sim['itl_mean_ms']:12.2f} {sim['ttft_median_ms']:12.1f}")  # fmt: skip
         print(f"{'':<14} {'measured':>8} {engine_ttft:13.1f} {real['itl_median_ms']:11.2f} "
-              f"{engine_itl:12.2f} {real['ttft_median_ms']:12.1f}{spread(real)}")  # fmt: skip
+              f"{engine_itl:12.2f} {real['ttft_median_ms']:12.1f}{spread(rounds, arm)}")  # fmt: skip
         ratios = [sim["ttft_mean_ms"] / engine_ttft, sim["itl_median_ms"] / real["itl_median_ms"],
                   sim["itl_mean_ms"] / engine_itl]  # fmt: skip
         verdict = "PASS" if all(abs(r - 1) <= TOLERANCE for r in ratios if r == r) else "FAIL"
