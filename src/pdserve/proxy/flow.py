@@ -17,8 +17,9 @@ Retries, before the client has received a byte:
   the failed decode never received them (connect error) and are younger than half the lease: a decode
   that did receive them may have pulled the blocks, which prefill then frees, and a second pull of
   freed blocks is not detected by vLLM (observed on 0.32: it "succeeds" and reads whatever is there).
-- a kept-alive connection decode had closed before answering → once more, unseen, under a fresh
-  prefill; a second such loss counts as a failed attempt, as above.
+- a kept-alive connection decode had closed before answering → the same decode once more, not the
+  chooser's next pick, under a fresh prefill (``_once_more_on_a_fresh_connection`` says why); a second
+  such loss counts as a failed attempt, as above.
 Once the client has bytes, a failure ends the stream with an error event; nothing is retried.
 
 The lease guard (guard.py): decode's answer is held back until it is known not to rest on KV prefill
@@ -94,6 +95,7 @@ class _Retries:
     num_failed: int = 0  # decode attempts that failed
     num_lease: int = 0  # answers the lease guard withheld
     num_stale: int = 0  # decode attempts lost to a kept-alive connection the instance had closed
+    again: Instance | None = None  # the decode the next attempt goes to, instead of the chooser's pick
 
     @property
     def is_first(self) -> bool:
@@ -189,10 +191,14 @@ class Flow:
         call = replace(call, prompt=self._prompt(call.body))
         retries = _Retries()
         while True:
-            # Decode is picked first: what it caches decides whether prefill is worth a hop.
-            decode, num_cached = self._chooser.decode(retries.tried, call.prompt)
-            if retries.is_first and local_reason is None:
-                local_reason = self._skip_reason(call.prompt, num_cached)
+            # Decode is picked first: what it caches decides whether prefill is worth a hop. After a
+            # stale connection it is the same one again (``_once_more_on_a_fresh_connection``).
+            if retries.again is None:
+                decode, num_cached = self._chooser.decode(retries.tried, call.prompt)
+                if retries.is_first and local_reason is None:
+                    local_reason = self._skip_reason(call.prompt, num_cached)
+            else:
+                decode, retries.again = retries.again, None
             # Prefill, when the request is split and no handoff is in play (the last decode attempt may
             # have left its handoff for this one: ``_before_retry``).
             if local_reason is None and slot.handoff is None:
@@ -232,10 +238,17 @@ class Flow:
     ) -> None:
         """A kept-alive connection to ``decode`` closed before it answered anything: most likely decode
         had closed it while idle and never read the request, so the next attempt goes to the same
-        decode, once, unseen by the client. Under a fresh handoff: had decode died on the request after
+        decode, once, unseen by the client.
+
+        The same decode, not the chooser's next pick: the connection failed, not the instance (its
+        breaker is not told), and what made the chooser pick it (its prefix cache of this prompt, its
+        load) still holds, so a round robin or a cache-aware policy is not turned aside by a closed
+        socket; HTTP clients and routers that pool connections retry a request lost this way on a new
+        connection to the same server. Under a fresh handoff: had decode died on the request after
         pulling the KV, prefill has freed those blocks, and another pull of them would read whatever is
         there."""
         retries.num_stale += 1
+        retries.again = decode
         self._state.stats.retried("decode_stale")
         call.trace.retries.append(f"decode {decode.url}: a kept-alive connection was closed; once more")
         slot.abandon(f"decode {decode.url}: stale connection", "decode_failed")
