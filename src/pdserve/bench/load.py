@@ -55,7 +55,8 @@ class Summary:
         return {k: round(v, 3) if isinstance(v, float) else v for k, v in self.__dict__.items()}
 
 
-def _percentile(values: Sequence[float], q: float) -> float:
+def percentile(values: Sequence[float], q: float) -> float:
+    """The nearest-rank ``q``-quantile (the value a ``q`` share of ``values`` lies below); NaN for none."""
     if not values:
         return float("nan")
     ordered = sorted(values)
@@ -129,9 +130,9 @@ def summarize(outcomes: Sequence[Outcome], duration: float) -> Summary:
         req_per_s=len(ok) / duration if duration else 0.0,
         chunks_per_s=sum(o.num_chunks for o in ok) / duration if duration else 0.0,
         ttft_median_ms=statistics.median(ttfts) if ttfts else float("nan"),
-        ttft_p90_ms=_percentile(ttfts, 0.9),
+        ttft_p90_ms=percentile(ttfts, 0.9),
         itl_median_ms=statistics.median(itls) if itls else float("nan"),
-        itl_p90_ms=_percentile(itls, 0.9),
+        itl_p90_ms=percentile(itls, 0.9),
         tpot_median_ms=statistics.median(tpots) if tpots else float("nan"),
         e2e_median_ms=statistics.median([o.e2e * 1000 for o in ok]) if ok else float("nan"),
         first_error=failed[0].error if failed else None,
