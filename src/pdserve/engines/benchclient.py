@@ -22,6 +22,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from pdserve.engines.processes import spawn
 from pdserve.errors import BenchError
 
 # Runs on the engine venv's python. The pipe to pdserve carries only the JSON replies.
@@ -83,13 +84,13 @@ class BenchClient:
         )
         with open(self.log_path, "ab") as log:
             try:
-                self._proc = subprocess.Popen(
+                # Ctrl-C is pdserve's to handle; close() ends the client, or pdserve's death does.
+                self._proc = spawn(
                     [self._python, "-c", _RUNNER],
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     stderr=log,
                     env=env,
-                    start_new_session=True,  # Ctrl-C is pdserve's to handle; close() ends the client
                 )
             except OSError as exc:
                 raise BenchError(f"cannot start vLLM's benchmark client with {self._python}: {exc}") from exc
