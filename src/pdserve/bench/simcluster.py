@@ -63,14 +63,6 @@ class ClusterRun:
     duration_s: float
 
     @property
-    def num_prefill(self) -> int:
-        return self.load.num_prefill
-
-    @property
-    def num_decode(self) -> int:
-        return self.load.num_decode
-
-    @property
     def num_instances(self) -> int:
         return self.load.num_instances
 

@@ -108,13 +108,8 @@ def _type_error(field: str, value: Any, kind: str) -> dict[str, Any] | None:
     return {"type": err, "loc": f"body.{field}", "msg": msg, "input": _summary(value)}
 
 
-# Fields whose type vLLM's request models check, in the models' declaration order.
-_COMPLETION_FIELDS: Final = (
-    ("model", "str"),
-    ("echo", "bool"),
-    ("frequency_penalty", "float"),
-    ("logprobs", "int"),
-    ("max_tokens", "int"),
+# Fields whose type vLLM's request models check, in the models' declaration order; both models end alike.
+_SAMPLING_FIELDS: Final = (
     ("n", "int"),
     ("presence_penalty", "float"),
     ("seed", "int"),
@@ -122,18 +117,21 @@ _COMPLETION_FIELDS: Final = (
     ("temperature", "float"),
     ("top_p", "float"),
 )
+_COMPLETION_FIELDS: Final = (
+    ("model", "str"),
+    ("echo", "bool"),
+    ("frequency_penalty", "float"),
+    ("logprobs", "int"),
+    ("max_tokens", "int"),
+    *_SAMPLING_FIELDS,
+)
 _CHAT_FIELDS: Final = (
     ("messages", "list"),
     ("model", "str"),
     ("frequency_penalty", "float"),
     ("max_tokens", "int"),
     ("max_completion_tokens", "int"),
-    ("n", "int"),
-    ("presence_penalty", "float"),
-    ("seed", "int"),
-    ("stream", "bool"),
-    ("temperature", "float"),
-    ("top_p", "float"),
+    *_SAMPLING_FIELDS,
 )
 
 
