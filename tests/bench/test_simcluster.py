@@ -74,3 +74,9 @@ def test_bench_writes_the_slow_link_profile_where_the_sim_instances_read_it(tmp_
     assert written.name == "llama3-8b-a100-0.5gbps"
     assert written.kv_bandwidth_bytes_per_s == pytest.approx(0.5e9)
     assert written == dataclasses.replace(A100.with_kv_bandwidth(0.5e9), name=written.name)
+
+
+def test_a_cluster_without_decode_or_load_is_refused_when_it_is_described() -> None:
+    for bad in ((1, 0, 2.0, 512, 16), (-1, 1, 2.0, 512, 16), (1, 1, 0.0, 512, 16), (1, 1, 2.0, 0, 16)):
+        with pytest.raises(ConfigError):
+            simcluster.ClusterLoad(*bad)
