@@ -1,33 +1,43 @@
 #!/bin/bash
-# The GPU run of issue 10 on a lent nvidia-h200, as device call 2 of 2 (benchmarks/gpu_run.py says what it
-# measures). Build the carries first, on the CPU machine, from the repo root:
-#     bash ../shared/gpu/make-carry.sh .gpu && bash scripts/gpu-wheels.sh
-# Device call 1: carry [".gpu/p0"], command `bash .gpu/p0/stage.sh`
-# Device call 2, within 30 s: carry [".gpu/p1", ".gpu/whl"], command `bash scripts/gpu-run.sh [flags]`
+# The GPU run (benchmarks/gpu_run.py says what it measures) on a GPU host without network, from the
+# repository root there. First, on a machine with a network, from the repository root:
+#     bash scripts/offline-bundle.sh build && bash scripts/gpu-wheels.sh
+# and copy dist/offline-bundle and dist/gpu-wheels into the host's clone (docs/gpu.md, "A GPU host without
+# network", says how when transfers are limited in size). Then on the host:
+#     bash scripts/gpu-run.sh [flags]
 #   flags go to gpu_run.py, e.g. --model tiny (quick check), --steps facts,nixl, --pair-ucx default
 # Everything it measured lands in $OUT (gpu_run.json, gpu_run.txt, nixl_transfer.json,
 # llama3-8b-h200.yaml, logs.tar.gz). The whole run ends within GPU_RUN_LIMIT_S (default 590) seconds.
+# GPU_BUNDLE and GPU_WHEELS name other directories than dist/offline-bundle and dist/gpu-wheels.
 set -u
 start=$SECONDS
 limit=${GPU_RUN_LIMIT_S:-590}
+bundle=${GPU_BUNDLE:-dist/offline-bundle}
+wheels=${GPU_WHEELS:-dist/gpu-wheels}
 OUT=${OUT:-/tmp/gpu-run-out}
 mkdir -p "$OUT"
 say() { echo "gpu-run: $*" | tee -a "$OUT/gpu_run.txt"; }
 
-# shellcheck disable=SC1091
-source .gpu/p1/unpack.sh || { rc=$?; say "unpacking the vLLM carry failed (exit $rc; 3: redo device call 1)"; exit "$rc"; }
-say "carry unpacked and checked in $((SECONDS - start)) s"
+# Keep NVLink multicast off: on a host whose GPUs others share, a program using it can put them out of
+# service for a long time.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+env_lines=$(bash scripts/offline-bundle.sh install --from "$bundle") || {
+  rc=$?; say "installing the offline bundle failed (exit $rc; 3: a part is missing: stage it)"; exit "$rc"; }
+eval "$env_lines"
+python3 -c "import vllm, nixl._api; print('vllm', vllm.__version__, 'nixl ok')" || {
+  say "vLLM or NIXL does not import from the bundle (see above)"; exit 5; }
+say "offline bundle ready in $((SECONDS - start)) s"
 
-# pdserve's own needs that neither the image nor the carry has: OpenTelemetry (the proxy imports it).
+# pdserve's own needs that neither the image nor the bundle has: OpenTelemetry (the proxy imports it).
 # protobuf only if the image's is too old for opentelemetry-proto: it would shadow the image's otherwise.
-if [ -d .gpu/whl ]; then
+if [ -d "$wheels" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/pdsite \
-    $(ls .gpu/whl/*.whl | grep -v /protobuf-) 2>&1 | grep -v "is ignored" | tail -3
+    $(ls "$wheels"/*.whl | grep -v /protobuf-) 2>&1 | grep -v "is ignored" | tail -3
 fi
 export PYTHONPATH=$PWD/src:$PYTHONPATH:/tmp/pdsite
-if ! python3 -c "import pdserve.proxy.tracing" 2>/dev/null && ls .gpu/whl/protobuf-*.whl >/dev/null 2>&1; then
-  say "the image's protobuf is too old for OpenTelemetry: installing the carried one"
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/pdsite .gpu/whl/protobuf-*.whl
+if ! python3 -c "import pdserve.proxy.tracing" 2>/dev/null && ls "$wheels"/protobuf-*.whl >/dev/null 2>&1; then
+  say "the image's protobuf is too old for OpenTelemetry: installing the one in $wheels"
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/pdsite "$wheels"/protobuf-*.whl
 fi
 python3 -c "import pdserve.proxy.app, pdserve.cli" || say "pdserve does not import here (see above); steps that need it will fail"
 

@@ -1,10 +1,11 @@
 #!/bin/bash
-# Wheels pdserve needs on the lent H200 that neither its image nor ../shared/gpu's carry holds: the
-# OpenTelemetry packages the proxy imports (and protobuf, used only if the image's is too old), and pytest
-# with the plugins pyproject.toml configures, for gpu_run.py's e2e step.
-# usage, from the repo root: bash scripts/gpu-wheels.sh [DIR=.gpu/whl]   (DIR must be ignored by git)
+# Wheels the GPU run (scripts/gpu-run.sh) needs on a GPU host without network beside the offline bundle:
+# the OpenTelemetry packages pdserve's proxy imports (and protobuf, used only if the image's is too old),
+# and pytest with the plugins pyproject.toml configures, for gpu_run.py's e2e step. Run it on a machine with
+# a network, from the repository root, for the host's CPython 3.12 on x86_64 Linux:
+#     bash scripts/gpu-wheels.sh [DIR=dist/gpu-wheels]
 set -euo pipefail
-dir=${1:-.gpu/whl}
+dir=${1:-dist/gpu-wheels}
 mkdir -p "$dir"
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \

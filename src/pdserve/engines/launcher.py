@@ -85,7 +85,7 @@ class EngineGroup:
         model: what a stall test stops with SIGSTOP), None if there is none (a simulator, not started).
 
         Found by its process title (``VLLM::EngineCore``), or, where vLLM could not set one (no
-        setproctitle, as in the lent GPU image), by the pid its log lines carry."""
+        setproctitle, as on a GPU host set up with scripts/offline-bundle.sh), by the pid its log lines carry."""
         api_pid = self.pid(spec)
         if api_pid is None:
             return None

