@@ -19,7 +19,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve import prometheus
@@ -298,22 +298,3 @@ class _AwaitingFirstByte:
 
     def __exit__(self, *exc: object) -> None:
         self.arrived()
-
-
-def merge_descriptions(
-    local: list[dict[str, object]], others: Sequence[list[dict[str, object]]]
-) -> list[dict[str, object]]:
-    """The answering proxy worker's view of its instances (``Instance.describe``), with the requests every
-    worker has in flight at each."""
-    in_flight: dict[object, int] = {}
-    for view in others:
-        for d in view:
-            count = d.get("in_flight")
-            if isinstance(count, int):
-                in_flight[d.get("url")] = in_flight.get(d.get("url"), 0) + count
-    merged = []
-    for d in local:
-        count = d.get("in_flight")
-        total = (count if isinstance(count, int) else 0) + in_flight.get(d.get("url"), 0)
-        merged.append({**d, "in_flight": total})
-    return merged
