@@ -26,6 +26,7 @@ from pdserve.config import ProxyConfig
 from pdserve.errors import ProxyStartError
 from pdserve.events import InstanceEvent
 from pdserve.prometheus import parse_prometheus, parse_samples
+from pdserve.proxy.peers import Peers, socket_path
 from pdserve.proxy.workers import ProxyWorkers
 
 KEY = "admin-key"
@@ -212,3 +213,23 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+async def test_a_peer_request_with_a_line_break_in_a_header_value_is_refused_unsent(tmp_path: Path) -> None:
+    received: list[bytes] = []
+
+    async def record(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        received.append(await reader.readuntil(b"\r\n\r\n"))
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_unix_server(record, socket_path(str(tmp_path), 1))
+    try:
+        peers = Peers(str(tmp_path), 0, 2)
+        with pytest.raises(ValueError, match="line break"):
+            await peers.ask("GET", "/metrics", None, {"Authorization": "Bearer k\r\nX-Evil: 1"})
+        assert await peers.ask("GET", "/metrics", None, ADMIN) == [(200, b"ok")]
+    finally:
+        server.close()
+    assert len(received) == 1 and b"Bearer admin-key" in received[0]  # only the well-formed one went
