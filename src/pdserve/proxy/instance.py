@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pdserve import prometheus
 from pdserve.config import Role
 from pdserve.proxy.breaker import CircuitBreaker
+from pdserve.proxy.routing import Load
 from pdserve.proxy.upstream import Upstream
 
 log = logging.getLogger("pdserve.proxy")
@@ -39,12 +40,9 @@ class Lifecycle(enum.Enum):
 
 
 @dataclass(frozen=True)
-class EngineLoad:
+class EngineLoad(Load):
     """What the engine's /metrics said at the last scrape."""
 
-    num_running: float = 0.0
-    num_waiting: float = 0.0
-    kv_usage: float = 0.0  # 0..1
     num_kv_expired: float = 0.0  # prefill: leases that ran out unpulled (vllm:nixl_num_kv_expired_reqs)
     num_tokens: float = 0.0  # prompt and generated tokens the engine processed so far (counters)
 
@@ -99,31 +97,6 @@ class Instance:
             return Lifecycle.RESTARTING
         return Lifecycle.SERVING if self._is_healthy else Lifecycle.UNHEALTHY
 
-    @property
-    def is_healthy(self) -> bool:
-        return self._is_healthy
-
-    @property
-    def is_draining(self) -> bool:
-        return self._is_draining
-
-    @property
-    def num_in_flight(self) -> int:
-        return self._num_in_flight
-
-    @property
-    def load(self) -> EngineLoad:
-        return self._load
-
-    @property
-    def num_kv_expired(self) -> float | None:
-        """Prefill's count of leases that ran out unpulled at the last scrape; None before one."""
-        return self._load.num_kv_expired if self._has_load else None
-
-    @property
-    def last_error(self) -> str | None:
-        return self._last_error
-
     def is_available(self, now: float) -> bool:
         return self.lifecycle is Lifecycle.SERVING and self.breaker.allows(now)
 
@@ -146,6 +119,23 @@ class Instance:
         return f"circuit {self.breaker.state(now)}"
 
     # --- health checks --------------------------------------------------------------------------
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._is_healthy
+
+    @property
+    def load(self) -> EngineLoad:
+        return self._load
+
+    @property
+    def num_kv_expired(self) -> float | None:
+        """Prefill's count of leases that ran out unpulled at the last scrape; None before one."""
+        return self._load.num_kv_expired if self._has_load else None
+
+    @property
+    def last_error(self) -> str | None:
+        return self._last_error
 
     def check_passed(self, load: EngineLoad | None) -> bool:
         """A health check passed; True when the instance was unhealthy before (it may have restarted)."""
@@ -188,6 +178,10 @@ class Instance:
         self._last_error = detail
 
     # --- requests -------------------------------------------------------------------------------
+
+    @property
+    def num_in_flight(self) -> int:
+        return self._num_in_flight
 
     def dispatched(self) -> _Dispatched:
         """``with instance.dispatched():`` counts one request in flight here for the block (a class,
@@ -246,6 +240,10 @@ class Instance:
                         self.breaker.num_consecutive_failures, detail)  # fmt: skip
 
     # --- membership (called by ProxyState only) -------------------------------------------------
+
+    @property
+    def is_draining(self) -> bool:
+        return self._is_draining
 
     def start_draining(self) -> None:
         self._is_draining = True
