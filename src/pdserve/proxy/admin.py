@@ -13,7 +13,6 @@ several workers (workers.py) a change is repeated on every worker and the reads 
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -28,8 +27,6 @@ from pdserve.proxy.context import context
 from pdserve.proxy.instance import Instance
 from pdserve.proxy.models import model_ids, models_in_service
 from pdserve.proxy.routes import describe_instances, error_response, is_authorized
-
-log = logging.getLogger("pdserve.proxy")
 
 Handler = Callable[[Request], Awaitable[Response]]
 

@@ -1,7 +1,8 @@
 """``create_app(config)``: composes the proxy's parts and its routes (routes.py, admin.py).
 
 The parts: ``ProxyState`` (state.py) owns pools, instances, ledger and counters; ``Flow`` (flow.py)
-serves a request; ``Admission`` bounds concurrency; ``HealthChecker`` (health.py) watches instances.
+serves a request; ``Admission`` bounds concurrency; ``HealthChecker`` (health.py) watches instances;
+``Fanout`` (peers.py) makes the reads and admin changes of one worker span every worker of the proxy.
 The lifespan opens every instance's connection pool, checks that both roles serve one model, runs the
 health checks, and closes everything on the way out.
 """
