@@ -177,7 +177,8 @@ async def test_a_worker_that_dies_is_started_again_while_the_other_serves(
         first = proxy.pids[0]
         assert first is not None
         os.kill(first, signal.SIGKILL)
-        await asyncio.sleep(0.3)
+        while not _has_exited(first):  # its listening socket leaves the port only once it has exited
+            await asyncio.sleep(0.05)
         await asyncio.gather(*(_complete(fresh, proxy.url) for _ in range(10)))  # the other one serves
         deadline = time.monotonic() + 30
         while proxy.pids[0] in (first, None) or not await _answers(proxy.sockets[0]):
@@ -205,6 +206,15 @@ def test_a_port_taken_by_another_program_fails_the_start_and_leaves_nothing_runn
         with pytest.raises(ProxyStartError, match=f"port {port}"):
             proxy.start()
     assert all(pid is None or not _alive(pid) for pid in proxy.pids)
+
+
+def _has_exited(pid: int) -> bool:
+    """Gone, or a zombie its parent has not reaped yet: either way its sockets are closed."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
 
 
 def _alive(pid: int) -> bool:
