@@ -77,14 +77,9 @@ class MemoryUpstream:
         return Reply(200, "application/json", b"{}")
 
     async def post(
-        self,
-        path: str,
-        body: bytes,
-        headers: Mapping[str, str],
-        phase: str,
-        timeout: float,
+        self, path: str, body: bytes, headers: Mapping[str, str], phase: str, timeout: float,
         is_repeatable: bool = False,
-    ) -> Reply:
+    ) -> Reply:  # fmt: skip
         if path.startswith("/reset_prefix_cache"):
             self.num_prefix_resets += 1
             return Reply(200, "application/json", b'{"success":true}')

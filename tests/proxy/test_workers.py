@@ -26,6 +26,7 @@ from pdserve.config import ProxyConfig
 from pdserve.errors import ProxyStartError
 from pdserve.events import InstanceEvent
 from pdserve.prometheus import parse_prometheus, parse_samples
+from pdserve.proxy.peers import Peers, socket_path
 from pdserve.proxy.workers import ProxyWorkers
 
 KEY = "admin-key"
@@ -176,7 +177,8 @@ async def test_a_worker_that_dies_is_started_again_while_the_other_serves(
         first = proxy.pids[0]
         assert first is not None
         os.kill(first, signal.SIGKILL)
-        await asyncio.sleep(0.3)
+        while not _has_exited(first):  # its listening socket leaves the port only once it has exited
+            await asyncio.sleep(0.05)
         await asyncio.gather(*(_complete(fresh, proxy.url) for _ in range(10)))  # the other one serves
         deadline = time.monotonic() + 30
         while proxy.pids[0] in (first, None) or not await _answers(proxy.sockets[0]):
@@ -206,9 +208,38 @@ def test_a_port_taken_by_another_program_fails_the_start_and_leaves_nothing_runn
     assert all(pid is None or not _alive(pid) for pid in proxy.pids)
 
 
+def _has_exited(pid: int) -> bool:
+    """Gone, or a zombie its parent has not reaped yet: either way its sockets are closed."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     return True
+
+
+async def test_a_peer_request_with_a_line_break_in_a_header_value_is_refused_unsent(tmp_path: Path) -> None:
+    received: list[bytes] = []
+
+    async def record(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        received.append(await reader.readuntil(b"\r\n\r\n"))
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_unix_server(record, socket_path(str(tmp_path), 1))
+    try:
+        peers = Peers(str(tmp_path), 0, 2)
+        with pytest.raises(ValueError, match="line break"):
+            await peers.ask("GET", "/metrics", None, {"Authorization": "Bearer k\r\nX-Evil: 1"})
+        assert await peers.ask("GET", "/metrics", None, ADMIN) == [(200, b"ok")]
+    finally:
+        server.close()
+    assert len(received) == 1 and b"Bearer admin-key" in received[0]  # only the well-formed one went

@@ -13,7 +13,6 @@ several workers (workers.py) a change is repeated on every worker and the reads 
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -24,13 +23,10 @@ from starlette.routing import Route
 
 from pdserve.config import ROLES, normalize_url
 from pdserve.errors import ConfigError
-from pdserve.proxy.context import context, peers_of
+from pdserve.proxy.context import context
 from pdserve.proxy.instance import Instance
-from pdserve.proxy.ledger import merge_snapshots
 from pdserve.proxy.models import model_ids, models_in_service
-from pdserve.proxy.routes import credentials, describe_instances, error_response, is_authorized
-
-log = logging.getLogger("pdserve.proxy")
+from pdserve.proxy.routes import describe_instances, error_response, is_authorized
 
 Handler = Callable[[Request], Awaitable[Response]]
 
@@ -50,19 +46,12 @@ def guarded(handler: Handler) -> Handler:
 
 
 def everywhere(handler: Handler) -> Handler:
-    """A change this worker made, every other worker makes too (the same request, over its socket);
-    the client gets this worker's answer, and a worker that refused is logged."""
+    """A change this worker made, every other worker of the proxy makes too (peers.py); the client gets
+    this worker's answer."""
 
     async def wrapper(request: Request) -> Response:
         response = await handler(request)
-        peers = peers_of(request)
-        if peers is not None and response.status_code < 300:
-            sent = await request.body()
-            answers = await peers.ask(request.method, request.url.path, sent, credentials(request))
-            for status, body in answers:
-                if status >= 300:
-                    log.warning("a proxy worker refused %s %s: %s %s", request.method, request.url.path,
-                                status, body[:300])  # fmt: skip
+        await context(request).fanout.repeat(request, response)
         return response
 
     return wrapper
@@ -118,30 +107,26 @@ async def add(request: Request) -> Response:
 
 
 async def drain(request: Request) -> Response:
-    try:
-        instance = await _instance_named(request)
-    except (ConfigError, LookupError) as exc:
-        return error_response(404, f"no such instance: {exc}", "NotFoundError")
-    context(request).state.drain(instance)
-    return JSONResponse(instance.describe())
+    return await _on_named(request, context(request).state.drain, 200)
 
 
 async def remove(request: Request) -> Response:
+    return await _on_named(request, context(request).state.remove, 202)
+
+
+async def _on_named(request: Request, change: Callable[[Instance], None], status: int) -> Response:
+    """``change`` the instance the body names; its description after, or 404 when there is none."""
     try:
         instance = await _instance_named(request)
     except (ConfigError, LookupError) as exc:
         return error_response(404, f"no such instance: {exc}", "NotFoundError")
-    context(request).state.remove(instance)
-    return JSONResponse(instance.describe(), status_code=202)
+    change(instance)
+    return JSONResponse(instance.describe(), status_code=status)
 
 
 async def ledger(request: Request) -> Response:
-    snapshot = context(request).state.ledger.snapshot()
-    peers = peers_of(request)
-    if peers is not None:
-        others = [orjson.loads(b) for b in await peers.bodies(request.url.path, credentials(request))]
-        snapshot = merge_snapshots([snapshot, *others])
-    return JSONResponse(snapshot)
+    ctx = context(request)
+    return JSONResponse(await ctx.fanout.ledger(request, ctx.state.ledger.snapshot()))
 
 
 ADMIN_ROUTES = [

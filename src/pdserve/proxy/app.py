@@ -1,7 +1,8 @@
 """``create_app(config)``: composes the proxy's parts and its routes (routes.py, admin.py).
 
 The parts: ``ProxyState`` (state.py) owns pools, instances, ledger and counters; ``Flow`` (flow.py)
-serves a request; ``Admission`` bounds concurrency; ``HealthChecker`` (health.py) watches instances.
+serves a request; ``Admission`` bounds concurrency; ``HealthChecker`` (health.py) watches instances;
+``Fanout`` (peers.py) makes the reads and admin changes of one worker span every worker of the proxy.
 The lifespan opens every instance's connection pool, checks that both roles serve one model, runs the
 health checks, and closes everything on the way out.
 """
@@ -26,7 +27,7 @@ from pdserve.proxy.flow import Flow
 from pdserve.proxy.health import HealthChecker
 from pdserve.proxy.models import check_models_match
 from pdserve.proxy.peer_routes import PEER_ROUTES
-from pdserve.proxy.peers import Peers
+from pdserve.proxy.peers import Fanout, Peers
 from pdserve.proxy.policies import PolicyOptions, make_policy
 from pdserve.proxy.routing import Policy
 from pdserve.proxy.state import ProxyState, UpstreamFactory
@@ -40,10 +41,11 @@ def create_app(
     config: ProxyConfig, make_upstream: UpstreamFactory | None = None, peers: Peers | None = None
 ) -> Starlette:
     """The proxy; ``peers``: it is one worker of several (worker.py), which share its port."""
+    fanout = peers if peers is not None else Fanout()
     options = PolicyOptions(config.prefix_block_size, config.prefix_load_cost_tokens)
     policies: dict[Role, Policy] = {
-        "prefill": make_policy(config.prefill_policy, options),
-        "decode": make_policy(config.decode_policy, options),
+        "prefill": fanout.sharing("prefill", make_policy(config.prefill_policy, options)),
+        "decode": fanout.sharing("decode", make_policy(config.decode_policy, options)),
     }
     state = ProxyState(config, policies, make_upstream)
     tokenizer = PromptTokenizer.from_model_dir(config.tokenizer) if config.tokenizer else None
@@ -51,15 +53,13 @@ def create_app(
         log.warning("no tokenizer.json in %s: prompt-aware routing falls back to load only", config.tokenizer)
     tracing = RequestTracing(config.otlp_traces_endpoint) if config.otlp_traces_endpoint else None
     share = config.worker_share() if peers is not None else config
-    is_prompt_aware = any(p.wants_prompt for p in policies.values())
-    on_pick = peers.share_pick if peers is not None and is_prompt_aware else None
     ctx = Context(
         config=config,
         state=state,
-        flow=Flow(state, config, tokenizer, tracing, on_pick),
+        flow=Flow(state, config, tokenizer, tracing),
         admission=Admission(share.max_concurrent, share.max_queued, config.queue_timeout_s),
         health=HealthChecker(state, config.health_interval_s, config.health_timeout_s),
-        peers=peers,
+        fanout=fanout,
     )
 
     # --- Kubernetes discovery (proxy/discovery.py), only when configured: lightkube is an optional
@@ -79,15 +79,14 @@ def create_app(
         await state.open()
         checker = asyncio.create_task(ctx.health.run())
         discoverer = asyncio.create_task(discovery.run()) if discovery is not None else None  # k8s
-        gossip = asyncio.create_task(peers.run()) if on_pick is not None and peers is not None else None
+        sharing = asyncio.create_task(fanout.run())
         try:
             prefill, decode = state.pool("prefill").instances, state.pool("decode").instances
             await check_models_match(prefill, decode, config.models_timeout_s)
             yield
         finally:
             checker.cancel()
-            if gossip is not None:
-                gossip.cancel()
+            sharing.cancel()
             if discoverer is not None:  # k8s discovery: stop before the instances close
                 discoverer.cancel()
                 await asyncio.gather(discoverer, return_exceptions=True)

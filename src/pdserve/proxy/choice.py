@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from pdserve.config import ProxyConfig, Role
 from pdserve.errors import NoInstanceAvailable
@@ -28,15 +28,10 @@ log = logging.getLogger("pdserve.proxy")
 _LAGGING_SHARE = 1 / 3
 
 
-# A prompt-aware pick's instance and the prompt's block hashes, for the other proxy workers (peers.py)
-PickSink = Callable[[Role, str, Sequence[int]], None]
-
-
 class Chooser:
-    def __init__(self, state: ProxyState, config: ProxyConfig, on_pick: PickSink | None = None) -> None:
+    def __init__(self, state: ProxyState, config: ProxyConfig) -> None:
         self._state = state
         self._lagging_s = config.kv_lease_s * _LAGGING_SHARE
-        self._on_pick = on_pick
 
     def decode(self, tried: Sequence[Instance], prompt: Prompt | None) -> tuple[Instance, int]:
         """A decode instance and how many of the prompt's tokens it likely holds in its prefix cache."""
@@ -50,12 +45,7 @@ class Chooser:
         return self._pick("prefill", self._candidates("prefill", tried), prompt).instance
 
     def _pick(self, role: Role, candidates: Sequence[Instance], prompt: Prompt | None) -> Pick[Instance]:
-        policy = self._state.policy(role)
-        hashes = prompt.hashes if prompt is not None else None
-        pick = policy.pick(candidates, hashes)
-        if hashes and policy.wants_prompt and self._on_pick is not None:
-            self._on_pick(role, pick.instance.url, hashes)
-        return pick
+        return self._state.policy(role).pick(candidates, prompt.hashes if prompt is not None else None)
 
     def has_other(self, role: Role, tried: Sequence[Instance]) -> bool:
         """Whether an instance in service is left for a retry that must go elsewhere."""

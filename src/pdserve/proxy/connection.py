@@ -1,6 +1,7 @@
 """HTTP/1.1 to an instance on raw asyncio: one keep-alive ``Connection`` (an ``asyncio.Protocol`` parsing
 with httptools) and the ``Pool`` of them per instance. ``upstream.py`` drives both and is the one place
-their exceptions become pdserve's.
+their exceptions become pdserve's. ``RequestWriter`` writes every request the proxy sends, to an instance
+or to a peer worker (peers.py, workers.py); ``parse_response`` reads a peer's whole answer.
 
 Why not a general client: every token of every stream passes here. A body chunk costs one parser
 callback and, when the reader already waits, one future; a gap limit costs no timer per chunk (one lazy
@@ -16,11 +17,66 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Mapping
 from typing import cast
 
 import httptools
 
 _PAUSE_AT = 256 * 1024  # buffered answer bytes at which reading stops until the reader catches up
+
+
+class RequestWriter:
+    """The bytes of one HTTP/1.1 request to ``host``, head and body together; a body is JSON.
+
+    A header value holding CR or LF is refused (ValueError) before anything is sent: forwarded from a
+    client, it would end the header early and add headers, or a whole request, of the client's own.
+    """
+
+    __slots__ = ("_host", "_prefix")
+
+    def __init__(self, host: str, path_prefix: str = "") -> None:
+        self._host = f"Host: {host}\r\n".encode("latin-1")
+        self._prefix = path_prefix
+
+    def __call__(self, method: bytes, path: str, headers: Mapping[str, str], body: bytes | None) -> bytes:
+        lines = [method, b" ", (self._prefix + path).encode("latin-1"), b" HTTP/1.1\r\n", self._host]
+        if body is not None:
+            lines.append(b"Content-Type: application/json\r\nContent-Length: %d\r\n" % len(body))
+        for name, value in headers.items():
+            if "\n" in value or "\r" in value:
+                raise ValueError(f"header {name} holds a line break")
+            lines.append(f"{name}: {value}\r\n".encode("latin-1"))
+        lines.append(b"\r\n")
+        if body is not None:
+            lines.append(body)
+        return b"".join(lines)
+
+
+class _WholeAnswer:
+    """httptools' callbacks for one response read to its end."""
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+        self.is_complete = False
+
+    def on_body(self, body: bytes) -> None:
+        self.parts.append(body)
+
+    def on_message_complete(self) -> None:
+        self.is_complete = True
+
+
+def parse_response(raw: bytes) -> tuple[int, bytes]:
+    """(status, body) of one whole HTTP/1.1 response; ValueError if it is cut short or not HTTP."""
+    answer = _WholeAnswer()
+    parser = httptools.HttpResponseParser(answer)
+    try:
+        parser.feed_data(raw)
+    except httptools.HttpParserError as exc:
+        raise ValueError(f"not an HTTP answer: {exc}") from None
+    if not answer.is_complete:
+        raise ValueError("the answer was cut short")
+    return parser.get_status_code(), b"".join(answer.parts)
 
 
 class Connection(asyncio.Protocol):

@@ -66,7 +66,7 @@ from pdserve.proxy.attempt import (
     describe,
     relay_rejection,
 )
-from pdserve.proxy.choice import Chooser, PickSink
+from pdserve.proxy.choice import Chooser
 from pdserve.proxy.decode import Decoder
 from pdserve.proxy.guard import LeaseGuard
 from pdserve.proxy.instance import Instance
@@ -109,13 +109,12 @@ class Flow:
         config: ProxyConfig,
         tokenizer: PromptTokenizer | None = None,
         tracing: RequestTracing | None = None,
-        on_pick: PickSink | None = None,
     ) -> None:
         self._state = state
         self._config = config
         self._tokenizer = tokenizer
         self._t = config.timeouts
-        self._chooser = Chooser(state, config, on_pick)
+        self._chooser = Chooser(state, config)
         self._prefiller = Prefiller(state, config, self._chooser)
         self._decoder = Decoder(config, LeaseGuard(state, state.ledger))
         self._tracing = tracing

@@ -19,12 +19,13 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve import prometheus
 from pdserve.config import Role
 from pdserve.proxy.breaker import CircuitBreaker
+from pdserve.proxy.routing import Load
 from pdserve.proxy.upstream import Upstream
 
 log = logging.getLogger("pdserve.proxy")
@@ -39,12 +40,9 @@ class Lifecycle(enum.Enum):
 
 
 @dataclass(frozen=True)
-class EngineLoad:
+class EngineLoad(Load):
     """What the engine's /metrics said at the last scrape."""
 
-    num_running: float = 0.0
-    num_waiting: float = 0.0
-    kv_usage: float = 0.0  # 0..1
     num_kv_expired: float = 0.0  # prefill: leases that ran out unpulled (vllm:nixl_num_kv_expired_reqs)
     num_tokens: float = 0.0  # prompt and generated tokens the engine processed so far (counters)
 
@@ -99,31 +97,6 @@ class Instance:
             return Lifecycle.RESTARTING
         return Lifecycle.SERVING if self._is_healthy else Lifecycle.UNHEALTHY
 
-    @property
-    def is_healthy(self) -> bool:
-        return self._is_healthy
-
-    @property
-    def is_draining(self) -> bool:
-        return self._is_draining
-
-    @property
-    def num_in_flight(self) -> int:
-        return self._num_in_flight
-
-    @property
-    def load(self) -> EngineLoad:
-        return self._load
-
-    @property
-    def num_kv_expired(self) -> float | None:
-        """Prefill's count of leases that ran out unpulled at the last scrape; None before one."""
-        return self._load.num_kv_expired if self._has_load else None
-
-    @property
-    def last_error(self) -> str | None:
-        return self._last_error
-
     def is_available(self, now: float) -> bool:
         return self.lifecycle is Lifecycle.SERVING and self.breaker.allows(now)
 
@@ -146,6 +119,23 @@ class Instance:
         return f"circuit {self.breaker.state(now)}"
 
     # --- health checks --------------------------------------------------------------------------
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._is_healthy
+
+    @property
+    def load(self) -> EngineLoad:
+        return self._load
+
+    @property
+    def num_kv_expired(self) -> float | None:
+        """Prefill's count of leases that ran out unpulled at the last scrape; None before one."""
+        return self._load.num_kv_expired if self._has_load else None
+
+    @property
+    def last_error(self) -> str | None:
+        return self._last_error
 
     def check_passed(self, load: EngineLoad | None) -> bool:
         """A health check passed; True when the instance was unhealthy before (it may have restarted)."""
@@ -188,6 +178,10 @@ class Instance:
         self._last_error = detail
 
     # --- requests -------------------------------------------------------------------------------
+
+    @property
+    def num_in_flight(self) -> int:
+        return self._num_in_flight
 
     def dispatched(self) -> _Dispatched:
         """``with instance.dispatched():`` counts one request in flight here for the block (a class,
@@ -247,6 +241,10 @@ class Instance:
 
     # --- membership (called by ProxyState only) -------------------------------------------------
 
+    @property
+    def is_draining(self) -> bool:
+        return self._is_draining
+
     def start_draining(self) -> None:
         self._is_draining = True
 
@@ -298,22 +296,3 @@ class _AwaitingFirstByte:
 
     def __exit__(self, *exc: object) -> None:
         self.arrived()
-
-
-def merge_descriptions(
-    local: list[dict[str, object]], others: Sequence[list[dict[str, object]]]
-) -> list[dict[str, object]]:
-    """The answering proxy worker's view of its instances (``Instance.describe``), with the requests every
-    worker has in flight at each."""
-    in_flight: dict[object, int] = {}
-    for view in others:
-        for d in view:
-            count = d.get("in_flight")
-            if isinstance(count, int):
-                in_flight[d.get("url")] = in_flight.get(d.get("url"), 0) + count
-    merged = []
-    for d in local:
-        count = d.get("in_flight")
-        total = (count if isinstance(count, int) else 0) + in_flight.get(d.get("url"), 0)
-        merged.append({**d, "in_flight": total})
-    return merged

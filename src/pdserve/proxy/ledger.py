@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -166,25 +165,3 @@ class Ledger:
             "overdue": self.num_overdue(),
             "recent": [h.describe() for h in reversed(self.recent)],
         }
-
-
-def merge_snapshots(snapshots: Sequence[dict[str, Any]], num_recent: int = 256) -> dict[str, Any]:
-    """Several proxy workers' ``Ledger.snapshot`` as one: counts summed, handoffs side by side (the
-    newest recent ones first, at most ``num_recent``)."""
-    first = snapshots[0]
-    abandoned: Counter[str] = Counter()
-    suspects: Counter[str] = Counter()
-    for snap in snapshots:
-        abandoned.update(snap["abandoned"])
-        suspects.update(snap["suspect"])
-    recent = sorted((h for snap in snapshots for h in snap["recent"]), key=lambda h: h["age_s"])
-    return {
-        "lease_s": first["lease_s"],
-        "issued": sum(s["issued"] for s in snapshots),
-        "delivered": sum(s["delivered"] for s in snapshots),
-        "abandoned": dict(abandoned),
-        "suspect": dict(suspects),
-        "open": [h for snap in snapshots for h in snap["open"]],
-        "overdue": sum(s["overdue"] for s in snapshots),
-        "recent": recent[:num_recent],
-    }

@@ -7,7 +7,7 @@ breakers, queue, KV ledger) is read from ``ProxyState`` and ``Admission`` at scr
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 
 from pdserve.proxy.admission import Admission
 from pdserve.proxy.instance import Instance
@@ -15,7 +15,7 @@ from pdserve.proxy.state import ProxyState
 from pdserve.proxy.timeline import PHASES, Histogram
 
 
-def _number(value: float) -> str:
+def format_number(value: float) -> str:
     """Exact, as Prometheus reads it: a count stays a whole number however large (``:g`` would print
     1,234,567 requests as 1.23457e+06)."""
     value = float(value)
@@ -39,14 +39,14 @@ class _Text:
         self.lines.append(f"# HELP {name} {help_text}")
         self.lines.append(f"# TYPE {name} {kind}")
         for labels, value in samples:
-            self.lines.append(f"{name}{_labels(labels)} {_number(value)}")
+            self.lines.append(f"{name}{_labels(labels)} {format_number(value)}")
 
     def histogram(self, name: str, help_text: str, h: Histogram) -> None:
         self.lines.append(f"# HELP {name} {help_text}")
         self.lines.append(f"# TYPE {name} histogram")
         for bound, count in h.cumulative():
             self.lines.append(f'{name}_bucket{{le="{bound}"}} {count}')
-        self.lines.append(f"{name}_sum {_number(h.sum)}")
+        self.lines.append(f"{name}_sum {format_number(h.sum)}")
         self.lines.append(f"{name}_count {h.count}")
 
 
@@ -98,38 +98,3 @@ def render(state: ProxyState, admission: Admission) -> str:
     t.metric("pdserve_kv_handoffs_overdue", "gauge", "Open handoffs older than the KV lease.",
              [({}, ledger.num_overdue())])  # fmt: skip
     return "\n".join(t.lines) + "\n"
-
-
-# Per-instance states, not counts: several workers' views merge to 1 only where every one says 1.
-_ALL_OF = frozenset({"pdserve_instance_healthy", "pdserve_instance_available"})
-
-
-def merge(texts: Sequence[str]) -> str:
-    """Several proxy workers' ``render`` outputs as one: a sample present in several is summed (counts,
-    in-flight gauges, histogram buckets), but for the per-instance states in ``_ALL_OF``."""
-    families: dict[str, tuple[list[str], dict[str, float]]] = {}
-    current: dict[str, float] = {}
-    name = ""
-    for text in texts:
-        for line in text.splitlines():
-            if line.startswith("# HELP "):
-                name = line.split(" ", 3)[2]
-                if name not in families:
-                    families[name] = ([line], {})
-                current = families[name][1]
-            elif line.startswith("# TYPE "):
-                meta = families[name][0]
-                if len(meta) == 1:
-                    meta.append(line)
-            elif line:
-                key, _, value = line.rpartition(" ")
-                number = float(value)
-                if key in current:
-                    current[key] = min(current[key], number) if name in _ALL_OF else current[key] + number
-                else:
-                    current[key] = number
-    lines = []
-    for meta, samples in families.values():
-        lines += meta
-        lines += (f"{key} {_number(value)}" for key, value in samples.items())
-    return "\n".join(lines) + "\n"

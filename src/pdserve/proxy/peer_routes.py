@@ -15,9 +15,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from pdserve import events
-from pdserve.config import ROLES
 from pdserve.proxy.context import context
-from pdserve.proxy.peers import is_peer
+from pdserve.proxy.peers import is_peer, read_picks
 from pdserve.proxy.routes import error_response
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -48,13 +47,11 @@ async def event(request: Request) -> Response:
 async def prefix(request: Request) -> Response:
     state = context(request).state
     try:
-        picks = orjson.loads(await request.body())
-        for pick in picks:
-            role, url, hashes = pick["role"], pick["url"], pick["hashes"]
-            if role in ROLES and isinstance(url, str) and isinstance(hashes, list):
-                state.policy(role).learn(url, hashes)
-    except (orjson.JSONDecodeError, TypeError, KeyError) as exc:
-        return error_response(400, f"not a list of picks: {exc}", "BadRequestError")
+        picks = read_picks(await request.body())
+    except ValueError as exc:
+        return error_response(400, str(exc), "BadRequestError")
+    for role, url, hashes in picks:
+        state.policy(role).learn(url, hashes)
     return Response(b"", 204)
 
 

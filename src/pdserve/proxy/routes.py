@@ -18,7 +18,6 @@ import logging
 import secrets
 import time
 
-import orjson
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -26,9 +25,7 @@ from pdserve import protocol
 from pdserve.asgi import Receive, Scope, Send, header, read_body, run_until_disconnect
 from pdserve.errors import BodyTooLarge, ClientGone, Overloaded, UpstreamError
 from pdserve.protocol import Endpoint
-from pdserve.proxy.context import Context, context, peers_of
-from pdserve.proxy.instance import merge_descriptions
-from pdserve.proxy.metrics import merge as merge_metrics
+from pdserve.proxy.context import Context, context
 from pdserve.proxy.metrics import render as render_metrics
 from pdserve.proxy.responder import Responder
 
@@ -130,11 +127,8 @@ async def health(request: Request) -> JSONResponse:
 
 async def describe_instances(request: Request) -> list[dict[str, object]]:
     """Each instance as this worker sees it, with what every worker has in flight there."""
-    local = context(request).state.describe()
-    peers = peers_of(request)
-    if peers is None:
-        return local
-    return merge_descriptions(local, [orjson.loads(b) for b in await peers.bodies(request.url.path)])
+    ctx = context(request)
+    return await ctx.fanout.instances(request, ctx.state.describe())
 
 
 async def instances(request: Request) -> JSONResponse:
@@ -147,25 +141,10 @@ async def requests(request: Request) -> Response:
         return error_response(401, "missing or wrong admin API key", "AuthenticationError")
     wanted = request.query_params.get("id")
     found = [t.as_dict() for t in ctx.state.traces if wanted is None or t.request_id == wanted]
-    peers = peers_of(request)
-    if peers is not None:
-        path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
-        for body in await peers.bodies(path, credentials(request)):
-            found += orjson.loads(body)["requests"]
-        found.sort(key=lambda t: t["started"])  # oldest first, as one worker lists them
-    return JSONResponse({"requests": found})
+    return JSONResponse({"requests": await ctx.fanout.requests(request, found)})
 
 
 async def metrics(request: Request) -> Response:
     ctx = context(request)
-    text = render_metrics(ctx.state, ctx.admission)
-    peers = peers_of(request)
-    if peers is not None:
-        text = merge_metrics([text, *(b.decode() for b in await peers.bodies("/metrics"))])
+    text = await ctx.fanout.metrics(request, render_metrics(ctx.state, ctx.admission))
     return Response(text, media_type="text/plain; version=0.0.4")
-
-
-def credentials(request: Request) -> dict[str, str]:
-    """The client's credentials, for a peer worker's answer to the same question."""
-    given = request.headers.get("authorization")
-    return {"Authorization": given} if given else {}

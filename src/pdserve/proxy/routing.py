@@ -14,13 +14,14 @@ from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
 
-class Load(Protocol):
-    @property
-    def num_running(self) -> float: ...
-    @property
-    def num_waiting(self) -> float: ...
-    @property
-    def kv_usage(self) -> float: ...
+@dataclass(frozen=True)
+class Load:
+    """What routing reads of an engine's load, as its /metrics said at the last scrape (instance.py's
+    ``EngineLoad`` adds what else the proxy reads there)."""
+
+    num_running: float = 0.0
+    num_waiting: float = 0.0
+    kv_usage: float = 0.0  # 0..1
 
 
 class Candidate(Protocol):

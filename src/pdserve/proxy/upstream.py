@@ -25,7 +25,7 @@ from pdserve.errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
-from pdserve.proxy.connection import Connection, Pool
+from pdserve.proxy.connection import Connection, Pool, RequestWriter
 
 _KEEPALIVE_S = 4.0
 
@@ -140,8 +140,7 @@ class HTTPUpstream:
         self._host = parts.hostname
         self._port = parts.port or (443 if parts.scheme == "https" else 80)
         self._ssl = ssl.create_default_context() if parts.scheme == "https" else None
-        self._prefix = parts.path.rstrip("/")
-        self._host_header = f"Host: {parts.netloc}\r\n".encode("latin-1")
+        self._request = RequestWriter(parts.netloc, parts.path.rstrip("/"))
         self._pool: Pool | None = None
 
     async def open(self) -> None:
@@ -178,19 +177,6 @@ class HTTPUpstream:
         return UpstreamStaleConnection(
             phase, self.url, "connection closed before the answer was complete (a kept-alive one)"
         )
-
-    def _request(self, method: bytes, path: str, headers: Mapping[str, str], body: bytes | None) -> bytes:
-        lines = [method, b" ", (self._prefix + path).encode("latin-1"), b" HTTP/1.1\r\n", self._host_header]
-        if body is not None:
-            lines.append(b"Content-Type: application/json\r\nContent-Length: %d\r\n" % len(body))
-        for name, value in headers.items():
-            if "\n" in value or "\r" in value:
-                raise ValueError(f"header {name} holds a line break")
-            lines.append(f"{name}: {value}\r\n".encode("latin-1"))
-        lines.append(b"\r\n")
-        if body is not None:
-            lines.append(body)
-        return b"".join(lines)
 
     async def _connection(self, phase: str, deadline: float) -> tuple[Connection, bool]:
         """A pooled connection (True: reused) or a new one; waiting for a free one is not connecting."""
@@ -253,14 +239,9 @@ class HTTPUpstream:
             raise self.translate(phase, exc, timeout) from exc
 
     async def post(
-        self,
-        path: str,
-        body: bytes,
-        headers: Mapping[str, str],
-        phase: str,
-        timeout: float,
+        self, path: str, body: bytes, headers: Mapping[str, str], phase: str, timeout: float,
         is_repeatable: bool = False,
-    ) -> Reply:
+    ) -> Reply:  # fmt: skip
         return await self._call(b"POST", path, headers, body, phase, timeout, is_repeatable)
 
     @asynccontextmanager

@@ -29,7 +29,8 @@ from pdserve import events
 from pdserve.config import ProxyConfig
 from pdserve.errors import ProxyStartError
 from pdserve.events import InstanceEvent, KVLogEvent
-from pdserve.proxy.peers import PEER_TIMEOUT_S, parse_response, request_bytes, socket_path
+from pdserve.proxy.connection import parse_response
+from pdserve.proxy.peers import PEER_REQUEST, PEER_TIMEOUT_S, socket_path
 from pdserve.proxy.server import make_server, tune_gc
 from pdserve.proxy.worker import run_worker
 
@@ -94,7 +95,7 @@ class ProxyWorkers:
         body = orjson.dumps(events.to_dict(event))
         for i, path in enumerate(self.sockets):
             try:
-                _call(path, "POST", "/_pdserve/event", body)
+                _call(path, b"POST", "/_pdserve/event", body)
             except OSError as exc:
                 log.warning("proxy worker %d did not take %s %s: %s", i, event.kind, event.url, exc)
 
@@ -134,7 +135,7 @@ class ProxyWorkers:
 
     def _answers(self, index: int) -> bool:
         try:
-            return _call(socket_path(self._dir, index), "GET", "/_pdserve/ready") == 200
+            return _call(socket_path(self._dir, index), b"GET", "/_pdserve/ready") == 200
         except OSError:
             return False
 
@@ -159,12 +160,12 @@ class ProxyWorkers:
                 self._spawn(i)
 
 
-def _call(path: str, method: str, route: str, body: bytes = b"") -> int:
+def _call(path: str, method: bytes, route: str, body: bytes | None = None) -> int:
     """One blocking request to a worker's Unix socket; its status."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(PEER_TIMEOUT_S)
         sock.connect(path)
-        sock.sendall(request_bytes(method, route, body, {"Content-Type": "application/json"}))
+        sock.sendall(PEER_REQUEST(method, route, {"Connection": "close"}, body))
         chunks = []
         while data := sock.recv(65536):
             chunks.append(data)
