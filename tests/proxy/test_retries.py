@@ -13,6 +13,8 @@ from fake_vllm import FakeVLLM
 from proxy_rig import running_proxy, serve_fake
 from test_flow import COMPLETION, post
 
+from pdserve.configparts import ApiKeys, HealthChecks, Retries, Routing
+
 
 @dataclass(frozen=True)
 class Pair:
@@ -40,8 +42,12 @@ def pools(_fakes: tuple[Pair, Pair]) -> tuple[Pair, Pair]:
     return _fakes
 
 
+NO_BACKOFF = Retries(first_backoff_s=0.0)
+
+
 def _proxy(prefill: Pair, decode: Pair, **config: Any) -> Any:
-    return running_proxy(list(prefill.urls), list(decode.urls), retry_backoff_s=0.0, **config)
+    config = {"retries": NO_BACKOFF, **config}
+    return running_proxy(list(prefill.urls), list(decode.urls), **config)
 
 
 def _kv_ids(fake: FakeVLLM) -> list[str]:
@@ -66,7 +72,7 @@ async def test_prefill_down_everywhere_falls_back_to_decode_alone_when_configure
     prefill, decode = pools
     for fake in prefill.fakes:
         fake.fault = "fail"
-    with _proxy(prefill, decode, fallback_to_local_prefill=True) as url:
+    with _proxy(prefill, decode, retries=Retries(first_backoff_s=0.0, fallback_to_local_prefill=True)) as url:
         status, _, _ = await post(http, url + "/v1/completions", COMPLETION, request_id="fallback")
         _, _, traces = await post_get(http, url + "/requests")
     assert status == 200
@@ -95,7 +101,10 @@ async def test_unreachable_decode_is_retried_with_the_same_kv_params(
     prefill, decode = pools
     # The dead decode never saw the request, so prefill's params are still unread: reuse them.
     with running_proxy(
-        [prefill.urls[0]], [dead_url, decode.urls[1]], retry_backoff_s=0.0, decode_policy="round_robin"
+        [prefill.urls[0]],
+        [dead_url, decode.urls[1]],
+        retries=NO_BACKOFF,
+        routing=Routing(decode_policy="round_robin"),
     ) as url:
         statuses = [(await post(http, url + "/v1/completions", COMPLETION))[0] for _ in range(2)]
     assert statuses == [200, 200]
@@ -134,7 +143,10 @@ async def test_circuit_opens_after_repeated_failures_and_traffic_moves_away(
 ) -> None:
     prefill, decode = pools
     prefill.fakes[0].fault = "fail"
-    with _proxy(prefill, decode, breaker_threshold=2, breaker_cooldown_s=60, max_prefill_attempts=1) as url:
+    breaker = HealthChecks(breaker_threshold=2, breaker_cooldown_s=60)
+    with _proxy(
+        prefill, decode, health=breaker, retries=Retries(max_prefill_attempts=1, first_backoff_s=0.0)
+    ) as url:
         statuses = [(await post(http, url + "/v1/completions", COMPLETION))[0] for _ in range(8)]
         _, _, listing = await post_get(http, url + "/instances")
     # Round robin: the failing instance takes requests 1 and 3, then its circuit opens.
@@ -150,7 +162,7 @@ async def test_with_every_circuit_open_the_likeliest_instance_is_still_tried_pan
     prefill, decode = pools
     for fake in prefill.fakes:
         fake.fault = "fail"
-    with _proxy(prefill, decode, breaker_threshold=1, breaker_cooldown_s=60) as url:
+    with _proxy(prefill, decode, health=HealthChecks(breaker_threshold=1, breaker_cooldown_s=60)) as url:
         await post(http, url + "/v1/completions", COMPLETION)
         tried_before = sum(len(f.generations()) for f in prefill.fakes)
         for fake in prefill.fakes:
@@ -165,7 +177,7 @@ async def test_with_every_instance_draining_the_answer_is_a_503_with_retry_after
     pools: tuple[Pair, Pair], http: aiohttp.ClientSession
 ) -> None:
     prefill, decode = pools
-    with _proxy(prefill, decode, admin_api_key="k") as url:
+    with _proxy(prefill, decode, api_keys=ApiKeys(admin="k")) as url:
         for instance_url in decode.urls:
             async with http.post(url + "/admin/instances/drain", json={"url": instance_url},
                                  headers={"Authorization": "Bearer k"}) as resp:  # fmt: skip
