@@ -22,6 +22,7 @@ from pdserve.errors import ConfigError
 # Flags the plan owns: a user value would silently break the ports or roles the proxy relies on.
 _RESERVED_FLAGS = ("--model", "--host", "--port", "--kv-transfer-config")
 _GPU_MEMORY_FLAG = "--gpu-memory-utilization"
+_KV_ROLES: dict[Role, str] = {"prefill": "kv_producer", "decode": "kv_consumer"}  # NixlConnector's kv_role
 _VLLM_GPU_MEMORY_PERCENT = 90  # vLLM's default --gpu-memory-utilization, split between sharers
 
 Env = tuple[tuple[str, str], ...]
@@ -219,7 +220,7 @@ def kv_transfer_config(
     """
     config: dict[str, object] = {
         "kv_connector": "NixlConnector",
-        "kv_role": "kv_both" if is_both else "kv_producer" if role == "prefill" else "kv_consumer",
+        "kv_role": "kv_both" if is_both else _KV_ROLES[role],
         "kv_buffer_device": device,
     }
     if kv_lease_s is not None:
