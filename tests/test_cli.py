@@ -22,13 +22,13 @@ def test_flags_override_the_topology_file(tmp_path: Path) -> None:
     topo.write_text("prefill: {count: 2}\ndecode: {count: 3}\nproxy_port: 9000\nvllm_args: ['--a']\n")
     args = build_parser().parse_args(["up", "--config", str(topo), "--decode", "1", "--vllm-arg=--b"])
     topology = topology_from_args(args)
-    assert (topology.num_prefill, topology.num_decode, topology.proxy_port) == (2, 1, 9000)
+    assert (topology.prefill.count, topology.decode.count, topology.proxy_port) == (2, 1, 9000)
     assert topology.vllm_args == ("--a", "--b")
 
 
 def test_up_defaults_are_one_prefill_one_decode_on_port_8000() -> None:
     topology = topology_from_args(build_parser().parse_args(["up"]))
-    assert (topology.num_prefill, topology.num_decode, topology.proxy_port) == (1, 1, 8000)
+    assert (topology.prefill.count, topology.decode.count, topology.proxy_port) == (1, 1, 8000)
 
 
 def test_bad_topology_is_a_clear_error_not_a_traceback(

@@ -3,10 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import pytest
 
-from pdserve.config import ProxyConfig, Timeouts, Topology, lease_warnings, normalize_url
+from pdserve.config import (
+    ProxyConfig,
+    ProxySettings,
+    RoleSpec,
+    Timeouts,
+    Topology,
+    lease_warnings,
+    normalize_url,
+)
+from pdserve.configparts import AdmissionLimits, ApiKeys, HealthChecks, Retries, Routing
 from pdserve.errors import ConfigError
 from pdserve.topologyfile import topology_from_mapping
 
@@ -69,11 +79,51 @@ def test_proxy_config_rejects_a_bad_instance_url() -> None:
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("port", 70000), ("port", -1), ("max_body_bytes", 0), ("max_connections_per_upstream", 0)],
+    [("port", 70000), ("port", -1), ("max_connections_per_upstream", 0), ("kv_lease_s", 0), ("workers", 65)],
 )
 def test_proxy_config_names_the_bad_field(field: str, value: int) -> None:
     with pytest.raises(ConfigError, match=rf"proxy\.{field}"):
         ProxyConfig(("h:1",), ("h:2",), **{field: value})
+
+
+@pytest.mark.parametrize(
+    ("make", "field"),
+    [
+        (lambda: AdmissionLimits(max_body_bytes=0), r"proxy\.admission\.max_body_bytes"),
+        (lambda: AdmissionLimits(max_concurrent=0), r"proxy\.admission\.max_concurrent"),
+        (lambda: Retries(max_decode_attempts=0), r"proxy\.retries\.max_decode_attempts"),
+        (lambda: Retries(first_backoff_s=-1), r"proxy\.retries\.first_backoff_s"),
+        (lambda: HealthChecks(interval_s=0), r"proxy\.health\.interval_s"),
+        (lambda: HealthChecks(breaker_cooldown_s=-1), r"proxy\.health\.breaker_cooldown_s"),
+        (lambda: Routing(prefix_block_size=0), r"proxy\.routing\.prefix_block_size"),
+        (lambda: Routing(skip_prefill_below_tokens=-1), r"proxy\.routing\.skip_prefill_below_tokens"),
+    ],
+)
+def test_each_part_of_the_proxy_config_names_its_bad_field(make: Callable[[], object], field: str) -> None:
+    with pytest.raises(ConfigError, match=field):
+        make()
+
+
+def test_settings_fronting_instances_keep_every_setting() -> None:
+    settings = ProxySettings(
+        timeouts=Timeouts(connect=1),
+        routing=Routing(prefill_policy="prefix_aware"),
+        retries=Retries(max_decode_attempts=3),
+        admission=AdmissionLimits(max_queued=1),
+        health=HealthChecks(interval_s=9),
+        api_keys=ApiKeys(upstream="u"),
+        max_connections_per_upstream=7,
+        kv_lease_s=12,
+        workers=2,
+        otlp_traces_endpoint="http://collector:4318/v1/traces",
+    )
+    config = settings.fronting(("h:1",), ("h:2",), host="0.0.0.0", port=9000)
+    for f in dataclasses.fields(ProxySettings):
+        assert getattr(config, f.name) == getattr(settings, f.name), f.name
+        assert getattr(settings, f.name) != f.default, (
+            f"{f.name} left at its default: the check proves nothing"
+        )
+    assert (config.host, config.port, config.prefill_urls) == ("0.0.0.0", 9000, ("http://h:1",))
 
 
 def test_proxy_config_is_frozen() -> None:
@@ -101,13 +151,13 @@ def test_default_timeouts_are_valid() -> None:
 
 
 def test_topology_counts_its_instances() -> None:
-    assert Topology(num_prefill=2, num_decode=3).num_instances == 5
+    assert Topology(prefill=RoleSpec(count=2), decode=RoleSpec(count=3)).num_instances == 5
 
 
 @pytest.mark.parametrize(("num_prefill", "num_decode"), [(0, 1), (1, 0), (-1, 2)])
 def test_topology_needs_an_instance_of_each_role(num_prefill: int, num_decode: int) -> None:
     with pytest.raises(ConfigError, match=">= 1 prefill and >= 1 decode"):
-        Topology(num_prefill=num_prefill, num_decode=num_decode)
+        Topology(prefill=RoleSpec(count=num_prefill), decode=RoleSpec(count=num_decode))
 
 
 @pytest.mark.parametrize(
@@ -130,7 +180,7 @@ def test_topology_ports_just_apart_are_fine() -> None:
 
 def test_topology_ports_must_stay_below_65536() -> None:
     with pytest.raises(ConfigError, match="65535"):
-        Topology(first_port=65535, num_decode=2)
+        Topology(first_port=65535, decode=RoleSpec(count=2))
 
 
 @pytest.mark.parametrize(
@@ -149,7 +199,7 @@ def test_topology_names_the_bad_field(field: str, value: object) -> None:
         Topology(**{field: value})  # type: ignore[arg-type]
 
 
-# --- instance addresses (prefill_hosts / decode_hosts) -------------------------------------------------
+# --- instance addresses (prefill.hosts / decode.hosts) -------------------------------------------------
 
 
 def test_each_instance_can_have_its_own_address_given_in_the_topology_file() -> None:
@@ -162,17 +212,17 @@ def test_each_instance_can_have_its_own_address_given_in_the_topology_file() -> 
 @pytest.mark.parametrize(
     ("hosts", "match"),
     [
-        ({"prefill_hosts": ("10.0.0.2", "10.0.0.3")}, r"prefill_hosts names 2 address\(es\) for 1 prefill"),
-        ({"prefill_hosts": ("0.0.0.0",), "decode_hosts": ("10.0.0.3",)}, "not an address a peer can dial"),
-        ({"prefill_hosts": ("10.0.0.2",), "decode_hosts": ("http://10.0.0.3:80",)}, "'http://10.0.0.3:80'"),
+        ({"prefill": ("10.0.0.2", "10.0.0.3")}, r"prefill\.hosts names 2 address\(es\) for 1 prefill"),
+        ({"prefill": ("0.0.0.0",), "decode": ("10.0.0.3",)}, "not an address a peer can dial"),
+        ({"prefill": ("10.0.0.2",), "decode": ("http://10.0.0.3:80",)}, "'http://10.0.0.3:80'"),
         # decode falls back to host 127.0.0.1: it could not reach prefill, nor prefill's side channel it
-        ({"prefill_hosts": ("10.0.0.2",)}, r"mixes loopback \(127\.0\.0\.1\) and other instance addresses"),
-        ({"prefill_hosts": ("localhost",), "decode_hosts": ("10.0.0.3",)}, "mixes loopback"),
+        ({"prefill": ("10.0.0.2",)}, r"mixes loopback \(127\.0\.0\.1\) and other instance addresses"),
+        ({"prefill": ("localhost",), "decode": ("10.0.0.3",)}, "mixes loopback"),
     ],
 )
 def test_an_address_a_peer_cannot_dial_is_refused(hosts: dict[str, tuple[str, ...]], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
-        Topology(**hosts)  # type: ignore[arg-type]
+        Topology(**{role: RoleSpec(hosts=addresses) for role, addresses in hosts.items()})  # type: ignore[arg-type]
 
 
 def test_a_wildcard_host_is_reached_and_advertised_as_loopback() -> None:
@@ -183,7 +233,9 @@ def test_a_wildcard_host_is_reached_and_advertised_as_loopback() -> None:
 def test_start_up_warns_when_decode_attempts_can_outlast_half_the_kv_lease() -> None:
     # 3 attempts x 5 s connect + two backoffs (0.05 s, 0.1 s) reach half of a 30 s lease: a retried
     # handoff would rarely still be held.
-    config = ProxyConfig(("http://p:1",), ("http://d:1",), max_decode_attempts=3, kv_lease_s=30)
+    config = ProxyConfig(
+        ("http://p:1",), ("http://d:1",), retries=Retries(max_decode_attempts=3), kv_lease_s=30
+    )
     [warning] = lease_warnings(config)
     assert "3 decode attempts x connect timeout 5 s" in warning and "--kv-lease" in warning
     assert lease_warnings(ProxyConfig(("http://p:1",), ("http://d:1",))) == []  # the defaults fit
@@ -196,5 +248,5 @@ def test_start_up_warns_of_a_kv_lease_a_stalled_decode_outlasts() -> None:
 
 
 def test_retries_back_off_doubling_to_at_most_a_second() -> None:
-    config = ProxyConfig(("http://p:1",), ("http://d:1",), retry_backoff_s=0.3)
-    assert [config.backoff_s(n) for n in (1, 2, 3, 4)] == [0.3, 0.6, 1.0, 1.0]
+    retries = Retries(first_backoff_s=0.3)
+    assert [retries.backoff(n) for n in (1, 2, 3, 4)] == [0.3, 0.6, 1.0, 1.0]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.config import Topology
+from pdserve.config import RoleSpec, Topology
 from pdserve.errors import ConfigError
 from pdserve.topologyfile import load_topology, topology_from_mapping
 
@@ -22,17 +22,17 @@ def test_topology_mapping_takes_roles_as_count_and_args() -> None:
         }
     )
     assert topology.model == "/models/tiny"
-    assert (topology.num_prefill, topology.num_decode) == (2, 3)
-    assert topology.prefill_args == ("--max-num-seqs", "64")
-    assert topology.decode_args == ()
+    assert (topology.prefill.count, topology.decode.count) == (2, 3)
+    assert topology.prefill.args == ("--max-num-seqs", "64")
+    assert topology.decode.args == ()
     assert topology.vllm_args == ("--enforce-eager",)
     assert topology.proxy_port == 9000
 
 
 def test_topology_mapping_keeps_the_base_for_missing_keys() -> None:
-    base = Topology(first_port=9100, num_decode=2)
+    base = Topology(first_port=9100, decode=RoleSpec(count=2))
     topology = topology_from_mapping({"prefill": {"count": 3}}, base)
-    assert (topology.num_prefill, topology.num_decode, topology.first_port) == (3, 2, 9100)
+    assert (topology.prefill.count, topology.decode.count, topology.first_port) == (3, 2, 9100)
 
 
 def test_unknown_topology_key_lists_the_valid_keys() -> None:
@@ -66,8 +66,8 @@ def test_load_topology_reads_yaml(tmp_path: Path) -> None:
     path = tmp_path / "topology.yaml"
     path.write_text("prefill:\n  count: 2\n  args: [--max-num-seqs, '64']\ndecode: {count: 1}\n")
     topology = load_topology(path)
-    assert (topology.num_prefill, topology.num_decode) == (2, 1)
-    assert topology.prefill_args == ("--max-num-seqs", "64")
+    assert (topology.prefill.count, topology.decode.count) == (2, 1)
+    assert topology.prefill.args == ("--max-num-seqs", "64")
 
 
 def test_empty_topology_file_gives_the_defaults(tmp_path: Path) -> None:
@@ -97,3 +97,12 @@ def test_unreadable_topology_file_is_an_error(tmp_path: Path, text: str, match: 
 def test_missing_topology_file_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read topology file"):
         load_topology(tmp_path / "absent.yaml")
+
+
+def test_a_role_key_may_also_be_written_flat() -> None:
+    # docs/deploying.md shows prefill_hosts: [...] beside prefill: {hosts: [...]}; both mean one RoleSpec.
+    topology = topology_from_mapping(
+        {"prefill": {"count": 2}, "prefill_hosts": ["10.0.0.2", "10.0.0.3"], "decode_hosts": ["10.0.0.4"]}
+    )
+    assert topology.prefill == RoleSpec(count=2, hosts=("10.0.0.2", "10.0.0.3"))
+    assert topology.decode.hosts == ("10.0.0.4",)

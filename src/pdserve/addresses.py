@@ -56,13 +56,13 @@ def check_addresses(
     for role, hosts, count in roles:
         if hosts and len(hosts) != count:
             raise ConfigError(
-                f"topology.{role}_hosts names {len(hosts)} address(es) for {count} {role} instance(s): "
+                f"topology.{role}.hosts names {len(hosts)} address(es) for {count} {role} instance(s): "
                 "give one per instance, or none to put them all at topology.host"
             )
         for address in hosts:
             if not is_host(address) or is_wildcard(address):
                 raise ConfigError(
-                    f"topology.{role}_hosts: {address!r} is not an address a peer can dial (an IP or host "
+                    f"topology.{role}.hosts: {address!r} is not an address a peer can dial (an IP or host "
                     "name of that instance; not 0.0.0.0 or ::, which decode would take as itself)"
                 )
     if not is_host(host) and not is_wildcard(host):

@@ -1,4 +1,18 @@
-"""The `pdserve` command line: up, proxy, verify, demo, model."""
+"""The `pdserve` command line.
+
+up        start N prefill + M decode instances and the proxy on this host (or on Ray)
+proxy     the proxy alone, in front of running instances (given, or discovered on Kubernetes)
+k8s       `pdserve k8s render`: the Kubernetes manifests of a PD deployment
+verify    prove through a running proxy that KV moves over NIXL
+trace     one request's timeline from the proxy and the instances' logs
+top       a live view of the instances behind a proxy
+doctor    per prefill→decode pair: does the handoff work, and does it pay?
+bench     vLLM's benchmark client against a URL, or --compare: PD vs colocated
+plan      the P:D ratio for a target rate and SLOs, or the advice to colocate
+demo      up + verify + one request walked through, then shut down
+sim       simulated vLLM instances; `pdserve sim calibrate URL` fits a profile
+model     build the embedded tiny model if needed and print its path
+"""
 
 from __future__ import annotations
 
@@ -11,7 +25,7 @@ from collections.abc import Sequence
 from types import FrameType
 
 from pdserve import flags
-from pdserve.config import ProxyConfig, proxy_default
+from pdserve.config import proxy_default
 from pdserve.errors import PDServeError
 
 
@@ -38,10 +52,7 @@ def cmd_up(a: argparse.Namespace) -> int:
     _raise_on_sigterm()
     tune_gc()  # this process runs the proxy (on a thread) for as long as it lives
     stack_ = Stack(
-        flags.topology_from_args(a),
-        timeouts=flags.timeouts_from_args(a),
-        proxy_log_level=a.log_level,
-        proxy_options=flags.routing_from_args(a),
+        flags.topology_from_args(a), proxy=flags.proxy_settings_from_args(a), proxy_log_level=a.log_level
     )
     with stack_ as stack:
         print("\npdserve is up:")
@@ -66,18 +77,13 @@ def cmd_proxy(a: argparse.Namespace) -> int:
     from pdserve.k8s.command import k8s_discovery
     from pdserve.proxy.workers import serve
 
-    config = ProxyConfig(
-        prefill_urls=tuple(a.prefill),
-        decode_urls=tuple(a.decode),
+    config = flags.proxy_settings_from_args(a).fronting(
+        tuple(a.prefill),
+        tuple(a.decode),
         host=a.host,
         port=a.port,
-        timeouts=flags.timeouts_from_args(a),
-        tokenizer=a.tokenizer,
-        prefix_block_size=a.block_size,
-        kv_lease_s=a.kv_lease_s,
+        discovery=k8s_discovery(a),
         colocated=a.colocated,
-        **k8s_discovery(a),
-        **flags.routing_from_args(a),
     )
     serve(config, a.log_level)
     return 0
@@ -120,7 +126,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     from pdserve.bench.command import run_bench_command
 
     _raise_on_sigterm()
-    return run_bench_command(a, flags.topology_from_args(a), {})
+    return run_bench_command(a, flags.topology_from_args(a))
 
 
 def cmd_plan(a: argparse.Namespace) -> int:
@@ -164,8 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", help="start N prefill + M decode vLLM instances and the proxy")
     flags.add_topology(up)
-    flags.add_routing(up)
-    flags.add_timeouts(up)
+    flags.add_proxy_settings(up)
     up.add_argument("--no-doctor", dest="doctor", action="store_false",
                     help="skip the brief `pdserve doctor` (one canary handoff per pair) once everything is up")  # fmt: skip
     up.set_defaults(func=cmd_up)
@@ -180,18 +185,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     proxy.add_argument("--port", type=int, default=proxy_default("port"))
     proxy.add_argument("--host", default=proxy_default("host"))
-    proxy.add_argument(
-        "--tokenizer", metavar="DIR", help="model dir with tokenizer.json, for prompt-aware routing"
-    )
     proxy.add_argument("--kv-lease", type=float, dest="kv_lease_s", default=proxy_default("kv_lease_s"),
                        help="the instances' kv_lease_duration in seconds: the lease guard reasons with it")  # fmt: skip
-    proxy.add_argument("--block-size", type=int, default=proxy_default("prefix_block_size"),
-                       help="the engines' KV block size (vLLM --block-size)")  # fmt: skip
+    flags.add_prompt_model(proxy)
     from pdserve.k8s.command import add_k8s_discovery
 
     add_k8s_discovery(proxy)
-    flags.add_routing(proxy)
-    flags.add_timeouts(proxy)
+    flags.add_proxy_settings(proxy)
     proxy.set_defaults(func=cmd_proxy)
 
     from pdserve.k8s.command import add_k8s_render

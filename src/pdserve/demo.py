@@ -14,6 +14,7 @@ from typing import Any
 
 from pdserve import httpclient
 from pdserve.config import Topology
+from pdserve.engines.backend import LocalEngines
 from pdserve.engines.metrics import transfer_counts
 from pdserve.stack import Stack
 from pdserve.verify import http_json, verify
@@ -43,9 +44,9 @@ def _short(params: dict[str, Any]) -> list[str]:
 def walk_through(stack: Stack) -> bool:
     """Send one chat request and narrate its path; True when the transfer evidence is there."""
     decode_urls = stack.urls("decode")
-    group = stack.group
-    assert group is not None and stack.model is not None
-    decode_log = group.log_path(next(s for s in group.specs if s.role == "decode"))
+    engines = stack.engines
+    assert isinstance(engines, LocalEngines) and stack.model is not None  # the demo reads logs here
+    decode_log = engines.group.log_path(next(s for s in engines.specs if s.role == "decode"))
     log_offset = decode_log.stat().st_size
     before = transfer_counts(decode_urls)
     request_id = f"demo-{uuid.uuid4().hex[:8]}"

@@ -1,8 +1,9 @@
-"""The flag groups several commands share, and the configs built from them: timeouts and routing
-(``up``, ``proxy``), the topology (``up``, ``bench``, ``demo``).
+"""The flag groups several commands share, and the configs built from them: the proxy's settings (``up``,
+``proxy``), the topology (``up``, ``bench``, ``demo``).
 
-Defaults come from the configs themselves (``Timeouts()``, ``proxy_default``), never restated here. A
-topology flag left out is None, so a ``--config`` file's value stands unless the flag is given.
+Each group fills one frozen config part (``Timeouts``, ``Routing``, ``Retries``, ...); defaults come from
+those configs themselves, never restated here. A topology flag left out is None, so a ``--config``
+file's value stands unless the flag is given.
 """
 
 from __future__ import annotations
@@ -11,9 +12,45 @@ import argparse
 import dataclasses
 from typing import Any
 
-from pdserve.config import Timeouts, Topology, proxy_default
+from pdserve.config import ROLES, ProxySettings, Role, Timeouts, Topology, proxy_default
+from pdserve.configparts import AdmissionLimits, ApiKeys, HealthChecks, Retries, Routing
 from pdserve.proxy.policies import POLICIES
 from pdserve.topologyfile import load_topology, resource_pairs
+
+
+def add_proxy_settings(p: argparse.ArgumentParser) -> None:
+    """Every flag of ``ProxySettings``, grouped as its parts are."""
+    add_routing(p)
+    add_retries(p)
+    add_admission(p)
+    add_health(p)
+    add_api_keys(p)
+    add_timeouts(p)
+    g = p.add_argument_group("proxy processes and tracing")
+    g.add_argument("--workers", type=int, default=proxy_default("workers"),
+                   help="proxy processes sharing the port (SO_REUSEPORT), each with its share of "
+                        "--max-concurrent/--max-queued; one CPython process is about one core of proxy")  # fmt: skip
+    g.add_argument("--max-connections-per-upstream", type=int, default=proxy_default("max_connections_per_upstream"),
+                   metavar="N", help="pooled keep-alive connections to one instance")  # fmt: skip
+    g.add_argument("--otlp-traces-endpoint", metavar="URL",
+                   help="send OpenTelemetry spans of every request to this OTLP/HTTP traces URL (…/v1/traces)")  # fmt: skip
+
+
+def proxy_settings_from_args(a: argparse.Namespace) -> ProxySettings:
+    """The settings of those flags; ``--kv-lease`` (a topology flag on ``up``) when given."""
+    kv_lease_s = a.kv_lease_s if a.kv_lease_s is not None else proxy_default("kv_lease_s")
+    return ProxySettings(
+        timeouts=timeouts_from_args(a),
+        routing=routing_from_args(a),
+        retries=retries_from_args(a),
+        admission=admission_from_args(a),
+        health=health_from_args(a),
+        api_keys=api_keys_from_args(a),
+        max_connections_per_upstream=a.max_connections_per_upstream,
+        kv_lease_s=kv_lease_s,
+        workers=a.workers,
+        otlp_traces_endpoint=a.otlp_traces_endpoint,
+    )
 
 
 def add_timeouts(p: argparse.ArgumentParser) -> None:
@@ -35,47 +72,6 @@ def add_timeouts(p: argparse.ArgumentParser) -> None:
                    help="one request, every attempt and retry together (its overall deadline)")  # fmt: skip
 
 
-def add_routing(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("routing")
-    g.add_argument("--prefill-policy", default=proxy_default("prefill_policy"),
-                   help=f"one of {', '.join(sorted(POLICIES))}")  # fmt: skip
-    g.add_argument("--decode-policy", default=proxy_default("decode_policy"), help="as --prefill-policy")
-    g.add_argument("--skip-prefill-below", type=int, default=proxy_default("skip_prefill_below_tokens"), metavar="TOKENS",
-                   help="uncached prompts shorter than this go straight to decode (needs a tokenizer); 0: never")  # fmt: skip
-    g.add_argument(
-        "--max-concurrent", type=int, help="requests in flight at most; more queue (default: unbounded)"
-    )
-    g.add_argument("--max-queued", type=int, default=proxy_default("max_queued"),
-                   help="requests waiting beyond --max-concurrent; more get 429")  # fmt: skip
-    g.add_argument("--queue-timeout", type=float, default=proxy_default("queue_timeout_s"),
-                   help="seconds a queued request may wait (then 503)")  # fmt: skip
-    g.add_argument("--fallback-to-local-prefill", action="store_true",
-                   help="when every prefill attempt fails, let decode compute the prompt itself")  # fmt: skip
-    g.add_argument("--api-key", help="clients must send Authorization: Bearer KEY")
-    g.add_argument("--admin-api-key", help="enables the admin API (/admin/...) with this key")
-    g.add_argument("--otlp-traces-endpoint", metavar="URL",
-                   help="send OpenTelemetry spans of every request to this OTLP/HTTP traces URL (…/v1/traces)")  # fmt: skip
-    g.add_argument("--workers", type=int, default=proxy_default("workers"),
-                   help="proxy processes sharing the port (SO_REUSEPORT), each with its share of "
-                        "--max-concurrent/--max-queued; one CPython process is about one core of proxy")  # fmt: skip
-
-
-def routing_from_args(a: argparse.Namespace) -> dict[str, Any]:
-    return {
-        "prefill_policy": a.prefill_policy,
-        "decode_policy": a.decode_policy,
-        "skip_prefill_below_tokens": a.skip_prefill_below,
-        "max_concurrent": a.max_concurrent,
-        "max_queued": a.max_queued,
-        "queue_timeout_s": a.queue_timeout,
-        "fallback_to_local_prefill": a.fallback_to_local_prefill,
-        "api_key": a.api_key,
-        "admin_api_key": a.admin_api_key,
-        "otlp_traces_endpoint": a.otlp_traces_endpoint,
-        "workers": a.workers,
-    }
-
-
 def timeouts_from_args(a: argparse.Namespace) -> Timeouts:
     return Timeouts(
         a.connect_timeout,
@@ -87,15 +83,132 @@ def timeouts_from_args(a: argparse.Namespace) -> Timeouts:
     )
 
 
+def add_routing(p: argparse.ArgumentParser) -> None:
+    d = Routing()
+    g = p.add_argument_group("routing")
+    g.add_argument("--prefill-policy", default=d.prefill_policy, help=f"one of {', '.join(sorted(POLICIES))}")
+    g.add_argument("--decode-policy", default=d.decode_policy, help="as --prefill-policy")
+    g.add_argument("--skip-prefill-below", type=int, default=d.skip_prefill_below_tokens, metavar="TOKENS",
+                   help="uncached prompts shorter than this go straight to decode (needs a tokenizer); 0: never")  # fmt: skip
+    g.add_argument("--prefix-load-cost", type=float, default=d.prefix_load_cost_tokens, metavar="TOKENS",
+                   help="prefix_aware: cached prompt tokens worth one more request ahead in a queue")  # fmt: skip
+
+
+def add_prompt_model(p: argparse.ArgumentParser) -> None:
+    """`pdserve proxy`'s view of the engines' model (`up` knows it: it starts them)."""
+    d = Routing()
+    p.add_argument(
+        "--tokenizer", metavar="DIR", help="model dir with tokenizer.json, for prompt-aware routing"
+    )
+    p.add_argument("--block-size", type=int, default=d.prefix_block_size,
+                   help="the engines' KV block size (vLLM --block-size)")  # fmt: skip
+
+
+def routing_from_args(a: argparse.Namespace) -> Routing:
+    d = Routing()
+    return Routing(
+        prefill_policy=a.prefill_policy,
+        decode_policy=a.decode_policy,
+        # Only `pdserve proxy` has these two; `up` learns them from the engines it starts.
+        tokenizer=getattr(a, "tokenizer", d.tokenizer),
+        prefix_block_size=getattr(a, "block_size", d.prefix_block_size),
+        prefix_load_cost_tokens=a.prefix_load_cost,
+        skip_prefill_below_tokens=a.skip_prefill_below,
+    )
+
+
+def add_retries(p: argparse.ArgumentParser) -> None:
+    d = Retries()
+    g = p.add_argument_group("retries")
+    g.add_argument("--max-prefill-attempts", type=int, default=d.max_prefill_attempts, metavar="N",
+                   help="tries on distinct prefill instances before giving up")  # fmt: skip
+    g.add_argument("--max-decode-attempts", type=int, default=d.max_decode_attempts, metavar="N",
+                   help="tries on distinct decode instances before the first token")  # fmt: skip
+    g.add_argument("--retry-backoff", type=float, default=d.first_backoff_s, metavar="S",
+                   help="seconds before the first retry of a phase; doubling after, at most 1 s")  # fmt: skip
+    g.add_argument("--fallback-to-local-prefill", action="store_true",
+                   help="when every prefill attempt fails, let decode compute the prompt itself")  # fmt: skip
+
+
+def retries_from_args(a: argparse.Namespace) -> Retries:
+    return Retries(
+        max_prefill_attempts=a.max_prefill_attempts,
+        max_decode_attempts=a.max_decode_attempts,
+        first_backoff_s=a.retry_backoff,
+        fallback_to_local_prefill=a.fallback_to_local_prefill,
+    )
+
+
+def add_admission(p: argparse.ArgumentParser) -> None:
+    d = AdmissionLimits()
+    g = p.add_argument_group("admission")
+    g.add_argument(
+        "--max-concurrent", type=int, help="requests in flight at most; more queue (default: unbounded)"
+    )
+    g.add_argument("--max-queued", type=int, default=d.max_queued,
+                   help="requests waiting beyond --max-concurrent; more get 429")  # fmt: skip
+    g.add_argument("--queue-timeout", type=float, default=d.queue_timeout_s,
+                   help="seconds a queued request may wait (then 503)")  # fmt: skip
+    g.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, metavar="BYTES",
+                   help="a larger request body gets 413")  # fmt: skip
+
+
+def admission_from_args(a: argparse.Namespace) -> AdmissionLimits:
+    return AdmissionLimits(
+        max_concurrent=a.max_concurrent,
+        max_queued=a.max_queued,
+        queue_timeout_s=a.queue_timeout,
+        max_body_bytes=a.max_body_bytes,
+    )
+
+
+def add_health(p: argparse.ArgumentParser) -> None:
+    d = HealthChecks()
+    g = p.add_argument_group("health checks and circuit breakers")
+    g.add_argument("--health-interval", type=float, default=d.interval_s, metavar="S",
+                   help="seconds between health checks of every instance")  # fmt: skip
+    g.add_argument("--health-timeout", type=float, default=d.timeout_s, metavar="S",
+                   help="one health check's wait for /health")  # fmt: skip
+    g.add_argument("--unhealthy-after-checks", type=int, default=d.unhealthy_after_checks, metavar="N",
+                   help="consecutive failed checks that take an instance out of service")  # fmt: skip
+    g.add_argument("--breaker-threshold", type=int, default=d.breaker_threshold, metavar="N",
+                   help="consecutive failed requests that open an instance's circuit")  # fmt: skip
+    g.add_argument("--breaker-cooldown", type=float, default=d.breaker_cooldown_s, metavar="S",
+                   help="seconds an open circuit waits before one trial request")  # fmt: skip
+
+
+def health_from_args(a: argparse.Namespace) -> HealthChecks:
+    return HealthChecks(
+        interval_s=a.health_interval,
+        timeout_s=a.health_timeout,
+        unhealthy_after_checks=a.unhealthy_after_checks,
+        breaker_threshold=a.breaker_threshold,
+        breaker_cooldown_s=a.breaker_cooldown,
+    )
+
+
+def add_api_keys(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("API keys")
+    g.add_argument("--api-key", help="clients must send Authorization: Bearer KEY")
+    g.add_argument("--admin-api-key", help="enables the admin API (/admin/...) with this key")
+    g.add_argument("--upstream-api-key", metavar="KEY",
+                   help="sent to the instances as Authorization: Bearer KEY (vLLM's --api-key)")  # fmt: skip
+
+
+def api_keys_from_args(a: argparse.Namespace) -> ApiKeys:
+    return ApiKeys(client=a.api_key, admin=a.admin_api_key, upstream=a.upstream_api_key)
+
+
 def add_topology(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="YAML", help="topology file; flags given explicitly override it")
     p.add_argument("--model", help="local model directory or hub name (default: the embedded tiny model)")
-    p.add_argument("--prefill", type=int, dest="num_prefill", help="number of prefill instances (default 1)")
-    p.add_argument("--decode", type=int, dest="num_decode", help="number of decode instances (default 1)")
+    for role in ROLES:
+        p.add_argument(f"--{role}", type=int, dest="role_counts", action=_PerRole, role=role,
+                       is_repeatable=False, metavar="N", help=f"number of {role} instances (default 1)")  # fmt: skip
     p.add_argument("--port", type=int, dest="proxy_port", help="proxy port (default 8000)")
     p.add_argument("--host", help="address to bind (default 127.0.0.1)")
-    for role in ("prefill", "decode"):
-        p.add_argument(f"--{role}-host", action="append", dest=f"{role}_hosts", metavar="ADDR",
+    for role in ROLES:
+        p.add_argument(f"--{role}-host", dest="role_hosts", action=_PerRole, role=role, metavar="ADDR",
                        help=f"a {role} instance's own address, one per instance (repeatable): it binds there "
                             "and prefill advertises it to decode as its NIXL side channel (default --host)")  # fmt: skip
     p.add_argument("--first-port", type=int, help="first instance HTTP port (default 8100)")
@@ -113,8 +226,8 @@ def add_topology(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ray", metavar="ADDRESS",
                    help="run each instance as a Ray actor on the cluster at ADDRESS (host:port, or auto), at its "
                         "node's IP (pip install 'pdserve[ray]'; docs/deploying.md)")  # fmt: skip
-    for role in ("prefill", "decode"):
-        p.add_argument(f"--{role}-resource", action="append", dest=f"{role}_resources", metavar="NAME=N",
+    for role in ROLES:
+        p.add_argument(f"--{role}-resource", dest="role_resources", action=_PerRole, role=role, metavar="NAME=N",
                        help=f"a Ray resource each {role} instance needs, e.g. pdserve_{role}=1 (repeatable)")  # fmt: skip
     p.add_argument("--on-instance-exit", choices=("restart", "stop"),
                    help="an instance that exits is restarted with backoff while the rest serve (restart, the "
@@ -130,16 +243,45 @@ def add_topology(p: argparse.ArgumentParser) -> None:
 
 def topology_from_args(a: argparse.Namespace) -> Topology:
     base = load_topology(a.config) if a.config else Topology()
-    names = ("model", "num_prefill", "num_decode", "proxy_port", "host", "first_port", "engine", "sim_profile",
-             "first_side_channel_port", "device", "engine_python", "run_dir", "startup_timeout", "kv_lease_s",
-             "on_instance_exit", "ray")  # fmt: skip
+    names = ("model", "proxy_port", "host", "first_port", "engine", "sim_profile", "first_side_channel_port",
+             "device", "engine_python", "run_dir", "startup_timeout", "kv_lease_s", "on_instance_exit", "ray")  # fmt: skip
     given: dict[str, Any] = {n: getattr(a, n) for n in names if getattr(a, n) is not None}
     if a.vllm_args:
         given["vllm_args"] = (*base.vllm_args, *a.vllm_args)
-    for role in ("prefill", "decode"):
-        if getattr(a, f"{role}_hosts"):
-            given[f"{role}_hosts"] = tuple(getattr(a, f"{role}_hosts"))
-        if getattr(a, f"{role}_resources"):
-            pairs = [item.partition("=") for item in getattr(a, f"{role}_resources")]
-            given[f"{role}_resources"] = resource_pairs(f"--{role}-resource", {k: v for k, _, v in pairs})
+    counts, hosts, resources = a.role_counts or {}, a.role_hosts or {}, a.role_resources or {}
+    for role in ROLES:
+        spec: dict[str, Any] = {}
+        if role in counts:
+            spec["count"] = counts[role]
+        if role in hosts:
+            spec["hosts"] = tuple(hosts[role])
+        if role in resources:
+            pairs = [item.partition("=") for item in resources[role]]
+            spec["resources"] = resource_pairs(f"--{role}-resource", {k: v for k, _, v in pairs})
+        if spec:
+            given[role] = dataclasses.replace(base.role(role), **spec)
     return dataclasses.replace(base, **given)
+
+
+class _PerRole(argparse.Action):
+    """A role's flag, kept under its role: ``--prefill 2 --decode-host A --decode-host B`` gives
+    ``role_counts == {"prefill": 2}`` and ``role_hosts == {"decode": ["A", "B"]}``. Counts take the
+    last value given; the other per-role flags are repeatable."""
+
+    def __init__(
+        self, option_strings: list[str], dest: str, *, role: Role, is_repeatable: bool = True, **kwargs: Any
+    ) -> None:
+        super().__init__(option_strings, dest, **kwargs)
+        self.role = role
+        self.is_repeatable = is_repeatable
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option: str | None = None,
+    ) -> None:
+        by_role = dict(getattr(namespace, self.dest) or {})
+        by_role[self.role] = [*by_role.get(self.role, []), values] if self.is_repeatable else values
+        setattr(namespace, self.dest, by_role)

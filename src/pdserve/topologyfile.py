@@ -1,7 +1,7 @@
 """A topology file (YAML) → ``Topology``: the accepted shape, every key checked, none silently ignored.
 
-``config.py`` validates the values; this module only maps the file's shape (roles as ``prefill: {count,
-args, hosts, resources}``) onto the dataclass's flat fields, and turns YAML and file errors into
+``config.py`` validates the values; this module only maps the file's shape onto the dataclass (a role's
+``prefill: {count, args, hosts, resources}`` is its ``RoleSpec``), and turns YAML and file errors into
 ``ConfigError``.
 """
 
@@ -13,11 +13,19 @@ from typing import Any
 
 import yaml
 
-from pdserve.config import ROLES, Topology
+from pdserve.config import ROLES, Resources, Role, RoleSpec, Topology
 from pdserve.errors import ConfigError
 
-_TOPOLOGY_FIELDS = {f.name for f in dataclasses.fields(Topology)}
-_TUPLE_FIELDS = ("vllm_args", "prefill_args", "decode_args", "prefill_hosts", "decode_hosts")
+_TOPOLOGY_FIELDS = {f.name for f in dataclasses.fields(Topology)} - set(ROLES)
+_ROLE_KEYS = {f.name for f in dataclasses.fields(RoleSpec)}
+_TUPLE_KEYS = ("args", "hosts")
+# The flat spellings a topology file may also use (docs/deploying.md shows prefill_hosts): each is a key
+# of its role's mapping, e.g. ``prefill_hosts: [...]`` is ``prefill: {hosts: [...]}``.
+_FLAT_ROLE_KEYS = {
+    flat: (role, key)
+    for role in ROLES
+    for flat, key in ((f"num_{role}", "count"), (f"{role}_args", "args"), (f"{role}_hosts", "hosts"))
+}
 
 
 def topology_from_mapping(data: dict[str, Any], base: Topology | None = None) -> Topology:
@@ -33,38 +41,58 @@ def topology_from_mapping(data: dict[str, Any], base: Topology | None = None) ->
         on_instance_exit: restart    # or stop
         ray: 10.0.0.2:6379           # on a Ray cluster, with per role: resources: {pdserve_prefill: 1}
     """
-    values: dict[str, Any] = {}
+    base = base or Topology()
+    data = _nest_flat_role_keys(data)
+    values: dict[str, Any] = {
+        role: _role_from_mapping(role, data[role], base.role(role)) for role in ROLES if role in data
+    }
     for key, value in data.items():
         if key in ROLES:
-            if not isinstance(value, dict) or set(value) - {"count", "args", "hosts", "resources"}:
-                raise ConfigError(
-                    f"topology.{key} must be a mapping with 'count', 'args', 'hosts' and/or 'resources'"
-                )
-            if "count" in value:
-                values[f"num_{key}"] = value["count"]
-            if "resources" in value:
-                values[f"{key}_resources"] = resource_pairs(f"topology.{key}.resources", value["resources"])
-            for part in ("args", "hosts"):
-                if part in value:
-                    values[f"{key}_{part}"] = value[part]
-        elif key in _TOPOLOGY_FIELDS:
+            continue
+        if key in _TOPOLOGY_FIELDS:
             values[key] = value
         else:
-            allowed = sorted((_TOPOLOGY_FIELDS | set(ROLES)) - {"num_prefill", "num_decode"})
+            allowed = sorted(_TOPOLOGY_FIELDS | set(ROLES))
             raise ConfigError(f"unknown topology key {key!r}; valid keys: {', '.join(allowed)}")
-    for key in _TUPLE_FIELDS:
-        if key in values:
-            if not isinstance(values[key], list | tuple):
-                raise ConfigError(f"topology.{key} must be a list of strings")
-            values[key] = tuple(str(v) for v in values[key])
+    if "vllm_args" in values:
+        values["vllm_args"] = _strings("topology.vllm_args", values["vllm_args"])
     try:
-        return dataclasses.replace(base or Topology(), **values)
+        return dataclasses.replace(base, **values)
     except TypeError as exc:
         raise ConfigError(f"invalid topology: {exc}") from exc
 
 
-def resource_pairs(where: str, value: object) -> tuple[tuple[str, float], ...]:
-    """A YAML mapping of Ray resources ({pdserve_prefill: 1}) as the Topology's sorted pairs."""
+def _nest_flat_role_keys(data: dict[str, Any]) -> dict[str, Any]:
+    nested = {k: v for k, v in data.items() if k not in _FLAT_ROLE_KEYS}
+    for flat, (role, key) in _FLAT_ROLE_KEYS.items():
+        if flat in data:
+            mapping = nested.get(role, {})
+            nested[role] = {key: data[flat], **mapping} if isinstance(mapping, dict) else mapping
+    return nested
+
+
+def _role_from_mapping(role: Role, value: object, base: RoleSpec) -> RoleSpec:
+    if not isinstance(value, dict) or set(value) - _ROLE_KEYS:
+        raise ConfigError(
+            f"topology.{role} must be a mapping with 'count', 'args', 'hosts' and/or 'resources'"
+        )
+    values: dict[str, Any] = {k: v for k, v in value.items() if k == "count"}
+    for key in _TUPLE_KEYS:
+        if key in value:
+            values[key] = _strings(f"topology.{role}.{key}", value[key])
+    if "resources" in value:
+        values["resources"] = resource_pairs(f"topology.{role}.resources", value["resources"])
+    return dataclasses.replace(base, **values)
+
+
+def _strings(where: str, value: object) -> tuple[str, ...]:
+    if not isinstance(value, list | tuple):
+        raise ConfigError(f"{where} must be a list of strings")
+    return tuple(str(v) for v in value)
+
+
+def resource_pairs(where: str, value: object) -> Resources:
+    """A YAML mapping of Ray resources ({pdserve_prefill: 1}) as a RoleSpec's sorted pairs."""
     if not isinstance(value, dict):
         raise ConfigError(f"{where} must be a mapping of Ray resource names to amounts, got {value!r}")
     try:

@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from otlp_receiver import Receiver, otlp_receiver
-from pdserve.config import Timeouts, Topology
+from pdserve.config import ProxySettings, Topology
 from pdserve.stack import Stack
 
 # Ports away from `pdserve up`'s defaults, so a developer's running system does not collide with the suite.
@@ -49,9 +49,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureReque
     run_dir = Path(os.environ.get("PDSERVE_E2E_RUN_DIR") or tmp_path_factory.mktemp("e2e-run"))
     topology = Topology(**{**E2E_TOPOLOGY.__dict__, "run_dir": str(run_dir)})
     # As `up` does it: the proxy's endpoint is the instances' too (Stack passes it on).
-    tracing = {} if ON_GPU else {"otlp_traces_endpoint": request.getfixturevalue("otlp").url}
-    with Stack(topology, say=lambda m: print(f"[e2e] {m}", flush=True), timeouts=Timeouts(),
-               proxy_options=tracing) as s:  # fmt: skip
+    tracing = (
+        ProxySettings() if ON_GPU else ProxySettings(otlp_traces_endpoint=request.getfixturevalue("otlp").url)
+    )
+    with Stack(topology, say=lambda m: print(f"[e2e] {m}", flush=True), proxy=tracing) as s:  # fmt: skip
         yield s
 
 

@@ -18,6 +18,7 @@ import pytest
 from test_pd import MAX_TOKENS, _complete
 
 from pdserve import httpclient
+from pdserve.engines.backend import LocalEngines
 from pdserve.prometheus import parse_prometheus
 from pdserve.stack import Stack
 
@@ -69,8 +70,8 @@ def test_decode_stalled_past_the_lease_never_yields_an_answer_from_released_kv(
 ) -> None:
     prompt = _prompt("stalled")
     expected = _complete(decode_alone, model_name, chat=False, stream=False, prompt=prompt)
-    assert stack.group is not None
-    engine = stack.group.engine_core_pid(next(s for s in stack.specs if s.role == "decode"))
+    assert isinstance(stack.engines, LocalEngines)
+    engine = stack.engines.group.engine_core_pid(next(s for s in stack.specs if s.role == "decode"))
     assert engine is not None, "no EngineCore child of decode's API server"
     suspects_before = _suspects(stack)
     answer: dict[str, object] = {}

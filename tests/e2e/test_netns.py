@@ -22,14 +22,15 @@ import pytest
 from netns import Host, Network, can_make_namespaces
 
 from pdserve import httpclient
-from pdserve.config import ProxyConfig, Topology
+from pdserve.config import ProxyConfig, RoleSpec, Topology
+from pdserve.configparts import Routing
 from pdserve.doctor.logs import read_lanes, read_log
 from pdserve.engines.launcher import EngineGroup
 from pdserve.engines.metrics import transfer_counts
 from pdserve.engines.model import resolve_model
 from pdserve.engines.plan import InstanceSpec, plan_instances
 from pdserve.engines.venv import find_engine_python
-from pdserve.stack import ProxyThread
+from pdserve.proxy.thread import ProxyThread
 from pdserve.verify import wait_for_transfers
 
 pytestmark = pytest.mark.vllm
@@ -68,8 +69,8 @@ def across(network: Network, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     model = resolve_model(None, engine_python)  # the embedded tiny model
     hosts = network.hosts
     topology = Topology(
-        prefill_hosts=(hosts["prefill"].address,),
-        decode_hosts=(hosts["decode"].address,),
+        prefill=RoleSpec(hosts=(hosts["prefill"].address,)),
+        decode=RoleSpec(hosts=(hosts["decode"].address,)),
         first_port=24100,
         first_side_channel_port=25100,
         vllm_args=("--dtype", "float32"),  # as Stack runs the embedded model: one dtype, equal text
@@ -98,8 +99,7 @@ def across(network: Network, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         decode_urls=(decode.url,),
         host=network.gateway,  # on the bridge: reachable from decode's namespace, for doctor
         port=PROXY_PORT,
-        tokenizer=model.path,
-        prefix_block_size=128,
+        routing=Routing(tokenizer=model.path, prefix_block_size=128),
     )
     with group:
         proxy = ProxyThread(config)

@@ -13,8 +13,10 @@ import openai
 import pytest
 
 from pdserve.config import ProxyConfig, Timeouts
+from pdserve.engines.backend import LocalEngines
 from pdserve.engines.metrics import transfer_counts
-from pdserve.stack import ProxyThread, Stack
+from pdserve.proxy.thread import ProxyThread
+from pdserve.stack import Stack
 from pdserve.verify import verify, wait_for_transfers
 
 pytestmark = pytest.mark.vllm
@@ -123,9 +125,9 @@ def test_frozen_prefill_ends_request_with_clear_error_then_recovers(
     stack: Stack, client: openai.OpenAI, model_name: str
 ) -> None:
     """A prefill instance that stops answering gives a 504 naming it within the timeout, not a hang."""
-    assert stack.group is not None
+    assert isinstance(stack.engines, LocalEngines)
     prefill = next(s for s in stack.specs if s.role == "prefill")
-    pgid = stack.group.pid(prefill)
+    pgid = stack.engines.group.pid(prefill)
     assert pgid is not None
     quick = ProxyThread(
         ProxyConfig(

@@ -19,11 +19,13 @@ import pytest
 
 from pdserve import httpclient
 from pdserve.config import ProxyConfig, Timeouts
+from pdserve.engines.backend import LocalEngines
 from pdserve.engines.metrics import transfer_counts
 from pdserve.engines.plan import InstanceSpec
 from pdserve.events import InstanceEvent
 from pdserve.prometheus import KV_USAGE, scrape
-from pdserve.stack import ProxyThread, Stack, wait_http_ok
+from pdserve.proxy.thread import ProxyThread
+from pdserve.stack import Stack, wait_http_ok
 from pdserve.verify import wait_for_transfers
 
 pytestmark = pytest.mark.vllm
@@ -51,8 +53,8 @@ def _spec(stack: Stack, role: str) -> InstanceSpec:
 
 
 def _pgid(stack: Stack, role: str) -> int:
-    assert stack.group is not None
-    pid = stack.group.pid(_spec(stack, role))
+    assert isinstance(stack.engines, LocalEngines)
+    pid = stack.engines.group.pid(_spec(stack, role))
     assert pid is not None
     return pid
 

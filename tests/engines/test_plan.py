@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from pdserve.config import Topology
+from pdserve.config import RoleSpec, Topology
 from pdserve.engines.plan import (
     InstanceSpec,
     cpu_list,
@@ -28,7 +28,9 @@ def binds(specs: tuple[InstanceSpec, ...]) -> list[str]:
 
 
 def test_prefill_instances_come_first_with_consecutive_ports() -> None:
-    topology = Topology(num_prefill=2, num_decode=1, first_port=9200, first_side_channel_port=5800)
+    topology = Topology(
+        prefill=RoleSpec(count=2), decode=RoleSpec(count=1), first_port=9200, first_side_channel_port=5800
+    )
     specs = plan_instances(topology, "/models/m", None, [0, 1, 2])
     assert [s.name for s in specs] == ["prefill-0", "prefill-1", "decode-0"]
     assert [s.port for s in specs] == [9200, 9201, 9202]
@@ -70,8 +72,8 @@ def test_args_order_lets_user_and_role_args_override_the_defaults() -> None:
     topology = Topology(
         kv_cache_gib=3,
         vllm_args=("--dtype", "float32"),
-        prefill_args=("--max-num-seqs", "8"),
-        decode_args=("--max-num-seqs", "64"),
+        prefill=RoleSpec(args=("--max-num-seqs", "8")),
+        decode=RoleSpec(args=("--max-num-seqs", "64")),
     )
     prefill, decode = plan_instances(topology, "/m", "pdserve-tiny", [0, 1], default_max_model_len=2048)
     assert prefill.args == (
@@ -102,7 +104,9 @@ def test_1p1d_on_two_cores_gets_one_core_each() -> None:
 
 
 def test_2p2d_on_four_cores_gets_one_core_each_and_1p1d_two_each() -> None:
-    assert binds(plan_instances(Topology(num_prefill=2, num_decode=2), "/m", None, range(4))) == [
+    assert binds(
+        plan_instances(Topology(prefill=RoleSpec(count=2), decode=RoleSpec(count=2)), "/m", None, range(4))
+    ) == [
         "0",
         "1",
         "2",
@@ -117,7 +121,7 @@ def test_spare_cores_go_to_prefill_first() -> None:
 
 
 def test_more_instances_than_cores_falls_back_to_no_binding_and_one_thread() -> None:
-    specs = plan_instances(Topology(num_prefill=2, num_decode=2), "/m", None, [0, 1])
+    specs = plan_instances(Topology(prefill=RoleSpec(count=2), decode=RoleSpec(count=2)), "/m", None, [0, 1])
     for spec in specs:
         env = dict(spec.env)
         assert env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
@@ -130,7 +134,9 @@ def test_no_cores_is_a_config_error() -> None:
 
 
 def test_cuda_gives_each_instance_its_own_gpus_and_no_cpu_settings() -> None:
-    topology = Topology(num_prefill=1, num_decode=2, device="cuda", gpus_per_instance=2)
+    topology = Topology(
+        prefill=RoleSpec(count=1), decode=RoleSpec(count=2), device="cuda", gpus_per_instance=2
+    )
     specs = plan_instances(topology, "/m", None, [0, 1], gpu_ids=[0, 1, 2, 3, 4, 5, 6])
     assert [dict(s.env)["CUDA_VISIBLE_DEVICES"] for s in specs] == ["0,1", "2,3", "4,5"]
     for spec in specs:
@@ -140,7 +146,9 @@ def test_cuda_gives_each_instance_its_own_gpus_and_no_cpu_settings() -> None:
 
 
 def test_cuda_with_too_few_gpus_is_a_config_error() -> None:
-    topology = Topology(num_prefill=2, num_decode=2, device="cuda", gpus_per_instance=2)
+    topology = Topology(
+        prefill=RoleSpec(count=2), decode=RoleSpec(count=2), device="cuda", gpus_per_instance=2
+    )
     with pytest.raises(ConfigError, match=r"needs 8 GPUs .* but 7 are available"):
         plan_instances(topology, "/m", None, [0, 1], gpu_ids=range(7))
     with pytest.raises(ConfigError, match="no GPU is visible"):
@@ -149,8 +157,8 @@ def test_cuda_with_too_few_gpus_is_a_config_error() -> None:
 
 @pytest.mark.parametrize("arg", ["--port", "--port=9000", "--host", "--model", "--kv-transfer-config"])
 def test_user_args_must_not_override_what_the_plan_owns(arg: str) -> None:
-    with pytest.raises(ConfigError, match=f"topology.decode_args must not set {arg.split('=')[0]}"):
-        plan_instances(Topology(decode_args=(arg, "x")), "/m", None, [0, 1])
+    with pytest.raises(ConfigError, match=f"topology.decode.args must not set {arg.split('=')[0]}"):
+        plan_instances(Topology(decode=RoleSpec(args=(arg, "x"))), "/m", None, [0, 1])
 
 
 def test_cpu_list_compresses_runs() -> None:
@@ -160,7 +168,7 @@ def test_cpu_list_compresses_runs() -> None:
 
 
 def test_kv_lease_reaches_both_roles_as_vllms_kv_lease_duration() -> None:
-    topology = Topology(num_prefill=1, num_decode=1, kv_lease_s=12)
+    topology = Topology(prefill=RoleSpec(count=1), decode=RoleSpec(count=1), kv_lease_s=12)
     for spec in plan_instances(topology, "/m", None, [0, 1]):
         config = json.loads(arg_value(spec, "--kv-transfer-config"))
         assert config["kv_connector_extra_config"] == {"kv_lease_duration": 12}
@@ -172,7 +180,7 @@ def test_a_lease_too_short_for_vllms_heartbeat_is_refused() -> None:
 
 
 def test_tracing_makes_every_instance_export_its_spans_over_otlp_http_under_its_own_name() -> None:
-    topology = Topology(num_decode=2, otlp_traces_endpoint="http://collector:4318/v1/traces")
+    topology = Topology(decode=RoleSpec(count=2), otlp_traces_endpoint="http://collector:4318/v1/traces")
     specs = plan_instances(topology, "/m", None, [0, 1, 2])
     for spec in specs:
         assert spec.args[spec.args.index("--otlp-traces-endpoint") + 1] == "http://collector:4318/v1/traces"
@@ -214,7 +222,9 @@ def test_with_enough_gpus_the_default_gives_each_instance_its_own_started_togeth
 
 
 def test_four_instances_at_half_a_gpu_fill_two_gpus_in_order_two_stages() -> None:
-    topology = Topology(num_prefill=2, num_decode=2, device="cuda", gpus_per_instance=0.5)
+    topology = Topology(
+        prefill=RoleSpec(count=2), decode=RoleSpec(count=2), device="cuda", gpus_per_instance=0.5
+    )
     specs = plan_instances(topology, "/m", None, [0, 1], gpu_ids=[0, 1])
     assert [(s.name, g) for s, g in zip(specs, gpus_of(specs), strict=True)] == [
         ("prefill-0", "0"),
@@ -227,7 +237,9 @@ def test_four_instances_at_half_a_gpu_fill_two_gpus_in_order_two_stages() -> Non
 
 
 def test_instances_per_gpu_splits_vllms_memory_share_rounded_down() -> None:
-    topology = Topology(num_prefill=1, num_decode=2, device="cuda", instances_per_gpu=3)
+    topology = Topology(
+        prefill=RoleSpec(count=1), decode=RoleSpec(count=2), device="cuda", instances_per_gpu=3
+    )
     specs = plan_instances(topology, "/m", None, [0, 1], gpu_ids=[0])
     assert gpus_of(specs) == ["0", "0", "0"]
     assert memory_of(specs) == ["0.30"] * 3
@@ -236,7 +248,7 @@ def test_instances_per_gpu_splits_vllms_memory_share_rounded_down() -> None:
 
 
 def test_a_memory_share_the_user_set_is_left_alone() -> None:
-    topology = Topology(device="cuda", decode_args=("--gpu-memory-utilization=0.6",))
+    topology = Topology(device="cuda", decode=RoleSpec(args=("--gpu-memory-utilization=0.6",)))
     prefill, decode = plan_instances(topology, "/m", None, [0, 1], gpu_ids=[0])
     assert arg_value(prefill, "--gpu-memory-utilization") == "0.45"
     assert [a for a in decode.args if a.startswith("--gpu-memory")] == ["--gpu-memory-utilization=0.6"]
@@ -314,11 +326,13 @@ def test_gpu_placement_comes_from_the_topology_file_as_written() -> None:
 
 
 def test_cpu_instances_all_start_together() -> None:
-    assert [s.start_stage for s in plan_instances(Topology(num_decode=3), "/m", None, range(4))] == [0] * 4
+    assert [
+        s.start_stage for s in plan_instances(Topology(decode=RoleSpec(count=3)), "/m", None, range(4))
+    ] == [0] * 4
 
 
 def test_each_instance_binds_reports_and_advertises_its_own_address() -> None:
-    topology = Topology(prefill_hosts=("10.9.0.2",), decode_hosts=("10.9.0.3",))
+    topology = Topology(prefill=RoleSpec(hosts=("10.9.0.2",)), decode=RoleSpec(hosts=("10.9.0.3",)))
     prefill, decode = plan_instances(topology, "/models/m", None, [0, 1])
     for spec, address in ((prefill, "10.9.0.2"), (decode, "10.9.0.3")):
         assert arg_value(spec, "--host") == address

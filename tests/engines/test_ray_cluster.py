@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from pdserve import flags
-from pdserve.config import Topology
+from pdserve.config import RoleSpec, Topology
 from pdserve.engines.plan import InstanceSpec, plan_instances, plan_sim_instances
 from pdserve.engines.rayplan import (
     ActorState,
@@ -28,8 +28,8 @@ from pdserve.topologyfile import load_topology
 
 RAY = Topology(
     ray="10.0.0.2:6379",
-    prefill_resources=(("pdserve_prefill", 1.0),),
-    decode_resources=(("pdserve_decode", 1.0),),
+    prefill=RoleSpec(resources=(("pdserve_prefill", 1.0),)),
+    decode=RoleSpec(resources=(("pdserve_decode", 1.0),)),
 )
 
 
@@ -85,9 +85,8 @@ def test_a_simulated_instance_moves_to_its_node_too() -> None:
 def test_an_instance_no_node_can_hold_is_named_before_anything_starts() -> None:
     topology = Topology(
         ray="auto",
-        num_prefill=2,
-        prefill_resources=(("pdserve_prefill", 1.0),),
-        decode_resources=(("pdserve_decode", 1.0),),
+        prefill=RoleSpec(count=2, resources=(("pdserve_prefill", 1.0),)),
+        decode=RoleSpec(resources=(("pdserve_decode", 1.0),)),
     )
     wanted = [(s.name, actor_options(s, topology)) for s in _vllm_specs(topology)]
     head = {"CPU": 1.0, "pdserve_prefill": 1.0, "node:10.0.0.2": 1.0, "memory": 1e9}
@@ -114,8 +113,8 @@ def test_topology_file_takes_the_ray_address_and_resources_per_role(tmp_path: Pa
     )
     topology = load_topology(path)
     assert topology.ray == "10.0.0.2:6379"
-    assert topology.prefill_resources == (("pdserve_prefill", 1.0),)
-    assert topology.decode_resources == (("GPU", 1.0), ("pdserve_decode", 0.5))
+    assert topology.prefill.resources == (("pdserve_prefill", 1.0),)
+    assert topology.decode.resources == (("GPU", 1.0), ("pdserve_decode", 0.5))
 
 
 @pytest.mark.parametrize(
@@ -143,7 +142,7 @@ def test_up_takes_ray_and_resources_from_flags() -> None:
         ["--ray", "auto", "--prefill-resource", "pdserve_prefill=1", "--decode-resource", "pdserve_decode=2"]
     )
     topology = flags.topology_from_args(args)
-    assert (topology.ray, topology.prefill_resources, topology.decode_resources) == (
+    assert (topology.ray, topology.prefill.resources, topology.decode.resources) == (
         "auto",
         (("pdserve_prefill", 1.0),),
         (("pdserve_decode", 2.0),),

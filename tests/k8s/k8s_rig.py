@@ -19,6 +19,7 @@ from lightkube.resources.core_v1 import Pod
 from lightkube.types import PatchType
 
 from pdserve.config import ProxyConfig, Timeouts
+from pdserve.configparts import HealthChecks, K8sDiscovery
 from pdserve.proxy.server import make_server
 
 NAMESPACE = "serving"
@@ -123,11 +124,13 @@ def discovering_proxy(api_server: str, **config: Any) -> Iterator[str]:
         (),
         port=sock.getsockname()[1],
         timeouts=Timeouts(connect=1, prefill=5, first_token=5, idle=5, decode=10),
-        health_interval_s=0.5,
-        k8s_prefill_selector=SELECTORS["prefill"],
-        k8s_decode_selector=SELECTORS["decode"],
-        k8s_namespace=NAMESPACE,
-        k8s_api_server=api_server,
+        health=HealthChecks(interval_s=0.5),
+        discovery=K8sDiscovery(
+            prefill_selector=SELECTORS["prefill"],
+            decode_selector=SELECTORS["decode"],
+            namespace=NAMESPACE,
+            api_server=api_server,
+        ),
         **config,
     )
     server = make_server(proxy_config, log_level="warning")

@@ -7,6 +7,7 @@ import pytest
 
 from pdserve.cli import build_parser, main
 from pdserve.config import ProxyConfig
+from pdserve.configparts import K8sDiscovery
 from pdserve.errors import ConfigError
 from pdserve.labels import label_selector
 from pdserve.proxy.discovery import pod_url
@@ -14,17 +15,20 @@ from pdserve.proxy.k8s_watch import PodView
 
 
 def test_a_proxy_with_discovery_starts_with_no_instances_and_one_without_does_not() -> None:
-    config = ProxyConfig((), (), k8s_prefill_selector="role=prefill", k8s_decode_selector="role=decode")
-    assert config.discovers_pods
-    assert ProxyConfig((), ("http://d:1",), k8s_prefill_selector="role=prefill").discovers_pods
+    both = K8sDiscovery(prefill_selector="role=prefill", decode_selector="role=decode")
+    assert ProxyConfig((), (), discovery=both).discovery.is_enabled
+    prefill_only = K8sDiscovery(prefill_selector="role=prefill")
+    assert ProxyConfig((), ("http://d:1",), discovery=prefill_only).discovery.is_enabled
     with pytest.raises(ConfigError, match="prefill instance"):
-        ProxyConfig((), (), k8s_decode_selector="role=decode")
+        ProxyConfig((), (), discovery=K8sDiscovery(decode_selector="role=decode"))
     with pytest.raises(ConfigError, match="decode instance"):
-        ProxyConfig((), (), k8s_prefill_selector="role=prefill")
+        ProxyConfig((), (), discovery=prefill_only)
     with pytest.raises(ConfigError, match="colocated"):
-        ProxyConfig((), (), colocated=True, k8s_prefill_selector="a=b", k8s_decode_selector="c=d")
+        ProxyConfig(
+            (), (), colocated=True, discovery=K8sDiscovery(prefill_selector="a=b", decode_selector="c=d")
+        )
     with pytest.raises(ConfigError, match="must differ"):
-        ProxyConfig((), (), k8s_prefill_selector="a=b", k8s_decode_selector="a==b")
+        ProxyConfig((), (), discovery=K8sDiscovery(prefill_selector="a=b", decode_selector="a==b"))
 
 
 def test_selectors_are_equality_labels_as_the_peers_take_them() -> None:
@@ -44,8 +48,8 @@ def test_selectors_are_equality_labels_as_the_peers_take_them() -> None:
      ("k8s_port_annotation", "not an annotation"), ("k8s_api_server", "kubernetes:6443")],
 )  # fmt: skip
 def test_bad_discovery_settings_fail_at_start(field: str, value: str) -> None:
-    with pytest.raises(ConfigError, match=field):
-        ProxyConfig((), (), k8s_prefill_selector="a=b", k8s_decode_selector="c=d", **{field: value})
+    with pytest.raises(ConfigError, match=field):  # named as the flag names it: --k8s-port
+        K8sDiscovery(prefill_selector="a=b", decode_selector="c=d", **{field.removeprefix("k8s_"): value})
 
 
 def test_pdserve_proxy_takes_discovery_flags_instead_of_urls(capsys: pytest.CaptureFixture[str]) -> None:

@@ -24,6 +24,7 @@ import yaml
 from pdserve.cli import build_parser, main
 from pdserve.config import ProxyConfig
 from pdserve.engines.plan import kv_transfer_config
+from pdserve.k8s.command import k8s_discovery
 from pdserve.labels import label_selector
 
 KUBE_VERSIONS = ("1.29", "1.37")  # an older cluster and the newest schemas the validator ships
@@ -156,17 +157,17 @@ def test_the_proxy_discovers_exactly_the_pods_rendered_for_each_role(
     container = proxy_pod["spec"]["containers"][0]
     # The proxy's arguments are pdserve's own flags and make a valid config with no static instances.
     a = build_parser().parse_args(container["args"])
-    config = ProxyConfig((), (), k8s_prefill_selector=a.k8s_prefill_selector,
-                         k8s_decode_selector=a.k8s_decode_selector, k8s_port=a.k8s_port)  # fmt: skip
+    config = ProxyConfig((), (), discovery=k8s_discovery(a))
     lws_leader = {"leaderworkerset.sigs.k8s.io/worker-index": "0"}  # set by the LWS controller on leaders
-    for role, selector in (("prefill", config.k8s_prefill_selector), ("decode", config.k8s_decode_selector)):
+    discovery = config.discovery
+    for role, selector in (("prefill", discovery.prefill_selector), ("decode", discovery.decode_selector)):
         assert selector is not None
         wanted = label_selector(selector)
         for other, workload in workloads.items():
             pod_labels = {**serving_template(workload)["metadata"]["labels"], **lws_leader}
             assert all(pod_labels.get(k) == v for k, v in wanted.items()) == (other == role), (role, other)
         ports = {p["name"] for p in serving_template(workloads[role])["spec"]["containers"][0]["ports"]}
-        assert config.k8s_port in ports
+        assert discovery.port in ports
     assert a.k8s_namespace == workloads["proxy"]["metadata"]["namespace"]
 
 

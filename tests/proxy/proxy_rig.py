@@ -14,6 +14,7 @@ import uvicorn
 from fake_vllm import FakeVLLM
 
 from pdserve.config import ProxyConfig, Timeouts
+from pdserve.configparts import HealthChecks
 from pdserve.proxy.server import make_server
 
 # Short, so fault tests end quickly; every wait in a test is bounded by one of these plus slack.
@@ -61,12 +62,15 @@ def serve_fake(fake: FakeVLLM) -> Iterator[str]:
         yield url
 
 
+# Breakers would carry one fault test's failures into the next on a shared rig: off unless asked.
+NO_BREAKER = HealthChecks(breaker_threshold=10**6)
+
+
 @contextmanager
 def running_proxy(prefill_urls: Sequence[str], decode_urls: Sequence[str], **config: Any) -> Iterator[str]:
     """A real proxy server (``make_server``: uvloop, httptools) on a free port; yields its URL."""
     sock = listening_socket()
-    # Breakers would carry one fault test's failures into the next on a shared rig: off unless asked.
-    config = {"breaker_threshold": 10**6, **config}
+    config = {"health": NO_BREAKER, **config}
     proxy_config = ProxyConfig(
         tuple(prefill_urls), tuple(decode_urls), port=sock.getsockname()[1], timeouts=TIMEOUTS, **config
     )

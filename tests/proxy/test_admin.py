@@ -13,6 +13,7 @@ from proxy_rig import Rig, running_proxy, serve_fake
 from test_flow import COMPLETION, post
 
 from pdserve.config import ProxyConfig
+from pdserve.configparts import AdmissionLimits, ApiKeys
 from pdserve.errors import ConfigError
 from pdserve.proxy.app import create_app
 
@@ -36,7 +37,7 @@ async def call(
 
 
 async def test_api_key_is_required_when_set_and_not_forwarded(rig: Rig, http: aiohttp.ClientSession) -> None:
-    with running_proxy([rig.prefill_url], [rig.decode_url], api_key="client-secret") as url:
+    with running_proxy([rig.prefill_url], [rig.decode_url], api_keys=ApiKeys(client="client-secret")) as url:
         status, body = await call(http, "POST", url + "/v1/completions", COMPLETION)
         assert status == 401 and body["error"]["type"] == "AuthenticationError"
         ok = {"Authorization": "Bearer client-secret"}
@@ -52,7 +53,7 @@ async def test_admin_api_is_off_without_a_key_and_needs_the_key_with_one(
 ) -> None:
     status, _ = await call(http, "GET", rig.url + "/admin/ledger")
     assert status == 403
-    with running_proxy([rig.prefill_url], [rig.decode_url], admin_api_key="admin-secret") as url:
+    with running_proxy([rig.prefill_url], [rig.decode_url], api_keys=ApiKeys(admin="admin-secret")) as url:
         assert (await call(http, "GET", url + "/admin/ledger"))[0] == 401
         assert (await call(http, "GET", url + "/admin/ledger", headers=ADMIN))[0] == 200
         assert (await call(http, "GET", url + "/requests"))[0] == 401
@@ -64,7 +65,7 @@ async def test_instances_are_added_drained_and_removed_at_run_time(
     extra = FakeVLLM("decode")
     with (
         serve_fake(extra) as extra_url,
-        running_proxy([rig.prefill_url], [rig.decode_url], admin_api_key="admin-secret") as url,
+        running_proxy([rig.prefill_url], [rig.decode_url], api_keys=ApiKeys(admin="admin-secret")) as url,
     ):
         status, added = await call(
             http, "POST", url + "/admin/instances", {"role": "decode", "url": extra_url}, ADMIN
@@ -97,7 +98,9 @@ async def test_instances_are_added_drained_and_removed_at_run_time(
 
 async def test_overload_answers_429_with_retry_after(rig: Rig, http: aiohttp.ClientSession) -> None:
     rig.prefill.fault = "hang"
-    with running_proxy([rig.prefill_url], [rig.decode_url], max_concurrent=1, max_queued=0) as url:
+    with running_proxy(
+        [rig.prefill_url], [rig.decode_url], admission=AdmissionLimits(max_concurrent=1, max_queued=0)
+    ) as url:
         stuck = asyncio.ensure_future(post(http, url + "/v1/completions", COMPLETION, request_id="holder"))
         try:
             for _ in range(50):  # until the first request holds the only slot
@@ -114,7 +117,7 @@ async def test_overload_answers_429_with_retry_after(rig: Rig, http: aiohttp.Cli
 
 
 async def test_metrics_and_ledger_account_for_every_handoff(rig: Rig, http: aiohttp.ClientSession) -> None:
-    with running_proxy([rig.prefill_url], [rig.decode_url], admin_api_key="admin-secret") as url:
+    with running_proxy([rig.prefill_url], [rig.decode_url], api_keys=ApiKeys(admin="admin-secret")) as url:
         assert (await post(http, url + "/v1/completions", COMPLETION))[0] == 200
         assert (await post(http, url + "/v1/completions", {**COMPLETION, "max_tokens": -1}))[0] == 400
         status, ledger = await call(http, "GET", url + "/admin/ledger", headers=ADMIN)
@@ -133,7 +136,7 @@ async def test_client_leaving_between_phases_abandons_the_handoff(
     rig: Rig, http: aiohttp.ClientSession
 ) -> None:
     rig.decode.fault = "hang"
-    with running_proxy([rig.prefill_url], [rig.decode_url], admin_api_key="admin-secret") as url:
+    with running_proxy([rig.prefill_url], [rig.decode_url], api_keys=ApiKeys(admin="admin-secret")) as url:
         request = asyncio.ensure_future(post(http, url + "/v1/completions", COMPLETION, request_id="leaver"))
         for _ in range(100):
             if rig.decode.generations():

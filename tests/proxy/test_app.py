@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Mapping
 from contextlib import AbstractAsyncContextManager
@@ -14,9 +15,10 @@ import orjson
 import pytest
 from fake_vllm import MODEL
 from memory_upstream import Answer, MemoryUpstream, Recorder
-from proxy_rig import Rig, running_proxy
+from proxy_rig import NO_BREAKER, Rig, running_proxy
 
 from pdserve.config import ProxyConfig, Role
+from pdserve.configparts import AdmissionLimits, HealthChecks
 from pdserve.proxy.app import create_app
 from pdserve.proxy.upstream import Reply, Stream
 
@@ -54,7 +56,9 @@ async def test_health_is_200_when_prefill_and_decode_answer(rig: Rig, http: aioh
 async def test_health_is_503_naming_the_dead_instance(
     rig: Rig, http: aiohttp.ClientSession, dead_url: str
 ) -> None:
-    with running_proxy([rig.prefill_url], [dead_url], health_interval_s=0.2) as url:
+    with running_proxy(
+        [rig.prefill_url], [dead_url], health=dataclasses.replace(NO_BREAKER, interval_s=0.2)
+    ) as url:
         deadline = time.monotonic() + 5  # /health reports what the health checks last saw
         status, body = await get_json(http, url + "/health")
         while status == 200 and time.monotonic() < deadline:
@@ -99,7 +103,9 @@ async def test_health_and_instances_only_read_what_the_health_checks_last_saw() 
         return upstreams[-1]
 
     # A check interval longer than the test: the health checker makes no call while the reads run.
-    app = create_app(ProxyConfig(("http://p0:1",), ("http://d0:1",), health_interval_s=3600), make)
+    app = create_app(
+        ProxyConfig(("http://p0:1",), ("http://d0:1",), health=HealthChecks(interval_s=3600)), make
+    )
     async with app.router.lifespan_context(app):
         for upstream in upstreams:
             upstream.asked.clear()  # the start-up model check asked /v1/models
@@ -185,7 +191,9 @@ async def test_body_over_max_body_bytes_is_rejected_with_413(rig: Rig, http: aio
     assert len(at_limit) == limit
     over_limit = at_limit.replace(b'"prompt":"', b'"prompt":"x')
     headers = {"Content-Type": "application/json"}
-    with running_proxy([rig.prefill_url], [rig.decode_url], max_body_bytes=limit) as url:
+    with running_proxy(
+        [rig.prefill_url], [rig.decode_url], admission=AdmissionLimits(max_body_bytes=limit)
+    ) as url:
         async with http.post(url + "/v1/completions", data=over_limit, headers=headers) as resp:
             assert resp.status == 413
             assert orjson.loads(await resp.read())["error"]["code"] == 413

@@ -16,6 +16,7 @@ request goes first to instance 0, where the single-instance faults are.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import AbstractContextManager, ExitStack
@@ -25,7 +26,7 @@ from typing import Any, Literal
 import aiohttp
 import orjson
 import pytest
-from proxy_rig import TIMEOUTS, running_proxy
+from proxy_rig import NO_BREAKER, TIMEOUTS, running_proxy
 from sim_matrix import (
     LEASE_S,
     PATHS,
@@ -45,6 +46,7 @@ from sim_matrix import (
     wait_until,
 )
 
+from pdserve.configparts import ApiKeys
 from pdserve.protocol import Endpoint
 
 T = TIMEOUTS
@@ -232,7 +234,9 @@ COMBOS: tuple[tuple[Endpoint, bool], ...] = tuple((e, s) for e in ENDPOINTS for 
 
 
 def _proxy(sims: SimPD, **config: Any) -> AbstractContextManager[str]:
-    return running_proxy(sims.prefill, sims.decode, kv_lease_s=LEASE_S, admin_api_key=ADMIN_KEY, **config)
+    return running_proxy(
+        sims.prefill, sims.decode, kv_lease_s=LEASE_S, api_keys=ApiKeys(admin=ADMIN_KEY), **config
+    )
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -305,7 +309,7 @@ async def test_a_down_instance_is_skipped_once_health_checks_notice(
     role: str, sims: SimPD, http: aiohttp.ClientSession
 ) -> None:
     # One failed check is enough here; by default a once-healthy instance needs three in a row.
-    with _proxy(sims, unhealthy_after_checks=1) as url:
+    with _proxy(sims, health=dataclasses.replace(NO_BREAKER, unhealthy_after_checks=1)) as url:
         await proxy_ready(http, url)
         await set_faults(http, _instance(sims, f"{role}0"), down=True)
         try:

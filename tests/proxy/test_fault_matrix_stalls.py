@@ -35,6 +35,7 @@ from sim_matrix import (
 )
 
 from pdserve.config import ProxyConfig, Timeouts
+from pdserve.configparts import ApiKeys, HealthChecks
 from pdserve.prometheus import parse_prometheus
 from pdserve.protocol import Endpoint
 from pdserve.proxy.server import make_server
@@ -58,7 +59,7 @@ def lease_proxy(sims: SimPD) -> Iterator[str]:
     sock = listening_socket()
     config = ProxyConfig(
         sims.prefill, sims.decode, port=sock.getsockname()[1], timeouts=TIMEOUTS, kv_lease_s=LEASE_S,
-        admin_api_key=ADMIN_KEY, breaker_threshold=10**6, health_interval_s=0.5,
+        api_keys=ApiKeys(admin=ADMIN_KEY), health=HealthChecks(interval_s=0.5, breaker_threshold=10**6),
     )  # fmt: skip
     with serve_in_thread(make_server(config, log_level="warning"), sock) as url:
         yield url

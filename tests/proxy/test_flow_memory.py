@@ -12,6 +12,7 @@ from memory_upstream import Answer, MemoryUpstream, Recorder, Script
 
 from pdserve import sse
 from pdserve.config import ProxyConfig, Role, Timeouts
+from pdserve.configparts import Retries
 from pdserve.errors import UpstreamConnectError, UpstreamStaleConnection, UpstreamUnavailable
 from pdserve.events import InstanceEvent
 from pdserve.proxy.flow import Flow
@@ -61,7 +62,7 @@ class System:
             self.upstreams[url] = MemoryUpstream(role, url, self.scripts[url])
             return self.upstreams[url]
 
-        settings = {"timeouts": Timeouts(), "retry_backoff_s": 0, **config}
+        settings = {"timeouts": Timeouts(), "retries": Retries(first_backoff_s=0), **config}
         config_ = ProxyConfig(tuple(urls["prefill"]), tuple(urls["decode"]), **settings)
         policies = {"prefill": make_policy("round_robin"), "decode": make_policy("round_robin")}
         self.state = ProxyState(config_, policies, make)  # type: ignore[arg-type]

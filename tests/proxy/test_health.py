@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.config import ProxyConfig
+from pdserve.configparts import HealthChecks, Routing
 from pdserve.errors import UpstreamUnavailable
 from pdserve.proxy.breaker import CircuitBreaker
 from pdserve.proxy.health import HealthChecker
@@ -40,8 +41,8 @@ class StubUpstream:
 
 def one_instance(upstream: StubUpstream, unhealthy_after_checks: int = 3) -> tuple[ProxyState, Instance]:
     """A ProxyState whose one decode instance talks to ``upstream``."""
-    config = ProxyConfig(("http://p:1",), (upstream.url,), unhealthy_after_checks=unhealthy_after_checks,
-                         decode_policy="prefix_aware")  # fmt: skip
+    config = ProxyConfig(("http://p:1",), (upstream.url,), health=HealthChecks(unhealthy_after_checks=unhealthy_after_checks),
+                         routing=Routing(decode_policy="prefix_aware"))  # fmt: skip
     policies = {"prefill": make_policy("round_robin"), "decode": make_policy("prefix_aware")}
     state = ProxyState(
         config, policies, lambda role, url: upstream if url == upstream.url else StubUpstream(url)

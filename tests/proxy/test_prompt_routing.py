@@ -11,6 +11,7 @@ from test_flow import COMPLETION, post
 from test_tokens import SYSTEM, _write_model_dir
 
 from pdserve.config import ProxyConfig
+from pdserve.configparts import Routing
 from pdserve.proxy.app import create_app
 
 
@@ -19,7 +20,9 @@ async def test_short_prompts_skip_prefill_and_long_ones_are_split(
 ) -> None:
     model_dir = _write_model_dir(tmp_path)
     with running_proxy(
-        [rig.prefill_url], [rig.decode_url], tokenizer=str(model_dir), skip_prefill_below_tokens=64
+        [rig.prefill_url],
+        [rig.decode_url],
+        routing=Routing(tokenizer=str(model_dir), skip_prefill_below_tokens=64),
     ) as url:
         assert (await post(http, url + "/v1/completions", {**COMPLETION, "prompt": "hi"}))[0] == 200
         assert rig.prefill.generations() == []  # a two-token prompt is cheaper on decode alone
@@ -40,7 +43,9 @@ async def test_prefix_aware_keeps_a_shared_system_prompt_on_one_prefill_instance
         serve_fake(prefills[1]) as p1,
         serve_fake(decode) as d0,
         running_proxy(
-            [p0, p1], [d0], tokenizer=str(model_dir), prefill_policy="prefix_aware", prefix_block_size=4
+            [p0, p1],
+            [d0],
+            routing=Routing(tokenizer=str(model_dir), prefill_policy="prefix_aware", prefix_block_size=4),
         ) as url,  # fmt: skip
     ):
         for question in ("what is prefill?", "what is decode?", "why split them?", "what is NIXL?"):
@@ -51,12 +56,12 @@ async def test_prefix_aware_keeps_a_shared_system_prompt_on_one_prefill_instance
 
 
 def test_a_restarted_instance_is_no_longer_thought_to_hold_any_prefix() -> None:
-    config = ProxyConfig(("http://p:1",), ("http://d:1",), prefill_policy="prefix_aware")
+    config = ProxyConfig(("http://p:1",), ("http://d:1",), routing=Routing(prefill_policy="prefix_aware"))
     state = create_app(config).state.pdserve.state
     [instance] = state.pool("prefill").instances
     policy = state.policy("prefill")
     policy.pick([instance], [1, 2, 3])
-    assert policy.pick([instance], [1, 2, 3]).num_cached_tokens == 3 * config.prefix_block_size
+    assert policy.pick([instance], [1, 2, 3]).num_cached_tokens == 3 * config.routing.prefix_block_size
     instance.check_failed("cannot connect")  # never answered: out at once
     state.check_passed(instance, None)  # what a health check reports when it sees the instance back
     assert policy.pick([instance], [1, 2, 3]).num_cached_tokens == 0

@@ -13,6 +13,8 @@ from fake_vllm import FakeVLLM
 from proxy_rig import running_proxy, serve_fake
 from test_flow import COMPLETION, post
 
+from pdserve.configparts import ApiKeys, HealthChecks, Retries, Routing
+
 
 @dataclass(frozen=True)
 class Pair:
@@ -27,7 +29,11 @@ class Pools:
 
     def proxy(self, **config: Any) -> Any:
         """A proxy in front of all four fakes, retrying without backoff."""
-        return running_proxy(list(self.prefill.urls), list(self.decode.urls), retry_backoff_s=0.0, **config)
+        config = {"retries": NO_BACKOFF, **config}
+        return running_proxy(list(self.prefill.urls), list(self.decode.urls), **config)
+
+
+NO_BACKOFF = Retries(first_backoff_s=0.0)
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +73,7 @@ async def test_prefill_down_everywhere_falls_back_to_decode_alone_when_configure
 ) -> None:
     for fake in pools.prefill.fakes:
         fake.fault = "fail"
-    with pools.proxy(fallback_to_local_prefill=True) as url:
+    with pools.proxy(retries=Retries(first_backoff_s=0.0, fallback_to_local_prefill=True)) as url:
         status, _, _ = await post(http, url + "/v1/completions", COMPLETION, request_id="fallback")
         _, _, traces = await post_get(http, url + "/requests")
     assert status == 200
@@ -96,8 +102,8 @@ async def test_unreachable_decode_is_retried_with_the_same_kv_params(
     with running_proxy(
         [pools.prefill.urls[0]],
         [dead_url, pools.decode.urls[1]],
-        retry_backoff_s=0.0,
-        decode_policy="round_robin",
+        retries=NO_BACKOFF,
+        routing=Routing(decode_policy="round_robin"),
     ) as url:
         statuses = [(await post(http, url + "/v1/completions", COMPLETION))[0] for _ in range(2)]
     assert statuses == [200, 200]
@@ -135,7 +141,10 @@ async def test_circuit_opens_after_repeated_failures_and_traffic_moves_away(
     pools: Pools, http: aiohttp.ClientSession
 ) -> None:
     pools.prefill.fakes[0].fault = "fail"
-    with pools.proxy(breaker_threshold=2, breaker_cooldown_s=60, max_prefill_attempts=1) as url:
+    with pools.proxy(
+        health=HealthChecks(breaker_threshold=2, breaker_cooldown_s=60),
+        retries=Retries(max_prefill_attempts=1, first_backoff_s=0.0),
+    ) as url:
         statuses = [(await post(http, url + "/v1/completions", COMPLETION))[0] for _ in range(8)]
         _, _, listing = await post_get(http, url + "/instances")
     # Round robin: the failing instance takes requests 1 and 3, then its circuit opens.
@@ -150,7 +159,7 @@ async def test_with_every_circuit_open_the_likeliest_instance_is_still_tried_pan
 ) -> None:
     for fake in pools.prefill.fakes:
         fake.fault = "fail"
-    with pools.proxy(breaker_threshold=1, breaker_cooldown_s=60) as url:
+    with pools.proxy(health=HealthChecks(breaker_threshold=1, breaker_cooldown_s=60)) as url:
         await post(http, url + "/v1/completions", COMPLETION)
         tried_before = sum(len(f.generations()) for f in pools.prefill.fakes)
         for fake in pools.prefill.fakes:
@@ -164,7 +173,7 @@ async def test_with_every_circuit_open_the_likeliest_instance_is_still_tried_pan
 async def test_with_every_instance_draining_the_answer_is_a_503_with_retry_after(
     pools: Pools, http: aiohttp.ClientSession
 ) -> None:
-    with pools.proxy(admin_api_key="k") as url:
+    with pools.proxy(api_keys=ApiKeys(admin="k")) as url:
         for instance_url in pools.decode.urls:
             async with http.post(url + "/admin/instances/drain", json={"url": instance_url},
                                  headers={"Authorization": "Bearer k"}) as resp:  # fmt: skip

@@ -23,6 +23,7 @@ from test_flow import COMPLETION
 from test_tokens import SYSTEM, _write_model_dir
 
 from pdserve.config import ProxyConfig
+from pdserve.configparts import ApiKeys, HealthChecks, Routing
 from pdserve.errors import ProxyStartError
 from pdserve.events import InstanceEvent
 from pdserve.prometheus import parse_prometheus, parse_samples
@@ -41,7 +42,12 @@ def _free_port() -> int:
 
 @contextmanager
 def workers_proxy(prefill: Sequence[str], decode: Sequence[str], **config: Any) -> Iterator[ProxyWorkers]:
-    settings = {"breaker_threshold": 10**6, "admin_api_key": KEY, "workers": 2, **config}
+    settings = {
+        "health": HealthChecks(breaker_threshold=10**6),
+        "api_keys": ApiKeys(admin=KEY),
+        "workers": 2,
+        **config,
+    }
     proxy = ProxyWorkers(ProxyConfig(tuple(prefill), tuple(decode), port=_free_port(), timeouts=TIMEOUTS,
                                      **settings))  # fmt: skip
     proxy.start()
@@ -146,8 +152,8 @@ async def test_prefix_aware_workers_send_a_shared_prefix_where_either_sent_it(tm
     prefills, decode = [FakeVLLM("prefill"), FakeVLLM("prefill")], FakeVLLM("decode")
     with (
         serve_fake(prefills[0]) as p0, serve_fake(prefills[1]) as p1, serve_fake(decode) as d0,
-        workers_proxy([p0, p1], [d0], tokenizer=str(model_dir), prefill_policy="prefix_aware",
-                      prefix_block_size=4) as proxy,
+        workers_proxy([p0, p1], [d0], routing=Routing(tokenizer=str(model_dir), prefill_policy="prefix_aware",
+                      prefix_block_size=4)) as proxy,
     ):  # fmt: skip
         first, second = proxy.sockets
         # Worker 0 sends an unrelated prompt first, so that its next tie goes to the second prefill.

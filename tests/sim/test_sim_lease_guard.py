@@ -10,17 +10,17 @@ from collections.abc import Iterator
 import pytest
 
 from pdserve import httpclient
-from pdserve.config import Timeouts, Topology
+from pdserve.config import ProxySettings, RoleSpec, Timeouts, Topology
 from pdserve.prometheus import parse_prometheus
 from pdserve.stack import Stack
 
 LEASE_S = 3
 STALL_S = LEASE_S + 3
 # 22000-22499 belong to the simulator's tests; a sim step of 5 ms makes an answer take a while.
+LEASE_ARGS = ("--kv-lease-s", str(LEASE_S))
 TOPOLOGY = Topology(
-    engine="sim", num_prefill=1, num_decode=2, proxy_port=22400, first_port=22401,
-    first_side_channel_port=22410, prefill_args=("--kv-lease-s", str(LEASE_S)),
-    decode_args=("--kv-lease-s", str(LEASE_S)),
+    engine="sim", prefill=RoleSpec(count=1, args=LEASE_ARGS), decode=RoleSpec(count=2, args=LEASE_ARGS),
+    proxy_port=22400, first_port=22401, first_side_channel_port=22410,
 )  # fmt: skip
 TIMEOUTS = Timeouts(connect=1, prefill=5, first_token=3 * STALL_S, idle=5, decode=3 * STALL_S, request=60)
 
@@ -28,7 +28,7 @@ TIMEOUTS = Timeouts(connect=1, prefill=5, first_token=3 * STALL_S, idle=5, decod
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     topology = Topology(**{**TOPOLOGY.__dict__, "run_dir": str(tmp_path_factory.mktemp("sim-guard"))})
-    with Stack(topology, say=lambda _: None, timeouts=TIMEOUTS, proxy_options={"kv_lease_s": LEASE_S}) as s:
+    with Stack(topology, say=lambda _: None, proxy=ProxySettings(timeouts=TIMEOUTS, kv_lease_s=LEASE_S)) as s:
         yield s
 
 

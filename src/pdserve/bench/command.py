@@ -83,7 +83,7 @@ def _sim_profile_with_link(topology: Topology, gbps: float, out_dir: Path) -> To
     return dataclasses.replace(topology, sim_profile=str(path))
 
 
-def run_bench_command(a: argparse.Namespace, topology: Topology, routing: dict[str, Any]) -> int:
+def run_bench_command(a: argparse.Namespace, topology: Topology) -> int:
     from pdserve.bench.runner import run_bench, run_compare, summary_lines
 
     workload = workload_from(a)
@@ -106,10 +106,10 @@ def run_bench_command(a: argparse.Namespace, topology: Topology, routing: dict[s
         )
     if a.sim_kv_gbps is not None:
         topology = _sim_profile_with_link(topology, a.sim_kv_gbps, out_dir)
-    print(f"instances: {topology.num_prefill} prefill + {topology.num_decode} decode ({topology.engine}), "
+    print(f"instances: {topology.prefill.count} prefill + {topology.decode.count} decode ({topology.engine}), "
           f"disaggregated, then the same {topology.num_instances} serving whole requests (colocated)")  # fmt: skip
     report = run_compare(topology, workload, out_dir, tokenizer=a.tokenizer, colocated_port=a.colocated_port,
-                         make_plots=not a.no_plots, proxy_options=routing)  # fmt: skip
+                         make_plots=not a.no_plots)  # fmt: skip
     print("\n".join(report.lines()))
     # Inconclusive: a mode completed no request, so there is nothing to compare (scripts should notice).
     return 1 if report.verdict.decision == "inconclusive" else 0

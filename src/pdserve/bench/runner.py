@@ -27,11 +27,12 @@ from pdserve.bench.plots import write_plots
 from pdserve.bench.result import BenchResult, load_result
 from pdserve.bench.verdict import Arm, Mode, RatePair, Verdict, decide, render
 from pdserve.bench.workload import Workload, client_args, rate_arg
-from pdserve.config import Timeouts, Topology
+from pdserve.config import ProxySettings, Topology
 from pdserve.engines.benchclient import BenchClient
 from pdserve.engines.venv import find_engine_python
 from pdserve.errors import BenchError, ConfigError, Unreachable
-from pdserve.stack import Stack, proxy_for, wait_http_ok
+from pdserve.proxy.thread import proxy_for
+from pdserve.stack import Stack, wait_http_ok
 
 SIM_ROOT_PREFIX = "pdserve-sim/"  # the simulator's /v1/models "root": it has no tokenizer on disk
 _HEALTH_TIMEOUT_S = 60.0
@@ -122,8 +123,7 @@ def run_compare(
     workload: Workload,
     out_dir: Path,
     say: Callable[[str], None] = print,
-    timeouts: Timeouts | None = None,
-    proxy_options: dict[str, Any] | None = None,
+    proxy: ProxySettings | None = None,
     tokenizer: str | None = None,
     colocated_port: int | None = None,
     make_plots: bool = True,
@@ -138,7 +138,7 @@ def run_compare(
     client.start()  # vLLM's import runs while the instances start
     pairs: list[RatePair] = []
     try:
-        with Stack(topology, say=say, timeouts=timeouts, proxy_options=proxy_options) as stack:
+        with Stack(topology, say=say, proxy=proxy) as stack:
             assert stack.proxy is not None
             urls = {"prefill": stack.urls("prefill"), "decode": stack.urls("decode")}
             every = (*urls["prefill"], *urls["decode"])
@@ -207,7 +207,7 @@ def write_summary(report: CompareReport, topology: Topology, workload: Workload)
     summary = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "topology": {"engine": topology.engine, "sim_profile": topology.sim_profile, "model": topology.model,
-                     "num_prefill": topology.num_prefill, "num_decode": topology.num_decode, "device": topology.device},
+                     "num_prefill": topology.prefill.count, "num_decode": topology.decode.count, "device": topology.device},
         "workload": dataclasses.asdict(workload),
         "verdict": dataclasses.asdict(report.verdict),
         "rates": [{"rate": rate_arg(p.rate), "disaggregated": arm(p.disaggregated), "colocated": arm(p.colocated)}

@@ -16,12 +16,13 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pdserve.config import ROLES, Role, Topology
+from pdserve.config import Role, Topology
 from pdserve.errors import ConfigError
 
 # Flags the plan owns: a user value would silently break the ports or roles the proxy relies on.
 _RESERVED_FLAGS = ("--model", "--host", "--port", "--kv-transfer-config")
 _GPU_MEMORY_FLAG = "--gpu-memory-utilization"
+_KV_ROLES: dict[Role, str] = {"prefill": "kv_producer", "decode": "kv_consumer"}  # NixlConnector's kv_role
 _VLLM_GPU_MEMORY_PERCENT = 90  # vLLM's default --gpu-memory-utilization, split between sharers
 
 Env = tuple[tuple[str, str], ...]
@@ -110,8 +111,7 @@ def plan_instances(
     topology sets none (the embedded model needs 2048; other models use their own).
     """
     _check_user_args(topology)
-    roles: list[Role] = [r for r in ROLES for _ in range(_count(topology, r))]
-    indices = [sum(1 for earlier in roles[:i] if earlier == role) for i, role in enumerate(roles)]
+    roles, indices = _instance_roles(topology)
     slots: list[GpuSlot] = []
     if topology.device == "cpu":
         device_env = _cpu_env(topology, len(roles), cpu_ids)
@@ -136,10 +136,7 @@ def plan_instances(
             args += ["--max-model-len", str(max_model_len)]
         if topology.device == "cpu":
             args.append("--enforce-eager")  # CUDA-graph-style capture buys nothing on CPU and slows start-up
-        role_args = (
-            *topology.vllm_args,
-            *(topology.prefill_args if role == "prefill" else topology.decode_args),
-        )
+        role_args = (*topology.vllm_args, *topology.role(role).args)
         if slots and slots[i].num_sharers > 1 and not _sets_flag(role_args, _GPU_MEMORY_FLAG):
             # vLLM's share is of the whole GPU's memory: sharers must split it or the second cannot start.
             args += [_GPU_MEMORY_FLAG, gpu_memory_share(slots[i].num_sharers)]
@@ -174,18 +171,16 @@ def plan_instances(
 def _bind_host(topology: Topology, i: int) -> str:
     """Where instance ``i``'s HTTP server listens: its own address, or a wildcard ``host`` as given
     (reachable on every interface; the proxy and the side channel still use 127.0.0.1)."""
-    own = topology.prefill_hosts + topology.decode_hosts
-    return topology.instance_hosts[i] if own else topology.host
+    return topology.instance_hosts[i] if topology.has_own_hosts else topology.host
 
 
 def plan_sim_instances(topology: Topology) -> tuple[InstanceSpec, ...]:
     """One simulator process per instance (``python -m pdserve.sim``), so losing one behaves like
     losing a real instance; decode pulls KV from prefill over HTTP, as across hosts."""
     specs = []
-    roles: list[Role] = [r for r in ROLES for _ in range(_count(topology, r))]
+    roles, indices = _instance_roles(topology)
     hosts = topology.instance_hosts
-    for i, role in enumerate(roles):
-        index = sum(1 for earlier in roles[:i] if earlier == role)
+    for i, (role, index) in enumerate(zip(roles, indices, strict=True)):
         port = topology.first_port + i
         if topology.kv_both:  # role "both": holds KV for a remote decode, pulls it, or serves whole
             counts = ["--prefill", "0", "--decode", "0", "--both", "1"]
@@ -204,7 +199,7 @@ def plan_sim_instances(topology: Topology) -> tuple[InstanceSpec, ...]:
         )
         if topology.kv_lease_s is not None:
             args += ("--kv-lease-s", f"{topology.kv_lease_s:g}")
-        args += (*topology.vllm_args, *(topology.prefill_args if role == "prefill" else topology.decode_args))
+        args += (*topology.vllm_args, *topology.role(role).args)
         env = (("PYTHONUNBUFFERED", "1"),)
         specs.append(
             InstanceSpec(role, index, hosts[i], port, topology.first_side_channel_port + i, args, env)
@@ -225,7 +220,7 @@ def kv_transfer_config(
     """
     config: dict[str, object] = {
         "kv_connector": "NixlConnector",
-        "kv_role": "kv_both" if is_both else "kv_producer" if role == "prefill" else "kv_consumer",
+        "kv_role": "kv_both" if is_both else _KV_ROLES[role],
         "kv_buffer_device": device,
     }
     if kv_lease_s is not None:
@@ -244,8 +239,11 @@ def cpu_list(ids: Sequence[int]) -> str:
     return ",".join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in ranges)
 
 
-def _count(topology: Topology, role: Role) -> int:
-    return topology.num_prefill if role == "prefill" else topology.num_decode
+def _instance_roles(topology: Topology) -> tuple[list[Role], list[int]]:
+    """Each instance's role and its index within the role, in plan order (prefill first)."""
+    roles = [name for name, spec in topology.roles() for _ in range(spec.count)]
+    indices = [index for _, spec in topology.roles() for index in range(spec.count)]
+    return roles, indices
 
 
 def _sets_flag(args: Sequence[str], flag: str) -> bool:
@@ -253,8 +251,10 @@ def _sets_flag(args: Sequence[str], flag: str) -> bool:
 
 
 def _check_user_args(topology: Topology) -> None:
-    for field in ("vllm_args", "prefill_args", "decode_args"):
-        for arg in getattr(topology, field):
+    given = [("vllm_args", topology.vllm_args)]
+    given += [(f"{name}.args", spec.args) for name, spec in topology.roles()]
+    for field, args in given:
+        for arg in args:
             flag = arg.split("=", 1)[0]
             if flag in _RESERVED_FLAGS:
                 raise ConfigError(

@@ -6,7 +6,8 @@ same process group, log and health wait as on one host), bound to and advertised
 instance exits the actor exits too, and Ray restarts it (``max_restarts``): the new actor starts the
 instance again, on the same node if it is still there. ``RayEngineGroup`` is the driver's side: connect,
 check the cluster can place every instance, create the actors stage by stage, learn the URLs, stop.
-``RayWatch`` tells the proxy when an instance goes and comes back.
+``RayWatch`` tells the proxy when an instance goes and comes back. ``RayEngines`` is the two as the
+``EngineBackend`` stack.py runs (engines/backend.py).
 
 The one module that imports ray (an optional extra; import-linter enforces it). Ray's errors become
 pdserve's here. Paths (engine python, model, run dir) must be the same on every node: a shared
@@ -29,6 +30,7 @@ import ray.exceptions
 
 from pdserve import httpclient
 from pdserve.config import Topology
+from pdserve.engines.backend import OnEvent
 from pdserve.engines.launcher import EngineGroup
 from pdserve.engines.plan import InstanceSpec
 from pdserve.engines.rayplan import (
@@ -40,7 +42,7 @@ from pdserve.engines.rayplan import (
     next_event,
     unplaceable,
 )
-from pdserve.errors import ConfigError, EngineStartError
+from pdserve.errors import ConfigError, EngineError, EngineStartError
 from pdserve.events import InstanceEvent, InstanceEventKind
 
 MAX_RESTARTS = 5  # Ray restarts a crash-looping instance this often, then the proxy is told it gave up
@@ -276,6 +278,43 @@ class RayWatch:
                     if event.kind == "moved":
                         urls[spec.name] = event.new_url
                     self._on_event(event)
+
+
+class RayEngines:
+    """The instances of a topology as Ray actors (``RayEngineGroup``), watched by ``RayWatch``: Ray
+    restarts an instance that exits (no Supervisor), up to ``MAX_RESTARTS`` with on_instance_exit
+    restart, never with stop. Logs are on the nodes, at the same run dir path."""
+
+    def __init__(self, group: RayEngineGroup, topology: Topology) -> None:
+        self.group = group
+        self._topology = topology
+        self._watch: RayWatch | None = None
+
+    @property
+    def specs(self) -> tuple[InstanceSpec, ...]:
+        return self.group.specs
+
+    def start(self) -> None:
+        self.group.start()
+
+    def watch(self, on_event: OnEvent) -> None:
+        self._watch = RayWatch(self.group, on_event)
+        self._watch.start()
+
+    def stop(self) -> None:
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            watch.stop()
+        self.group.stop()
+
+    def check_alive(self) -> None:
+        if self._topology.on_instance_exit == "stop":
+            gone = [s.name for s in self.group.specs if self.group.poll(s) == "gone"]
+            if gone:
+                raise EngineError(f"{', '.join(gone)} exited on Ray (on_instance_exit: stop)")
+
+    def log_place(self, spec: InstanceSpec) -> str:
+        return f"on the Ray node, {self.group.log_path(spec)}"
 
 
 def _is_healthy(url: str) -> bool:

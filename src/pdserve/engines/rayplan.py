@@ -86,7 +86,7 @@ def actor_name(run_id: str, spec: InstanceSpec) -> str:
 
 
 def role_resources(topology: Topology, role: Role) -> dict[str, float]:
-    return dict(topology.prefill_resources if role == "prefill" else topology.decode_resources)
+    return dict(topology.role(role).resources)
 
 
 def unplaceable(wanted: Sequence[tuple[str, dict[str, Any]]], nodes: Sequence[dict[str, float]]) -> list[str]:

@@ -12,18 +12,18 @@ import shlex
 import sys
 from typing import Any
 
-from pdserve.config import proxy_default
+from pdserve.configparts import K8sDiscovery
 from pdserve.k8s.manifests import to_yaml
-from pdserve.k8s.spec import ClusterSpec, parse_env
+from pdserve.k8s.spec import ClusterSpec, RolePods, parse_env
 
 
 def cmd_k8s_render(a: argparse.Namespace) -> int:
     spec = ClusterSpec(
         model=a.model, name=a.name, namespace=a.namespace, image=a.image, proxy_image=a.proxy_image,
-        num_prefill=a.prefill, num_decode=a.decode, gpus_per_pod=a.gpus_per_pod,
+        prefill=RolePods(a.prefill, tuple(shlex.split(a.prefill_args))),
+        decode=RolePods(a.decode, tuple(shlex.split(a.decode_args))), gpus_per_pod=a.gpus_per_pod,
         pods_per_instance=a.pods_per_instance, device=a.device, kv_lease_s=a.kv_lease,
-        vllm_args=tuple(shlex.split(a.vllm_args)), prefill_args=tuple(shlex.split(a.prefill_args)),
-        decode_args=tuple(shlex.split(a.decode_args)), env=parse_env(a.env),
+        vllm_args=tuple(shlex.split(a.vllm_args)), env=parse_env(a.env),
     )  # fmt: skip
     sys.stdout.write(to_yaml(spec))
     return 0
@@ -44,10 +44,9 @@ def add_k8s_render(sub: Any) -> None:
     render.add_argument("--image", default=d["image"], help="the vLLM image (default %(default)s)")
     render.add_argument("--proxy-image", default=d["proxy_image"],
                         help="an image with pdserve[k8s] installed (default %(default)s)")  # fmt: skip
-    render.add_argument(
-        "--prefill", type=int, default=d["num_prefill"], metavar="N", help="prefill instances"
-    )
-    render.add_argument("--decode", type=int, default=d["num_decode"], metavar="M", help="decode instances")
+    pods = RolePods()
+    render.add_argument("--prefill", type=int, default=pods.count, metavar="N", help="prefill instances")
+    render.add_argument("--decode", type=int, default=pods.count, metavar="M", help="decode instances")
     render.add_argument("--gpus-per-pod", type=int, default=d["gpus_per_pod"], metavar="G",
                         help="nvidia.com/gpu per pod, and vLLM's --tensor-parallel-size (default %(default)s)")  # fmt: skip
     render.add_argument("--pods-per-instance", type=int, default=d["pods_per_instance"], metavar="K",
@@ -69,7 +68,8 @@ def add_k8s_render(sub: Any) -> None:
 
 
 def add_k8s_discovery(p: argparse.ArgumentParser) -> None:
-    """`pdserve proxy`'s discovery flags; their defaults are ProxyConfig's own."""
+    """`pdserve proxy`'s discovery flags; their defaults are K8sDiscovery's own."""
+    d = K8sDiscovery()
     g = p.add_argument_group("Kubernetes discovery (pip install 'pdserve[k8s]'; docs/deploying.md)")
     g.add_argument("--k8s-prefill-selector", metavar="K=V,…",
                    help="prefill pods: Ready ones matching these labels join the prefill pool")  # fmt: skip
@@ -77,15 +77,21 @@ def add_k8s_discovery(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--k8s-namespace", help="the pods' namespace (default: the proxy's own, or the kubeconfig's)"
     )
-    g.add_argument("--k8s-port", default=proxy_default("k8s_port"), metavar="PORT|NAME",
+    g.add_argument("--k8s-port", default=d.port, metavar="PORT|NAME",
                    help="the pods' HTTP port: a number or a container port name (default %(default)s)")  # fmt: skip
-    g.add_argument("--k8s-port-annotation", default=proxy_default("k8s_port_annotation"), metavar="KEY",
+    g.add_argument("--k8s-port-annotation", default=d.port_annotation, metavar="KEY",
                    help="a pod annotation whose port number overrides --k8s-port (default %(default)s)")  # fmt: skip
     g.add_argument("--k8s-api-server", metavar="URL",
                    help="the API server (e.g. `kubectl proxy`'s); default: in-cluster, then the kubeconfig")  # fmt: skip
 
 
-def k8s_discovery(a: argparse.Namespace) -> dict[str, Any]:
-    """The ProxyConfig fields of those flags."""
-    names = ("prefill_selector", "decode_selector", "namespace", "port", "port_annotation", "api_server")
-    return {f"k8s_{name}": getattr(a, f"k8s_{name}") for name in names}
+def k8s_discovery(a: argparse.Namespace) -> K8sDiscovery:
+    """The discovery of those flags."""
+    return K8sDiscovery(
+        prefill_selector=a.k8s_prefill_selector,
+        decode_selector=a.k8s_decode_selector,
+        namespace=a.k8s_namespace,
+        port=a.k8s_port,
+        port_annotation=a.k8s_port_annotation,
+        api_server=a.k8s_api_server,
+    )

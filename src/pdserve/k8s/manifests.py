@@ -50,8 +50,7 @@ def selector(spec: ClusterSpec, role: Role) -> str:
 def render(spec: ClusterSpec) -> list[Obj]:
     return [
         *_rbac(spec),
-        _instances(spec, "prefill"),
-        _instances(spec, "decode"),
+        *(_instances(spec, role) for role, _ in spec.roles()),
         _proxy(spec),
         _service(spec),
     ]
@@ -97,7 +96,7 @@ def _vllm_args(spec: ClusterSpec, role: Role) -> list[str]:
             "--distributed-executor-backend",
             "ray",
         ]
-    return [*args, *spec.vllm_args, *(spec.prefill_args if role == "prefill" else spec.decode_args)]
+    return [*args, *spec.vllm_args, *spec.role(role).args]
 
 
 def _vllm_container(spec: ClusterSpec, role: Role, *, is_worker: bool = False) -> Obj:
@@ -157,7 +156,7 @@ def _pod_template(spec: ClusterSpec, role: Role, *, is_worker: bool = False) -> 
 
 def _instances(spec: ClusterSpec, role: Role) -> Obj:
     name = f"{spec.name}-{role}"
-    replicas = spec.num_prefill if role == "prefill" else spec.num_decode
+    replicas = spec.role(role).count
     if not spec.is_multi_node:
         return {
             "apiVersion": "apps/v1",

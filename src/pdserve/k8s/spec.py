@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from pdserve.config import Device
+from pdserve.config import ROLES, Device, Role
 from pdserve.errors import ConfigError
 
 # Object names become DNS labels (RFC 1035) with a suffix ("-prefill"): keep room for it.
@@ -20,14 +20,22 @@ _RESERVED_ENV = ("VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_PORT")
 
 
 @dataclass(frozen=True)
+class RolePods:
+    """One role's instances in the cluster."""
+
+    count: int = 1  # instances (Deployment replicas, or LeaderWorkerSet groups)
+    args: tuple[str, ...] = ()  # extra `vllm serve` arguments for this role (after vllm_args)
+
+
+@dataclass(frozen=True)
 class ClusterSpec:
     model: str  # what `vllm serve` loads: a hub name, or a path the image or a volume provides
     name: str = "pdserve"  # prefix of every object's name, and the app.kubernetes.io/instance label
     namespace: str = "default"
     image: str = "vllm/vllm-openai:v0.32.0"  # the vLLM image: the same version on both roles
     proxy_image: str = "pdserve:0.1.0"  # an image with `pip install 'pdserve[k8s]'` (docs/deploying.md)
-    num_prefill: int = 1  # instances (Deployment replicas, or LeaderWorkerSet groups)
-    num_decode: int = 1
+    prefill: RolePods = field(default_factory=RolePods)
+    decode: RolePods = field(default_factory=RolePods)
     gpus_per_pod: int = 1  # nvidia.com/gpu of each pod; also vLLM's --tensor-parallel-size
     pods_per_instance: int = 1  # > 1: a LeaderWorkerSet group per instance, vLLM on Ray across its pods
     device: Device = "cuda"  # "cpu": no GPU requests, KV buffers in host memory
@@ -36,8 +44,6 @@ class ClusterSpec:
     proxy_port: int = 8000  # the Service's port
     kv_lease_s: float | None = None  # vLLM's kv_lease_duration; the proxy is told the same
     vllm_args: tuple[str, ...] = ()  # extra `vllm serve` arguments for every instance
-    prefill_args: tuple[str, ...] = ()
-    decode_args: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()  # extra environment for the vLLM containers (UCX_TLS, …)
 
     def __post_init__(self) -> None:
@@ -51,9 +57,11 @@ class ClusterSpec:
             raise ConfigError(f"k8s.namespace must be a lowercase DNS label, got {self.namespace!r}")
         if self.device not in ("cpu", "cuda"):
             raise ConfigError(f"k8s.device must be 'cpu' or 'cuda', got {self.device!r}")
-        for field_name in ("num_prefill", "num_decode", "gpus_per_pod", "pods_per_instance"):
-            if getattr(self, field_name) < 1:
-                raise ConfigError(f"k8s.{field_name} must be >= 1, got {getattr(self, field_name)}")
+        counts = {f"{name}.count": pods.count for name, pods in self.roles()}
+        counts |= {"gpus_per_pod": self.gpus_per_pod, "pods_per_instance": self.pods_per_instance}
+        for field_name, value in counts.items():
+            if value < 1:
+                raise ConfigError(f"k8s.{field_name} must be >= 1, got {value}")
         if self.device == "cpu" and self.pods_per_instance > 1:
             raise ConfigError("k8s: instances spanning several pods need GPUs (--device cuda)")
         ports = (self.port, self.side_channel_port)
@@ -64,12 +72,18 @@ class ClusterSpec:
         if self.kv_lease_s is not None and self.kv_lease_s < 6:
             # decode heartbeats every lease/6 s (integer division in vLLM): below 6 s that is 0
             raise ConfigError(f"k8s.kv_lease_s must be >= 6 s, got {self.kv_lease_s}")
-        for arg in (*self.vllm_args, *self.prefill_args, *self.decode_args):
+        for arg in (*self.vllm_args, *(arg for _, pods in self.roles() for arg in pods.args)):
             if arg.split("=", 1)[0] in _RESERVED_FLAGS:
                 raise ConfigError(f"k8s: {arg.split('=', 1)[0]} is set by the manifests; leave it out")
         for name, _ in self.env:
             if not _ENV_NAME.fullmatch(name) or name in _RESERVED_ENV:
                 raise ConfigError(f"k8s.env: {name!r} is not a variable the manifests let you set")
+
+    def roles(self) -> tuple[tuple[Role, RolePods], ...]:
+        return tuple((name, self.role(name)) for name in ROLES)
+
+    def role(self, name: Role) -> RolePods:
+        return {"prefill": self.prefill, "decode": self.decode}[name]
 
     @property
     def is_multi_node(self) -> bool:

@@ -33,7 +33,7 @@ Handler = Callable[[Request], Awaitable[Response]]
 
 def guarded(handler: Handler) -> Handler:
     async def wrapper(request: Request) -> Response:
-        key = context(request).config.admin_api_key
+        key = context(request).config.api_keys.admin
         if key is None:
             return error_response(
                 403, "the admin API is off; start the proxy with --admin-api-key", "PermissionDenied"

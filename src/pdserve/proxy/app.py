@@ -19,6 +19,7 @@ from starlette.routing import Route
 
 from pdserve.asgi import ASGIApp, Receive, Scope, Send
 from pdserve.config import ProxyConfig, Role, lease_warnings
+from pdserve.events import InstanceEvent, KVLogEvent
 from pdserve.proxy import routes
 from pdserve.proxy.admin import ADMIN_ROUTES
 from pdserve.proxy.admission import Admission
@@ -42,23 +43,27 @@ def create_app(
 ) -> Starlette:
     """The proxy; ``peers``: it is one worker of several (worker.py), which share its port."""
     fanout = peers if peers is not None else Fanout()
-    options = PolicyOptions(config.prefix_block_size, config.prefix_load_cost_tokens)
+    options = PolicyOptions(config.routing.prefix_block_size, config.routing.prefix_load_cost_tokens)
     policies: dict[Role, Policy] = {
-        "prefill": fanout.sharing("prefill", make_policy(config.prefill_policy, options)),
-        "decode": fanout.sharing("decode", make_policy(config.decode_policy, options)),
+        "prefill": fanout.sharing("prefill", make_policy(config.routing.prefill_policy, options)),
+        "decode": fanout.sharing("decode", make_policy(config.routing.decode_policy, options)),
     }
     state = ProxyState(config, policies, make_upstream)
-    tokenizer = PromptTokenizer.from_model_dir(config.tokenizer) if config.tokenizer else None
-    if config.tokenizer and tokenizer is None:
-        log.warning("no tokenizer.json in %s: prompt-aware routing falls back to load only", config.tokenizer)
+    tokenizer = PromptTokenizer.from_model_dir(config.routing.tokenizer) if config.routing.tokenizer else None
+    if config.routing.tokenizer and tokenizer is None:
+        log.warning(
+            "no tokenizer.json in %s: prompt-aware routing falls back to load only", config.routing.tokenizer
+        )
     tracing = RequestTracing(config.otlp_traces_endpoint) if config.otlp_traces_endpoint else None
     share = config.worker_share() if peers is not None else config
     ctx = Context(
         config=config,
         state=state,
         flow=Flow(state, config, tokenizer, tracing),
-        admission=Admission(share.max_concurrent, share.max_queued, config.queue_timeout_s),
-        health=HealthChecker(state, config.health_interval_s, config.health_timeout_s),
+        admission=Admission(
+            share.admission.max_concurrent, share.admission.max_queued, config.admission.queue_timeout_s
+        ),
+        health=HealthChecker(state, config.health.interval_s, config.health.timeout_s),
         fanout=fanout,
     )
 
@@ -66,7 +71,7 @@ def create_app(
     # extra, imported here so a proxy without discovery never needs it; a missing extra or cluster
     # config fails now, at start, not in the lifespan.
     discovery = None
-    if config.discovers_pods:
+    if config.discovery.is_enabled:
         from pdserve.proxy.discovery import Discovery
 
         discovery = Discovery(state, config)
@@ -136,3 +141,9 @@ class ProxyApp:
                 await endpoint(scope, receive, send)
                 return
         await self._app(scope, receive, send)
+
+
+def deliver(app: Starlette, event: InstanceEvent | KVLogEvent) -> None:
+    """Hand the proxy ``app`` what the launcher learnt; call it on the app's event loop."""
+    ctx: Context = app.state.pdserve
+    ctx.state.on_event(event)

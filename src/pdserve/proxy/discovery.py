@@ -66,10 +66,10 @@ class Discovery:
     def __init__(self, state: ProxyState, config: ProxyConfig, source: PodSource | None = None) -> None:
         self._state = state
         self._config = config
-        self._source = source or PodWatcher(config.k8s_api_server, config.k8s_namespace)
+        self._source = source or PodWatcher(config.discovery.api_server, config.discovery.namespace)
         selectors: dict[Role, str | None] = {
-            "prefill": config.k8s_prefill_selector,
-            "decode": config.k8s_decode_selector,
+            "prefill": config.discovery.prefill_selector,
+            "decode": config.discovery.decode_selector,
         }
         self._selectors = {role: label_selector(text) for role, text in selectors.items() if text}
         self._pods: dict[Role, dict[str, PodView]] = {role: {} for role in ROLES}
@@ -156,7 +156,7 @@ class Discovery:
             if owned is not None and not owned.is_draining:
                 self._state.drain(owned)
             return None
-        url, problem = pod_url(pod, self._config.k8s_port, self._config.k8s_port_annotation)
+        url, problem = pod_url(pod, self._config.discovery.port, self._config.discovery.port_annotation)
         if not pod.is_ready or url is None:
             if owned is not None:
                 self._take_out(pod_key, problem or "pod not ready")
@@ -194,7 +194,7 @@ class Discovery:
             pod is not None
             and pod.is_ready
             and not pod.is_terminating
-            and pod_url(pod, self._config.k8s_port, self._config.k8s_port_annotation)[0] == url
+            and pod_url(pod, self._config.discovery.port, self._config.discovery.port_annotation)[0] == url
         )
         if not served or (expected and not served & expected) or not wanted or self._state.find(url):
             await instance.upstream.close()

@@ -205,7 +205,7 @@ class Flow:
                 if isinstance(prefilled, Relayed):
                     return
                 if isinstance(prefilled, PrefillFailed):
-                    if not self._config.fallback_to_local_prefill:
+                    if not self._config.retries.fallback_to_local_prefill:
                         await self._give_up("prefill", prefilled.url, prefilled.failure, call)
                         return
                     local_reason = (
@@ -219,7 +219,7 @@ class Flow:
             # Decode, streaming its answer back. A retry goes to another instance: none left (or no
             # attempts left) makes this the last, whose failure the client hears of.
             has_others = self._chooser.has_other("decode", [*retries.tried, decode])
-            is_last = retries.num_failed + 1 >= self._config.max_decode_attempts or not has_others
+            is_last = retries.num_failed + 1 >= self._config.retries.max_decode_attempts or not has_others
             call.trace.decode_url = decode.url
             decoded = await self._decoder.attempt(call, decode, slot, is_last)
             if isinstance(decoded, Served):
@@ -279,7 +279,7 @@ class Flow:
         if slot.handoff is not None and not self._may_reuse(slot.handoff, decoded):
             # decode may have pulled, and prefill freed, those blocks: prefill again
             slot.abandon(f"decode {decode.url}: {describe(decoded.failure)}", "decode_failed")
-        await call.sleep(self._config.backoff_s(retries.num_failed))
+        await call.sleep(self._config.retries.backoff(retries.num_failed))
         return call
 
     @staticmethod
@@ -294,18 +294,20 @@ class Flow:
         """The prompt's tokens and block hashes, when a policy or the skip rule needs them."""
         state = self._state
         wants = state.policy("prefill").wants_prompt or state.policy("decode").wants_prompt
-        if self._tokenizer is None or not (wants or self._config.skip_prefill_below_tokens):
+        if self._tokenizer is None or not (wants or self._config.routing.skip_prefill_below_tokens):
             return None
         ids = self._tokenizer.token_ids(body)
         if ids is None:
             return None
         salt = body.get("cache_salt")
-        hashes = block_hashes(ids, self._config.prefix_block_size, salt if isinstance(salt, str) else None)
+        hashes = block_hashes(
+            ids, self._config.routing.prefix_block_size, salt if isinstance(salt, str) else None
+        )
         return Prompt(len(ids), hashes)
 
     def _skip_reason(self, prompt: Prompt | None, num_cached: int) -> str | None:
         """Why decode should compute this prompt itself (conditional disaggregation), or None."""
-        threshold = self._config.skip_prefill_below_tokens
+        threshold = self._config.routing.skip_prefill_below_tokens
         if prompt is None or not should_skip_prefill(prompt.num_tokens, num_cached, threshold):
             return None
         return f"{prompt.num_tokens - num_cached} uncached prompt tokens < {threshold}"

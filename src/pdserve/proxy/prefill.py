@@ -35,12 +35,12 @@ class Prefiller:
         payload = orjson.dumps(protocol.prefill_body(call.body))
         tried: list[Instance] = []
         failure: UpstreamError | Reply | None = None
-        for attempt in range(1, self._config.max_prefill_attempts + 1):
+        for attempt in range(1, self._config.retries.max_prefill_attempts + 1):
             if attempt > 1:
                 if not self._chooser.has_other("prefill", tried):
                     break  # a retry goes to another instance, and there is none
                 self._state.stats.retried("prefill")
-                await call.sleep(self._config.backoff_s(attempt - 1))
+                await call.sleep(self._config.retries.backoff(attempt - 1))
             try:
                 prefill = self._chooser.prefill(tried, call.prompt)
             except NoInstanceAvailable as exc:

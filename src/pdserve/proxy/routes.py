@@ -64,8 +64,8 @@ class GenerationEndpoint:
         self._endpoint = endpoint
         self._new_request_id = RequestIds()
         config = ctx.config
-        self._expected_auth = f"Bearer {config.api_key}".encode() if config.api_key else None
-        self._upstream_auth = f"Bearer {config.upstream_api_key}" if config.upstream_api_key else None
+        self._expected_auth = f"Bearer {config.api_keys.client}".encode() if config.api_keys.client else None
+        self._upstream_auth = f"Bearer {config.api_keys.upstream}" if config.api_keys.upstream else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         arrived, arrived_ns = time.perf_counter(), time.time_ns()
@@ -80,7 +80,7 @@ class GenerationEndpoint:
                 return
             auth = None  # the proxy's key is not the instances' key
         auth = self._upstream_auth or auth
-        max_body = self._ctx.config.max_body_bytes
+        max_body = self._ctx.config.admission.max_body_bytes
         try:
             raw = await read_body(receive, max_body)
         except BodyTooLarge:
@@ -137,7 +137,7 @@ async def instances(request: Request) -> JSONResponse:
 
 async def requests(request: Request) -> Response:
     ctx = context(request)
-    if not is_authorized(request, ctx.config.admin_api_key):
+    if not is_authorized(request, ctx.config.api_keys.admin):
         return error_response(401, "missing or wrong admin API key", "AuthenticationError")
     wanted = request.query_params.get("id")
     found = [t.as_dict() for t in ctx.state.traces if wanted is None or t.request_id == wanted]

@@ -159,8 +159,8 @@ class ProxyState:
     def new_instance(self, role: Role, url: str) -> Instance:
         """An instance not yet in any pool (the admin API checks its model before ``add``)."""
         config = self._config
-        breaker = CircuitBreaker(config.breaker_threshold, config.breaker_cooldown_s)
-        return Instance(self._make_upstream(role, url), breaker, config.unhealthy_after_checks)
+        breaker = CircuitBreaker(config.health.breaker_threshold, config.health.breaker_cooldown_s)
+        return Instance(self._make_upstream(role, url), breaker, config.health.unhealthy_after_checks)
 
     async def open(self) -> None:
         for instance in self.instances:

