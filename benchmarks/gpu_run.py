@@ -90,7 +90,7 @@ class Run:
         self.out, self.work = a.out, a.work
         self.work.mkdir(parents=True, exist_ok=True)
         self.out.mkdir(parents=True, exist_ok=True)
-        self.deadline = time.monotonic() + a.deadline_s
+        self.deadline: float = time.monotonic() + a.deadline_s
         self.steps = set(a.steps.split(","))
         self.record: dict[str, Any] = {"args": {k: str(v) for k, v in vars(a).items()}, "steps": {}}
         self.lines: list[str] = []
@@ -143,7 +143,7 @@ class Run:
             self.say(f"-- {name}: {entry['status']} in {entry['seconds']} s")
         self.record["steps"][name] = entry
         self.save()
-        return entry["status"] == "ok"
+        return bool(entry["status"] == "ok")
 
 
 def _pdeathsig() -> Callable[[], None]:

@@ -161,7 +161,8 @@ def summarize(decode: list[dict[str, Any]], prefill: list[dict[str, Any]]) -> di
             ms = [1e3 * (s["end"] - s["start"]) for s in d[1:]]  # the first may include the phase's start
             row["decode_step_ms"] = dist(ms)
             if p:
-                over, clear = [], []
+                over: list[float] = []
+                clear: list[float] = []
                 for s, v in zip(d[1:], ms, strict=True):
                     hit = any(q["start"] < s["end"] and q["end"] > s["start"] for q in p)
                     (over if hit else clear).append(v)

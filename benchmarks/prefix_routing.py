@@ -27,7 +27,7 @@ import urllib.request
 from pathlib import Path
 
 from pdserve.bench.load import Job, run_load
-from pdserve.engines.metrics import parse_prometheus
+from pdserve.prometheus import parse_prometheus
 from pdserve.sim.profile import load_profile
 from pdserve.stack import wait_http_ok
 

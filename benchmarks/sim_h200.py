@@ -142,7 +142,7 @@ def vllm_ttft_mean(arm: str, real: dict[str, Any]) -> float:
     return sum(known) if arm == "disaggregated" else statistics.fmean(known)
 
 
-def fit_prefill(profile: Profile, real: dict[str, Any], args: tuple[int, ...], seed: int) -> float:
+def fit_prefill(profile: Profile, real: dict[str, Any], args: tuple[int, int, int, int], seed: int) -> float:
     """prefill_per_token_s at which the sim's one-instance TTFT p50 equals the measured one (bisection)."""
     low, high = 0.0, 1e-3
     for _ in range(30):
@@ -158,7 +158,12 @@ def side_by_side(a: argparse.Namespace) -> int:
     profile = load_profile(a.profile)
     measured, workload, one_gpu, rounds = load_measured(a.measured)
     one_gpu = a.one_gpu or one_gpu
-    args = tuple(workload[k] for k in ("requests", "concurrency", "prompt_tokens", "output_tokens"))
+    args = (
+        workload["requests"],
+        workload["concurrency"],
+        workload["prompt_tokens"],
+        workload["output_tokens"],
+    )
     if a.fit_prefill:
         fitted = fit_prefill(profile, measured["one-instance"], args, a.seed)
         print(f"prefill_per_token_s fitted to the one-instance TTFT p50: {fitted:.4g} (profile: "
