@@ -1,6 +1,6 @@
 """Who holds a killed prefill's GPU memory when prefill and decode share one GPU, and what frees it.
 
-On the lent H200 (2026-12-03) a SIGKILLed prefill could not be restarted next to its decode: vLLM's
+On one H200 (2026-12-03) a SIGKILLed prefill could not be restarted next to its decode: vLLM's
 start-up found only 13 of 140 GiB free, the dead prefill's share still allocated after its whole process
 group was gone. The suspect is decode: NIXL READs over cuda_ipc make UCX map prefill's KV buffers into
 decode's process, UCX keeps the mappings in its IPC cache (UCX_CUDA_IPC_CACHE, on by default), and the

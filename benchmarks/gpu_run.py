@@ -1,4 +1,4 @@
-"""The GPU run of issue 10 on a lent H200, in one device call: `scripts/gpu-run.sh` starts this.
+"""pdserve measured on a GPU host without network, in one run that `scripts/gpu-run.sh` starts.
 
 Steps, each bounded in time, each recorded whether it passed, failed or was skipped (a failure never
 stops the steps that do not need it), all within ``--deadline-s``:
@@ -22,10 +22,10 @@ stops the steps that do not need it), all within ``--deadline-s``:
   restart    only with ``--steps restart``: who holds a SIGKILLed prefill's GPU memory when it shares the GPU
              with its decode, and whether prefill restarts next to it (benchmarks/gpu_restart.py)
   e2e        the real-vLLM end-to-end tests that mean something on a GPU (``--e2e-tests``), with their pair
-             on the GPU (PDSERVE_E2E_DEVICE=cuda; needs pytest from .gpu/whl); not with ``demo`` (both
+             on the GPU (PDSERVE_E2E_DEVICE=cuda; needs pytest among the bundle's wheels); not with ``demo`` (both
              would want the GPU's memory): run it with ``--steps e2e``
 
-Writes to --out (at most 8 files come back): gpu_run.json (everything), gpu_run.txt (the same in words),
+Writes to --out (a few files, to copy off the host): gpu_run.json (everything), gpu_run.txt (the same in words),
 nixl_transfer.json, llama3-8b-h200.yaml, logs.tar.gz (instance, nixl and step logs, tails only),
 load_trace.json (the load step's requests on one clock).
 """
@@ -394,7 +394,7 @@ def step_demo(run: Run) -> dict[str, Any]:
     env = {"UCX_PROTO_INFO": "y", **run.pair_env}  # the pair's logs then say which transport moved the KV
     run.say(f"pair env: {run.pair_env or '(UCX defaults)'}")
     log = run.work / "demo.log"
-    log.unlink(missing_ok=True)  # a warm machine keeps --work: an earlier call's "still running" is no news
+    log.unlink(missing_ok=True)  # a host used again keeps --work: an earlier run's "still running" is no news
     run.demo = spawn(argv, log, env)
     deadline = time.monotonic() + min(run.a.demo_timeout_s, run.left() - 60)
     while time.monotonic() < deadline:
@@ -795,7 +795,7 @@ def finish(run: Run) -> None:
                 and path.suffix in (".log", ".json", ".yaml", ".txt", ".csv", ".md")
                 and "llama8b" not in path.parts
             ):
-                data = path.read_bytes()[-2_000_000:]  # tails: vLLM logs grow fast, 16 MiB come back
+                data = path.read_bytes()[-2_000_000:]  # tails: vLLM logs grow fast, the archive stays small
                 info = tarfile.TarInfo(str(path.relative_to(run.work)))
                 info.size = len(data)
                 tar.addfile(info, io.BytesIO(data))
@@ -805,7 +805,7 @@ def finish(run: Run) -> None:
 def step_e2e(run: Run) -> dict[str, Any]:
     env = {
         "PDSERVE_E2E_DEVICE": "cuda",
-        "PDSERVE_ENGINE_PYTHON": PY,  # the image's python, vLLM from the carry on its path
+        "PDSERVE_ENGINE_PYTHON": PY,  # the host's python, vLLM from the offline bundle on its path
         "PDSERVE_FORBID_SKIPS": "1",
         "PDSERVE_E2E_RUN_DIR": str(run.work / "e2e-run"),
     }

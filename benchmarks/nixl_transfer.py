@@ -1,9 +1,9 @@
 """How fast does NIXL move a KV-sized buffer between two processes, and over which UCX transport?
 
-vLLM's NixlConnector has the decode process READ the prompt's KV from the prefill process. On the lent
-H200 (one GPU, two vLLM processes on it) that moved at 0.5 GB/s over tcp/lo while the GPU copies at
-1.8 TB/s; here READ ran at 0.5 GB/s by default and 0.8-1.2 TB/s with UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y
-(2026-12-03, BENCHMARKS.md "GPU (one H200)"). This reproduces the transfer without vLLM: a *target*
+vLLM's NixlConnector has the decode process READ the prompt's KV from the prefill process. On one H200
+(two vLLM processes on it) that moved at 0.5 GB/s over tcp/lo while the GPU copies at 1.8 TB/s; here
+READ ran at 0.5 GB/s by default and 0.8-1.2 TB/s with UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y (2026-12-03,
+BENCHMARKS.md "GPU (one H200)"). This reproduces the transfer without vLLM: a *target*
 process registers a buffer with NIXL, an *initiator* process READs it (and WRITEs it back), both with the
 UCX backend, under several environments. Each setting is a fresh pair of processes, so UCX reads its
 variables anew.
@@ -15,7 +15,7 @@ processes and a device-to-device copy inside one.
 
     python3 benchmarks/nixl_transfer.py --out DIR [--mem vram|dram] [--settings NAME,...] [--mib 256]
 
-Needs torch and nixl importable (the engine venv, or the GPU carry's /tmp/site); imports no pdserve.
+Needs torch and nixl importable (the engine venv, or the offline bundle unpacked on a GPU host without network); imports no pdserve.
 Writes DIR/nixl_transfer.json (every figure) and DIR/nixl-<setting>.log (each pair's output, UCX's
 protocol choices included: UCX_PROTO_INFO=y) and prints one line per figure.
 """
