@@ -51,6 +51,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from _common import add_numbers, is_result, read_result, script_parser
+
 HERE = Path(__file__).resolve().parent
 PY = sys.executable
 # vLLM 0.26's defaults for the OpenAI server on a GPU of >= 70 GiB that is no A100 (engine/arg_utils.py
@@ -184,11 +186,6 @@ def call(
     return rc, log.read_text(errors="replace")[-6000:]
 
 
-def result_line(text: str) -> Any:
-    found = [ln for ln in text.splitlines() if ln.startswith("RESULT ")]
-    return json.loads(found[-1][7:]) if found else None
-
-
 def cli_has(*words: str) -> bool:
     proc = subprocess.run(
         [PY, "-m", "pdserve.cli", *words[:-1], "--help"], capture_output=True, text=True, timeout=60
@@ -300,7 +297,7 @@ def start_model(run: Run) -> threading.Thread | None:
             [run.a.bench_python, str(HERE / "llama8b_random.py"), str(target), "--device", "cuda"],
             300,
         )
-        timings = result_line(text)
+        timings = read_result(text)
         run.record["model_build"] = {
             "rc": rc,
             "timings": timings,
@@ -822,7 +819,7 @@ def step_e2e(run: Run) -> dict[str, Any]:
 def step_restart(run: Run) -> dict[str, Any]:
     rc, text = call(run, "restart", [PY, str(HERE / "gpu_restart.py"), "--out", str(run.work / "restart")],
                     run.left() - 10)  # fmt: skip
-    run.say("\n".join(ln for ln in text.splitlines()[-40:] if not ln.startswith("RESULT ")))
+    run.say("\n".join(ln for ln in text.splitlines()[-40:] if not is_result(ln)))
     path = run.work / "restart" / "gpu_restart.json"
     if not path.exists():
         raise RuntimeError(f"gpu_restart.py exit {rc}, no gpu_restart.json")
@@ -834,7 +831,7 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = script_parser(__doc__)
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/gpu-run-out")))
     p.add_argument("--work", type=Path, default=Path("/tmp/gpurun"))
     p.add_argument("--deadline-s", type=float, default=560.0, help="every step ends within this")
@@ -849,18 +846,13 @@ def main() -> int:
     p.add_argument("--pair-ucx", default="default",
                    help="default (what `up` plans), auto, or KEY=VALUE,... added for the vLLM pair "
                         "(the plan's own UCX variables win over these)")  # fmt: skip
-    p.add_argument("--nixl-budget-s", type=float, default=100.0)
-    p.add_argument("--demo-timeout-s", type=float, default=300.0)
-    p.add_argument("--concurrency", type=int, default=16)
-    p.add_argument("--requests", type=int, default=32)
+    add_numbers(p, {"--nixl-budget-s": 100.0, "--demo-timeout-s": 300.0})
+    add_numbers(p, {"--concurrency": 16, "--requests": 32})
     p.add_argument("--load-rounds", type=int, default=1, help="the load step's arms in turn, this many times")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="vLLM with CUDA graphs (longer start-up, steadier steps); default --enforce-eager")  # fmt: skip
-    p.add_argument("--prompt-tokens", type=int, default=2000)
-    p.add_argument("--output-tokens", type=int, default=128)
-    p.add_argument("--proxy-port", type=int, default=8000)
-    p.add_argument("--first-port", type=int, default=8100)
-    p.add_argument("--side-port", type=int, default=5600)
+    add_numbers(p, {"--prompt-tokens": 2000, "--output-tokens": 128})
+    add_numbers(p, {"--proxy-port": 8000, "--first-port": 8100, "--side-port": 5600})
     p.add_argument("--device", default="cuda", help="cuda; cpu only to try this driver on a CPU machine")
     p.add_argument("--bench-python", default=PY, help="python with torch and nixl (on the H200: this one)")
     p.add_argument("--nixl-mem", default="vram,dram", help="memory kinds for the nixl step")

@@ -33,6 +33,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from _common import add_numbers, script_parser
 from pdserve.bench.simcluster import _Pulls, run
 from pdserve.bench.workload import Slo
 from pdserve.sim.device import SharedDevice
@@ -219,7 +220,7 @@ def xpyd(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = script_parser(__doc__)
     sub = p.add_subparsers(dest="what", required=True)
     s = sub.add_parser("side-by-side")
     s.add_argument(
@@ -239,11 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     x = sub.add_parser("xpyd")
     x.add_argument("--rates", default="4,8,12,16")
-    x.add_argument("--input-len", type=int, default=2000)
-    x.add_argument("--output-len", type=int, default=128)
-    x.add_argument("--requests", type=int, default=400)
-    x.add_argument("--slo-ttft-ms", type=float, default=1000.0)
-    x.add_argument("--slo-tpot-ms", type=float, default=50.0)
+    add_numbers(x, {"--input-len": 2000, "--output-len": 128, "--requests": 400})
+    add_numbers(x, {"--slo-ttft-ms": 1000.0, "--slo-tpot-ms": 50.0})
     x.add_argument("--ratios", action="store_true", help="also every other P:D split of 8 instances")
     for q in (s, x):
         q.add_argument("--profile", default="llama3-8b-h200")
