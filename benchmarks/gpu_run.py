@@ -22,11 +22,11 @@ stops the steps that do not need it), all within ``--deadline-s``:
   restart    only with ``--steps restart``: who holds a SIGKILLed prefill's GPU memory when it shares the GPU
              with its decode, and whether prefill restarts next to it (benchmarks/gpu_restart.py)
   e2e        the real-vLLM end-to-end tests that mean something on a GPU (``--e2e-tests``), with their pair
-             on the GPU (PDSERVE_E2E_DEVICE=cuda; needs pytest among the bundle's wheels); not with ``demo`` (both
-             would want the GPU's memory): run it with ``--steps e2e``
+             on the GPU (PDSERVE_E2E_DEVICE=cuda; needs pytest among the bundle's wheels); not with
+             ``demo`` (both would want the GPU's memory): run it with ``--steps e2e``
 
-Writes to --out (a few files, to copy off the host): gpu_run.json (everything), gpu_run.txt (the same in words),
-nixl_transfer.json, llama3-8b-h200.yaml, logs.tar.gz (instance, nixl and step logs, tails only),
+Writes a few files to --out, to copy off the host: gpu_run.json (everything), gpu_run.txt (the same in
+words), nixl_transfer.json, llama3-8b-h200.yaml, logs.tar.gz (instance, nixl and step logs, tails only),
 load_trace.json (the load step's requests on one clock).
 """
 
@@ -391,7 +391,7 @@ def step_demo(run: Run) -> dict[str, Any]:
     env = {"UCX_PROTO_INFO": "y", **run.pair_env}  # the pair's logs then say which transport moved the KV
     run.say(f"pair env: {run.pair_env or '(UCX defaults)'}")
     log = run.work / "demo.log"
-    log.unlink(missing_ok=True)  # a host used again keeps --work: an earlier run's "still running" is no news
+    log.unlink(missing_ok=True)  # a host run on again keeps --work: an old "still running" is no news
     run.demo = spawn(argv, log, env)
     deadline = time.monotonic() + min(run.a.demo_timeout_s, run.left() - 60)
     while time.monotonic() < deadline:

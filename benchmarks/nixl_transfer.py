@@ -15,9 +15,9 @@ processes and a device-to-device copy inside one.
 
     python3 benchmarks/nixl_transfer.py --out DIR [--mem vram|dram] [--settings NAME,...] [--mib 256]
 
-Needs torch and nixl importable (the engine venv, or the offline bundle unpacked on a GPU host without network); imports no pdserve.
-Writes DIR/nixl_transfer.json (every figure) and DIR/nixl-<setting>.log (each pair's output, UCX's
-protocol choices included: UCX_PROTO_INFO=y) and prints one line per figure.
+Needs torch and nixl importable (the engine venv, or the offline bundle unpacked on a GPU host without
+network); imports no pdserve. Writes DIR/nixl_transfer.json (every figure) and DIR/nixl-<setting>.log
+(each pair's output, UCX's protocol choices included: UCX_PROTO_INFO=y) and prints one line per figure.
 """
 
 from __future__ import annotations
