@@ -527,8 +527,7 @@ def step_load(run: Run) -> dict[str, Any]:
     """The arms in turn, ``--load-rounds`` times (eager vLLM's step times drift by a quarter between runs
     of one morning: interleaved rounds compare the arms under the same drift); medians of the rounds."""
     need_pair(run)
-    from pdserve.engines.metrics import scrape
-    from pdserve.prometheus import BYTES_SUM, XFER_COUNT, XFER_TIME_SUM
+    from pdserve.prometheus import BYTES_SUM, XFER_COUNT, XFER_TIME_SUM, scrape
 
     argv = [PY, "-m", "pdserve.cli", "proxy", "--colocated", "--decode", run.prefill, "--decode", run.decode,
             "--port", str(run.a.proxy_port + 1)]  # fmt: skip

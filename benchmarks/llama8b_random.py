@@ -30,10 +30,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-from safetensors.torch import save_file
+# mypy runs in the pdserve venv, which lacks these; "unused-ignore" keeps it clean where they exist.
+import torch  # type: ignore[import-not-found,unused-ignore]
+from safetensors.torch import save_file  # type: ignore[import-not-found,unused-ignore]
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-from transformers import LlamaConfig, PreTrainedTokenizerFast
+from transformers import LlamaConfig, PreTrainedTokenizerFast  # type: ignore[import-not-found,unused-ignore]
 
 from pdserve.engines.tinymodel import CHAT_TEMPLATE, SPECIAL_TOKENS
 

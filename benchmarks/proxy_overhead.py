@@ -4,7 +4,8 @@ Both proxies front one fake prefill and one fake decode instance that cost (almo
 asyncio server speaking vLLM's PD wire format (prefill answers ``kv_transfer_params``, decode streams one
 SSE event per token, each written on its own loop turn, as vLLM does). The load comes from a lean
 closed-loop client on raw keep-alive connections (``httptools``), so the generator's own cost stays small
-next to the proxies'. Every cell (whole or streamed, tokens, concurrency) runs for each proxy in turn,
+next to the proxies' (pdserve's own generator, bench/load.py, parses every event on aiohttp: its cost per
+request would rival the proxies', and move their figures with it). Every cell (whole or streamed, tokens, concurrency) runs for each proxy in turn,
 round after round (interleaved), and medians over rounds are reported, with the ratio to the router.
 
 Reported per cell: requests/s, end-to-end latency p50/p99 (with zero-cost engines, that is the proxy's
@@ -45,6 +46,8 @@ from typing import Any, cast
 import httptools
 import orjson
 import uvloop
+
+from pdserve.bench.load import percentile
 
 HOST = "127.0.0.1"
 _HOLD_TOKENS = 1_000_000  # a decode asked for this many tokens sends one and holds the stream open
@@ -283,8 +286,8 @@ async def _closed_loop(port: int, cell: Cell, seconds: float) -> tuple[list[floa
 
 
 def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000 if ordered else float("nan")
+    """In ms."""
+    return percentile(values, q) * 1000
 
 
 def _run_closed_loop(port: int, cell: Cell, seconds: float) -> tuple[list[float], list[float], int, float]:
@@ -529,7 +532,7 @@ def report(args: argparse.Namespace, cells: list[Cell], names: list[str],
         for name in names:
             m = _median(samples[(cell.name, name)])
             rows[f"{cell.name} | {name}"] = m.__dict__
-            ratios = ("", "", "")
+            ratios: tuple[str, ...] = ("", "", "")
             if router is not None and name.startswith("pdserve"):
                 # Each round's ratio, then their median: the load drifts between rounds on a shared
                 # machine, less within one round, where the two ran back to back.

@@ -34,12 +34,11 @@ from pathlib import Path
 from typing import Any
 
 from _common import add_numbers, script_parser
-from pdserve.bench.simcluster import _Pulls, run
+from pdserve.bench.simcluster import ClusterLoad, _Pulls, run, serve
 from pdserve.bench.workload import Slo
 from pdserve.sim.device import SharedDevice
 from pdserve.sim.engine import SimEngine, VirtualClock
 from pdserve.sim.profile import Profile, load_profile
-from pdserve.sim.types import RemoteKV, SimRequest
 
 TOLERANCE = 0.2
 DATA = Path(__file__).resolve().parent / "data"
@@ -91,17 +90,7 @@ async def closed_loop(
         async with gate:
             ids = tuple(rng.randrange(100, 1_000_000) for _ in range(prompt))
             start = clock.now()
-            remote = None
-            prefill, decode = next(next_prefill), next(next_decode)
-            if prefill is not None:
-                held = None
-                async for event in prefill.generate(SimRequest(f"p{i}", ids, 1, hold_for_remote=True)):
-                    held = event.held
-                assert held is not None
-                remote = RemoteKV(prefill.engine_id, f"p{i}", held.block_ids, held.num_tokens, "sim", 0)
-            times = []
-            async for _event in decode.generate(SimRequest(f"r{i}", ids, output, remote=remote)):
-                times.append(clock.now())
+            times = await serve(i, ids, output, next(next_prefill), next(next_decode), clock)
             ttfts.append(times[0] - start)
             itls.extend(b - a for a, b in itertools.pairwise(times))
 
@@ -211,7 +200,7 @@ def xpyd(a: argparse.Namespace) -> int:
     splits = [(4, 4), (0, 8)] + ([(p, 8 - p) for p in range(1, 8) if p != 4] if a.ratios else [])
     for rate in rates:
         for p, d in splits:
-            r = run(profile, p, d, rate, a.input_len, a.output_len, a.requests, a.seed)
+            r = run(profile, ClusterLoad(p, d, rate, a.input_len, a.output_len, a.requests, a.seed))
             name = f"{p}P{d}D" if p else f"{d} coloc"
             print(f"{rate:7.1f} {name:>12} {r.goodput(slo):10.2f} {r.attainment(slo):7.2f} "
                   f"{1e3 * r.quantile('ttft_s', 0.5):9.0f} {1e3 * r.quantile('ttft_s', 0.9):9.0f} "

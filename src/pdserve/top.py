@@ -23,19 +23,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any, TextIO
 
 from pdserve import httpclient
-from pdserve.errors import Unreachable
-from pdserve.prometheus import (
-    BYTES_SUM,
-    KV_EXPIRED,
-    KV_USAGE,
-    NUM_RUNNING,
-    NUM_WAITING,
-    XFER_COUNT,
-    XFER_FAILED,
-    XFER_TIME_SUM,
-    parse_prometheus,
-    parse_samples,
-)
+from pdserve.errors import MetricsUnreadable, Unreachable
+from pdserve.prometheus import EngineScrape, parse_samples, scrape, scrape_text
 
 # The proxy's outcomes (proxy/state.py Outcome) in the order an operator reads them; others follow.
 _OUTCOMES = ("ok", "client_error", "error", "stream_error", "client_disconnected")
@@ -57,26 +46,6 @@ class InstanceRow:
     def of(cls, entry: Mapping[str, Any]) -> InstanceRow:
         return cls(str(entry.get("role", "?")), str(entry.get("url", "?")), str(entry.get("state", "?")),
                    str(entry.get("circuit", "?")), int(entry.get("in_flight") or 0), entry.get("error"))  # fmt: skip
-
-
-@dataclass(frozen=True)
-class EngineScrape:
-    """One instance's /metrics at one moment; None where the engine does not export the metric."""
-
-    num_running: float | None = None
-    num_waiting: float | None = None
-    kv_usage: float | None = None  # 0..1
-    num_transfers: float | None = None  # successful NIXL reads: they move on decode
-    transfer_seconds: float | None = None
-    num_bytes: float | None = None
-    num_failed: float | None = None  # failed transfers, handshakes, notifications: decode
-    num_expired: float | None = None  # leases that ran out unpulled: prefill
-
-    @classmethod
-    def parse(cls, text: str) -> EngineScrape:
-        s = parse_prometheus(text)
-        return cls(s.get(NUM_RUNNING), s.get(NUM_WAITING), s.get(KV_USAGE), s.get(XFER_COUNT),
-                   s.get(XFER_TIME_SUM), s.get(BYTES_SUM), s.get(XFER_FAILED), s.get(KV_EXPIRED))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -132,17 +101,10 @@ class Snapshot:
     proxy_error: str | None = None  # the proxy itself could not be read
 
 
-def _get_text(url: str, timeout: float) -> str:
-    response = httpclient.get(url, timeout)
-    if response.status != 200:
-        raise Unreachable(f"{url} answered {response.status}")
-    return response.body.decode("utf-8", "replace")
-
-
 def _scrape_engine(url: str, timeout: float) -> EngineScrape | str:
     try:
-        return EngineScrape.parse(_get_text(f"{url}/metrics", timeout))
-    except Unreachable as exc:
+        return EngineScrape.of(scrape(url, timeout))
+    except MetricsUnreadable as exc:
         return str(exc)
 
 
@@ -151,14 +113,15 @@ def sample(proxy_url: str, pool: ThreadPoolExecutor, timeout: float = 2.0) -> Sn
     not take dozens of timeouts)."""
     base = proxy_url.rstrip("/")
     at, wall = time.monotonic(), time.time()
-    metrics = pool.submit(_get_text, f"{base}/metrics", timeout)  # meanwhile, /instances
+    metrics = pool.submit(scrape_text, base, timeout)  # meanwhile, /instances
     try:
         listing = httpclient.get(f"{base}/instances", timeout)
         if listing.status != 200:
             raise Unreachable(f"{base}/instances answered {listing.status}")
         instances = tuple(InstanceRow.of(entry) for entry in listing.json())
         proxy = ProxyScrape.parse(metrics.result())
-    except (Unreachable, TypeError, AttributeError) as exc:  # not a pdserve proxy: not a list of objects
+    # Not a pdserve proxy: /metrics unreadable, or /instances not a list of objects.
+    except (Unreachable, MetricsUnreadable, TypeError, AttributeError) as exc:
         return Snapshot(base, at, wall, proxy_error=str(exc) or type(exc).__name__)
     urls = [i.url for i in instances]
     engines = dict(zip(urls, pool.map(lambda u: _scrape_engine(u, timeout), urls), strict=True))

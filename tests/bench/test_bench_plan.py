@@ -25,8 +25,9 @@ NUM_REQUESTS = 150
 
 def simulate(profile_gbps: float | None, num_prefill: int, num_decode: int) -> simcluster.ClusterRun:
     profile = A100 if profile_gbps is None else A100.with_kv_bandwidth(profile_gbps * 1e9)
-    return simcluster.run(profile, num_prefill, num_decode, TARGET.rate, TARGET.input_len, TARGET.output_len,
-                          num_requests=NUM_REQUESTS)  # fmt: skip
+    load = simcluster.ClusterLoad(num_prefill, num_decode, TARGET.rate, TARGET.input_len, TARGET.output_len,
+                                  num_requests=NUM_REQUESTS)  # fmt: skip
+    return simcluster.run(profile, load)
 
 
 def test_the_recommended_ratio_beats_one_more_prefill_one_more_decode_and_colocation() -> None:

@@ -19,19 +19,21 @@ A100 = load_profile("llama3-8b-a100")
 
 
 def test_every_request_is_served_in_both_layouts_and_a_seed_repeats_a_run() -> None:
-    split = simcluster.run(A100, 1, 1, 2.0, 512, 16, num_requests=40)
-    whole = simcluster.run(A100, 0, 2, 2.0, 512, 16, num_requests=40)
+    split = simcluster.run(A100, simcluster.ClusterLoad(1, 1, 2.0, 512, 16, num_requests=40))
+    whole = simcluster.run(A100, simcluster.ClusterLoad(0, 2, 2.0, 512, 16, num_requests=40))
     assert len(split.timings) == len(whole.timings) == 40
     assert (split.num_instances, whole.num_instances) == (2, 2)
-    assert split == simcluster.run(A100, 1, 1, 2.0, 512, 16, num_requests=40)
-    assert split != simcluster.run(A100, 1, 1, 2.0, 512, 16, num_requests=40, seed=1)
+    assert split == simcluster.run(A100, simcluster.ClusterLoad(1, 1, 2.0, 512, 16, num_requests=40))
+    assert split != simcluster.run(A100, simcluster.ClusterLoad(1, 1, 2.0, 512, 16, num_requests=40, seed=1))
 
 
 def test_the_split_pays_the_kv_transfer_in_ttft_and_a_slow_link_pays_more() -> None:
     # 2,048 tokens of Llama-3-8B KV are 268 MB: ~14 ms at the profile's 20 GB/s, ~540 ms at 0.5 GB/s.
-    fast = simcluster.run(A100, 1, 1, 0.5, 2048, 8, num_requests=20)
-    slow = simcluster.run(A100.with_kv_bandwidth(0.5e9), 1, 1, 0.5, 2048, 8, num_requests=20)
-    whole = simcluster.run(A100, 0, 1, 0.5, 2048, 8, num_requests=20)
+    fast = simcluster.run(A100, simcluster.ClusterLoad(1, 1, 0.5, 2048, 8, num_requests=20))
+    slow = simcluster.run(
+        A100.with_kv_bandwidth(0.5e9), simcluster.ClusterLoad(1, 1, 0.5, 2048, 8, num_requests=20)
+    )
+    whole = simcluster.run(A100, simcluster.ClusterLoad(0, 1, 0.5, 2048, 8, num_requests=20))
     median = 0.5
     assert fast.quantile("ttft_s", median) > whole.quantile("ttft_s", median)
     assert slow.quantile("ttft_s", median) - fast.quantile("ttft_s", median) == pytest.approx(0.52, abs=0.05)
@@ -39,13 +41,13 @@ def test_the_split_pays_the_kv_transfer_in_ttft_and_a_slow_link_pays_more() -> N
 
 def test_colocated_decodes_stall_behind_prefills_and_split_ones_do_not() -> None:
     # A 4,096-token prompt is a 290 ms prefill: every decode sharing that step waits for it.
-    split = simcluster.run(A100, 1, 1, 5.0, 4096, 64, num_requests=60)
-    whole = simcluster.run(A100, 0, 2, 5.0, 4096, 64, num_requests=60)
+    split = simcluster.run(A100, simcluster.ClusterLoad(1, 1, 5.0, 4096, 64, num_requests=60))
+    whole = simcluster.run(A100, simcluster.ClusterLoad(0, 2, 5.0, 4096, 64, num_requests=60))
     assert whole.quantile("tpot_s", 0.9) > 2 * split.quantile("tpot_s", 0.9)
 
 
 def test_goodput_counts_only_requests_that_met_every_slo_per_second() -> None:
-    run = simcluster.run(A100, 1, 1, 2.0, 512, 16, num_requests=40)
+    run = simcluster.run(A100, simcluster.ClusterLoad(1, 1, 2.0, 512, 16, num_requests=40))
     assert run.goodput(Slo()) == pytest.approx(40 / run.duration_s)
     assert run.attainment(Slo(ttft_ms=0.001)) == 0.0 and run.goodput(Slo(ttft_ms=0.001)) == 0.0
     ttfts_ms = sorted(t.ttft_s * 1000 for t in run.timings)
@@ -72,3 +74,9 @@ def test_bench_writes_the_slow_link_profile_where_the_sim_instances_read_it(tmp_
     assert written.name == "llama3-8b-a100-0.5gbps"
     assert written.kv_bandwidth_bytes_per_s == pytest.approx(0.5e9)
     assert written == dataclasses.replace(A100.with_kv_bandwidth(0.5e9), name=written.name)
+
+
+def test_a_cluster_without_decode_or_load_is_refused_when_it_is_described() -> None:
+    for bad in ((1, 0, 2.0, 512, 16), (-1, 1, 2.0, 512, 16), (1, 1, 0.0, 512, 16), (1, 1, 2.0, 0, 16)):
+        with pytest.raises(ConfigError):
+            simcluster.ClusterLoad(*bad)

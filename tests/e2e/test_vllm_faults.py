@@ -20,10 +20,10 @@ import pytest
 
 from pdserve import httpclient
 from pdserve.config import ProxyConfig, Timeouts
-from pdserve.engines.metrics import scrape, transfer_counts
+from pdserve.engines.metrics import transfer_counts
 from pdserve.engines.plan import InstanceSpec
 from pdserve.events import InstanceEvent
-from pdserve.prometheus import KV_USAGE
+from pdserve.prometheus import KV_USAGE, scrape
 from pdserve.stack import ProxyThread, Stack, wait_http_ok
 from pdserve.verify import wait_for_transfers
 

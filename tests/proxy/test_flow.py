@@ -42,6 +42,23 @@ async def post(
         return resp.status, resp.headers, await resp.read()
 
 
+async def timed_post(
+    http: aiohttp.ClientSession, url: str, body: Any, request_id: str | None = None
+) -> tuple[int, bytes, float]:
+    """``post``'s status and answer, and the seconds it took."""
+    begun = time.monotonic()
+    status, _, answer = await post(http, url, body, request_id)
+    return status, answer, time.monotonic() - begun
+
+
+async def answer_while_hung(
+    rig: Rig, http: aiohttp.ClientSession, fake: FakeVLLM, body: Any, request_id: str
+) -> tuple[int, bytes, float]:
+    """What the client gets while ``fake`` never answers: status, answer, and the seconds it took."""
+    fake.fault = "hang"
+    return await timed_post(http, rig.url + "/v1/completions", body, request_id)
+
+
 def sse_data(raw: bytes) -> list[bytes]:
     """The ``data:`` payloads of an SSE body, in order."""
     return [event.removeprefix(b"data: ") for event in raw.split(b"\n\n") if event]
@@ -330,10 +347,7 @@ async def test_unknown_model_is_rejected_by_prefill_and_decode_is_never_called(
 async def test_hung_prefill_answers_504_naming_prefill_within_its_timeout(
     rig: Rig, http: aiohttp.ClientSession
 ) -> None:
-    rig.prefill.fault = "hang"
-    begun = time.monotonic()
-    status, _, body = await post(http, rig.url + "/v1/completions", COMPLETION, request_id="hung-prefill")
-    elapsed = time.monotonic() - begun
+    status, body, elapsed = await answer_while_hung(rig, http, rig.prefill, COMPLETION, "hung-prefill")
     assert status == 504
     assert elapsed < TIMEOUTS.prefill + 2
     error = orjson.loads(body)["error"]
@@ -352,9 +366,7 @@ async def test_unreachable_prefill_answers_502_naming_prefill_at_once(
     rig: Rig, http: aiohttp.ClientSession, dead_url: str
 ) -> None:
     with running_proxy([dead_url], [rig.decode_url]) as url:
-        begun = time.monotonic()
-        status, _, body = await post(http, url + "/v1/completions", COMPLETION)
-        elapsed = time.monotonic() - begun
+        status, body, elapsed = await timed_post(http, url + "/v1/completions", COMPLETION)
     assert status == 502
     assert elapsed < TIMEOUTS.connect + 1
     error = orjson.loads(body)["error"]
@@ -363,29 +375,31 @@ async def test_unreachable_prefill_answers_502_naming_prefill_at_once(
     assert rig.decode.generations() == []
 
 
+async def error_when_prefill_fails(rig: Rig, http: aiohttp.ClientSession, fault: str) -> tuple[int, Any]:
+    """The status and error a completion gets while prefill has ``fault``; decode must never be called."""
+    rig.prefill.fault = fault
+    status, _, body = await post(http, rig.url + "/v1/completions", COMPLETION)
+    assert rig.decode.generations() == []
+    return status, orjson.loads(body)["error"]
+
+
 async def test_prefill_without_kv_transfer_params_is_a_502_protocol_error(
     rig: Rig, http: aiohttp.ClientSession
 ) -> None:
-    rig.prefill.fault = "no_kv_params"
-    status, _, body = await post(http, rig.url + "/v1/completions", COMPLETION)
+    status, error = await error_when_prefill_fails(rig, http, "no_kv_params")
     assert status == 502
-    error = orjson.loads(body)["error"]
     assert error["type"] == "upstream_protocol_error"
     assert "prefill" in error["message"]
     assert "kv_transfer_params" in error["message"]
-    assert rig.decode.generations() == []
 
 
 async def test_prefill_500_reaches_the_client_and_decode_is_never_called(
     rig: Rig, http: aiohttp.ClientSession
 ) -> None:
-    rig.prefill.fault = "fail"
-    status, _, body = await post(http, rig.url + "/v1/completions", COMPLETION)
+    status, error = await error_when_prefill_fails(rig, http, "fail")
     assert status == 500
     # vLLM's own message, prefixed with who failed: vLLM's 500 alone does not say which instance.
-    message = orjson.loads(body)["error"]["message"]
-    assert message == f"prefill instance {rig.prefill_url}: Internal server error"
-    assert rig.decode.generations() == []
+    assert error["message"] == f"prefill instance {rig.prefill_url}: Internal server error"
 
 
 async def test_client_hanging_up_during_prefill_aborts_prefill(rig: Rig, http: aiohttp.ClientSession) -> None:
@@ -429,22 +443,18 @@ async def test_decode_500_reaches_the_client(rig: Rig, http: aiohttp.ClientSessi
 async def test_hung_decode_answers_504_naming_decode_within_its_timeout(
     rig: Rig, http: aiohttp.ClientSession
 ) -> None:
-    rig.decode.fault = "hang"
-    begun = time.monotonic()
-    status, _, body = await post(http, rig.url + "/v1/completions", COMPLETION, request_id="hung-decode")
+    status, body, elapsed = await answer_while_hung(rig, http, rig.decode, COMPLETION, "hung-decode")
     assert status == 504
-    assert time.monotonic() - begun < TIMEOUTS.decode + 2
+    assert elapsed < TIMEOUTS.decode + 2
     assert rig.decode_url in orjson.loads(body)["error"]["message"]
     assert await waited(rig.decode.wait_for_disconnect, "hung-decode", 1.0)
 
 
 async def test_decode_silent_before_first_token_answers_504(rig: Rig, http: aiohttp.ClientSession) -> None:
-    rig.decode.fault = "hang"
-    begun = time.monotonic()
     body = {**COMPLETION, "stream": True}
-    status, _, raw = await post(http, rig.url + "/v1/completions", body, request_id="no-first-token")
+    status, raw, elapsed = await answer_while_hung(rig, http, rig.decode, body, "no-first-token")
     assert status == 504
-    assert time.monotonic() - begun < TIMEOUTS.first_token + 2
+    assert elapsed < TIMEOUTS.first_token + 2
     message = orjson.loads(raw)["error"]["message"]
     assert "decode" in message
     assert rig.decode_url in message

@@ -134,6 +134,31 @@ async def test_a_kept_alive_connection_decode_had_closed_is_retried_there_unseen
     assert d0 is not None and d0.breaker.num_consecutive_failures == 0
 
 
+def stale_once(url: str, text: str) -> Script:
+    """A decode whose first request is lost to a kept-alive connection it had closed."""
+    answers = iter([failing(UpstreamStaleConnection("decode", url, "connection closed before the answer"))])
+
+    def answer(body: dict[str, Any]) -> Answer:
+        return next(answers, decode_text(text))(body)
+
+    return answer
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_a_request_lost_to_a_closed_kept_alive_connection_stays_on_the_decode_chosen_for_it(
+    stream: bool,
+) -> None:
+    # Two decodes under round robin: the chooser's next pick would be the other one.
+    texts = {"http://d0:1": " from d0", "http://d1:1": " from d1"}
+    system = System([prefill_ok], [stale_once(url, text) for url, text in texts.items()])
+    answer = await system.ask({**COMPLETION, "stream": stream})
+    assert answer.status == 200
+    [chosen] = [url for url in texts if system.calls(url)]  # the other decode was never asked
+    assert len(system.calls(chosen)) == 2 and texts[chosen].encode() in answer.body
+    assert len(system.calls("http://p0:1")) == 2  # the second time under a fresh prefill
+    assert system.state.stats.retries == {"decode_stale": 1}
+
+
 async def test_a_stream_whose_first_event_is_an_error_is_retried_unseen_by_the_client() -> None:
     error = sse.event(b'{"error": {"message": "KV load failed"}}')
 

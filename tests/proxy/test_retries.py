@@ -20,8 +20,18 @@ class Pair:
     urls: tuple[str, str]
 
 
+@dataclass(frozen=True)
+class Pools:
+    prefill: Pair
+    decode: Pair
+
+    def proxy(self, **config: Any) -> Any:
+        """A proxy in front of all four fakes, retrying without backoff."""
+        return running_proxy(list(self.prefill.urls), list(self.decode.urls), retry_backoff_s=0.0, **config)
+
+
 @pytest.fixture(scope="module")
-def _fakes() -> Iterator[tuple[Pair, Pair]]:
+def _fakes() -> Iterator[Pools]:
     p0, p1, d0, d1 = FakeVLLM("prefill"), FakeVLLM("prefill"), FakeVLLM("decode"), FakeVLLM("decode")
     with (
         serve_fake(p0) as p0_url,
@@ -29,144 +39,133 @@ def _fakes() -> Iterator[tuple[Pair, Pair]]:
         serve_fake(d0) as d0_url,
         serve_fake(d1) as d1_url,
     ):
-        yield Pair((p0, p1), (p0_url, p1_url)), Pair((d0, d1), (d0_url, d1_url))
+        yield Pools(Pair((p0, p1), (p0_url, p1_url)), Pair((d0, d1), (d0_url, d1_url)))
 
 
 @pytest.fixture
-def pools(_fakes: tuple[Pair, Pair]) -> tuple[Pair, Pair]:
-    for pair in _fakes:
-        for fake in pair.fakes:
-            fake.reset()
+def pools(_fakes: Pools) -> Pools:
+    for fake in (*_fakes.prefill.fakes, *_fakes.decode.fakes):
+        fake.reset()
     return _fakes
-
-
-def _proxy(prefill: Pair, decode: Pair, **config: Any) -> Any:
-    return running_proxy(list(prefill.urls), list(decode.urls), retry_backoff_s=0.0, **config)
 
 
 def _kv_ids(fake: FakeVLLM) -> list[str]:
     return [r.body["kv_transfer_params"]["remote_request_id"] for r in fake.generations()]
 
 
-async def test_failing_prefill_is_retried_on_the_other_one(
-    pools: tuple[Pair, Pair], http: aiohttp.ClientSession
-) -> None:
-    prefill, decode = pools
-    prefill.fakes[0].fault = "fail"
-    with _proxy(prefill, decode) as url:
+async def test_failing_prefill_is_retried_on_the_other_one(pools: Pools, http: aiohttp.ClientSession) -> None:
+    pools.prefill.fakes[0].fault = "fail"
+    with pools.proxy() as url:
         for _ in range(4):  # round robin would send half of them to the failing one first
             status, _, _ = await post(http, url + "/v1/completions", COMPLETION)
             assert status == 200
-    assert len(prefill.fakes[1].generations()) == 4
+    assert len(pools.prefill.fakes[1].generations()) == 4
 
 
 async def test_prefill_down_everywhere_falls_back_to_decode_alone_when_configured(
-    pools: tuple[Pair, Pair], http: aiohttp.ClientSession
+    pools: Pools, http: aiohttp.ClientSession
 ) -> None:
-    prefill, decode = pools
-    for fake in prefill.fakes:
+    for fake in pools.prefill.fakes:
         fake.fault = "fail"
-    with _proxy(prefill, decode, fallback_to_local_prefill=True) as url:
+    with pools.proxy(fallback_to_local_prefill=True) as url:
         status, _, _ = await post(http, url + "/v1/completions", COMPLETION, request_id="fallback")
         _, _, traces = await post_get(http, url + "/requests")
     assert status == 200
-    served = decode.fakes[0].generations() + decode.fakes[1].generations()
+    served = pools.decode.fakes[0].generations() + pools.decode.fakes[1].generations()
     assert len(served) == 1 and "kv_transfer_params" not in served[0].body
     [trace] = [t for t in orjson.loads(traces)["requests"] if t["request_id"] == "fallback"]
     assert "prefill failed" in trace["local_prefill_reason"]
 
 
 async def test_prefill_down_everywhere_without_fallback_is_the_instances_own_500(
-    pools: tuple[Pair, Pair], http: aiohttp.ClientSession
+    pools: Pools, http: aiohttp.ClientSession
 ) -> None:
-    prefill, decode = pools
-    for fake in prefill.fakes:
+    for fake in pools.prefill.fakes:
         fake.fault = "fail"
-    with _proxy(prefill, decode) as url:
+    with pools.proxy() as url:
         status, _, body = await post(http, url + "/v1/completions", COMPLETION)
     assert status == 500
     assert "prefill instance" in orjson.loads(body)["error"]["message"]
-    assert not decode.fakes[0].generations() and not decode.fakes[1].generations()
+    assert not pools.decode.fakes[0].generations() and not pools.decode.fakes[1].generations()
 
 
 async def test_unreachable_decode_is_retried_with_the_same_kv_params(
-    pools: tuple[Pair, Pair], http: aiohttp.ClientSession, dead_url: str
+    pools: Pools, http: aiohttp.ClientSession, dead_url: str
 ) -> None:
-    prefill, decode = pools
     # The dead decode never saw the request, so prefill's params are still unread: reuse them.
     with running_proxy(
-        [prefill.urls[0]], [dead_url, decode.urls[1]], retry_backoff_s=0.0, decode_policy="round_robin"
+        [pools.prefill.urls[0]],
+        [dead_url, pools.decode.urls[1]],
+        retry_backoff_s=0.0,
+        decode_policy="round_robin",
     ) as url:
         statuses = [(await post(http, url + "/v1/completions", COMPLETION))[0] for _ in range(2)]
     assert statuses == [200, 200]
-    assert len(prefill.fakes[0].generations()) == 2  # one prefill per request: nothing re-prefilled
-    assert _kv_ids(decode.fakes[1]) == [p["remote_request_id"] for p in prefill.fakes[0].issued_kv_params]
+    assert len(pools.prefill.fakes[0].generations()) == 2  # one prefill per request: nothing re-prefilled
+    assert _kv_ids(pools.decode.fakes[1]) == [
+        p["remote_request_id"] for p in pools.prefill.fakes[0].issued_kv_params
+    ]
 
 
 async def test_decode_failing_after_receiving_params_gets_a_fresh_prefill(
-    pools: tuple[Pair, Pair], http: aiohttp.ClientSession
+    pools: Pools, http: aiohttp.ClientSession
 ) -> None:
-    prefill, decode = pools
-    decode.fakes[0].fault = "fail"  # it received the params and may have pulled: never reuse them
-    with _proxy(prefill, decode) as url:
+    pools.decode.fakes[0].fault = "fail"  # it received the params and may have pulled: never reuse them
+    with pools.proxy() as url:
         status, _, _ = await post(http, url + "/v1/completions", COMPLETION)
     assert status == 200
-    issued = [p["remote_request_id"] for f in prefill.fakes for p in f.issued_kv_params]
+    issued = [p["remote_request_id"] for f in pools.prefill.fakes for p in f.issued_kv_params]
     assert len(issued) == 2
-    used_by_healthy = _kv_ids(decode.fakes[1])
-    assert len(used_by_healthy) == 1 and used_by_healthy[0] not in _kv_ids(decode.fakes[0])
+    used_by_healthy = _kv_ids(pools.decode.fakes[1])
+    assert len(used_by_healthy) == 1 and used_by_healthy[0] not in _kv_ids(pools.decode.fakes[0])
 
 
 async def test_streamed_error_before_any_token_is_retried_elsewhere(
-    pools: tuple[Pair, Pair], http: aiohttp.ClientSession
+    pools: Pools, http: aiohttp.ClientSession
 ) -> None:
-    prefill, decode = pools
-    decode.fakes[0].fault = "error_event_first"
-    with _proxy(prefill, decode) as url:
+    pools.decode.fakes[0].fault = "error_event_first"
+    with pools.proxy() as url:
         status, _, body = await post(http, url + "/v1/completions", {**COMPLETION, "stream": True})
     assert status == 200
     assert b'"error"' not in body and body.rstrip().endswith(b"data: [DONE]")
-    assert len(decode.fakes[1].generations()) == 1
+    assert len(pools.decode.fakes[1].generations()) == 1
 
 
 async def test_circuit_opens_after_repeated_failures_and_traffic_moves_away(
-    pools: tuple[Pair, Pair], http: aiohttp.ClientSession
+    pools: Pools, http: aiohttp.ClientSession
 ) -> None:
-    prefill, decode = pools
-    prefill.fakes[0].fault = "fail"
-    with _proxy(prefill, decode, breaker_threshold=2, breaker_cooldown_s=60, max_prefill_attempts=1) as url:
+    pools.prefill.fakes[0].fault = "fail"
+    with pools.proxy(breaker_threshold=2, breaker_cooldown_s=60, max_prefill_attempts=1) as url:
         statuses = [(await post(http, url + "/v1/completions", COMPLETION))[0] for _ in range(8)]
         _, _, listing = await post_get(http, url + "/instances")
     # Round robin: the failing instance takes requests 1 and 3, then its circuit opens.
     assert statuses == [500, 200, 500, 200, 200, 200, 200, 200]
-    assert len(prefill.fakes[0].generations()) == 2
-    [broken] = [i for i in orjson.loads(listing) if i["url"] == prefill.urls[0]]
+    assert len(pools.prefill.fakes[0].generations()) == 2
+    [broken] = [i for i in orjson.loads(listing) if i["url"] == pools.prefill.urls[0]]
     assert broken["circuit"] == "open"
 
 
 async def test_with_every_circuit_open_the_likeliest_instance_is_still_tried_panic_mode(
-    pools: tuple[Pair, Pair], http: aiohttp.ClientSession
+    pools: Pools, http: aiohttp.ClientSession
 ) -> None:
-    prefill, decode = pools
-    for fake in prefill.fakes:
+    for fake in pools.prefill.fakes:
         fake.fault = "fail"
-    with _proxy(prefill, decode, breaker_threshold=1, breaker_cooldown_s=60) as url:
+    with pools.proxy(breaker_threshold=1, breaker_cooldown_s=60) as url:
         await post(http, url + "/v1/completions", COMPLETION)
-        tried_before = sum(len(f.generations()) for f in prefill.fakes)
-        for fake in prefill.fakes:
+        tried_before = sum(len(f.generations()) for f in pools.prefill.fakes)
+        for fake in pools.prefill.fakes:
             fake.fault = None  # they recover; their circuits are still open for a minute
         status, _, body = await post(http, url + "/v1/completions", COMPLETION)
     # One flap of every instance does not become a minute of refusals: the request is served.
     assert status == 200, body
-    assert sum(len(f.generations()) for f in prefill.fakes) == tried_before + 1
+    assert sum(len(f.generations()) for f in pools.prefill.fakes) == tried_before + 1
 
 
 async def test_with_every_instance_draining_the_answer_is_a_503_with_retry_after(
-    pools: tuple[Pair, Pair], http: aiohttp.ClientSession
+    pools: Pools, http: aiohttp.ClientSession
 ) -> None:
-    prefill, decode = pools
-    with _proxy(prefill, decode, admin_api_key="k") as url:
-        for instance_url in decode.urls:
+    with pools.proxy(admin_api_key="k") as url:
+        for instance_url in pools.decode.urls:
             async with http.post(url + "/admin/instances/drain", json={"url": instance_url},
                                  headers={"Authorization": "Bearer k"}) as resp:  # fmt: skip
                 assert resp.status == 200

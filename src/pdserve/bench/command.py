@@ -199,7 +199,8 @@ def run_plan_command(a: argparse.Namespace) -> int:
         print(f"on the simulator (virtual clock, {a.check_requests} Poisson requests):")
         chosen = result.recommended
         for x, y in _neighbourhood(result):
-            run = simcluster.run(link, x, y, req.rate, req.input_len, req.output_len, a.check_requests)
+            load = simcluster.ClusterLoad(x, y, req.rate, req.input_len, req.output_len, a.check_requests)
+            run = simcluster.run(link, load)
             name = f"{x}P{y}D" if x else f"{y} colocated"
             mark = "  <- the plan" if chosen and (chosen.num_prefill, chosen.num_decode) == (x, y) else ""
             print(f"  {name:<14} goodput {run.goodput(req.slo):6.2f} req/s, {run.goodput_per_instance(req.slo):5.2f} per "

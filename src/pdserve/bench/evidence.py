@@ -13,18 +13,8 @@ import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from pdserve import httpclient
-from pdserve.errors import Unreachable
-from pdserve.prometheus import (
-    BYTES_SUM,
-    KV_EXPIRED,
-    NUM_RUNNING,
-    NUM_WAITING,
-    XFER_COUNT,
-    XFER_FAILED,
-    XFER_TIME_SUM,
-    parse_prometheus,
-)
+from pdserve.errors import MetricsUnreadable
+from pdserve.prometheus import EngineScrape, scrape
 
 _SAMPLE_INTERVAL_S = 0.5
 PROXY_PHASES = ("prefill", "handoff_gap", "decode_first_byte", "ttft")
@@ -37,12 +27,10 @@ def scrape_sum(urls: Sequence[str], timeout: float = 5.0) -> dict[str, float]:
     totals: dict[str, float] = {}
     for url in urls:
         try:
-            response = httpclient.get(f"{url}/metrics", timeout)
-        except Unreachable:
+            samples = scrape(url, timeout)
+        except MetricsUnreadable:
             continue
-        if response.status != 200:
-            continue
-        for name, value in parse_prometheus(response.body.decode("utf-8", "replace")).items():
+        for name, value in samples.items():
             totals[name] = totals.get(name, 0.0) + value
     return totals
 
@@ -69,9 +57,9 @@ class QueueSampler:
     def _run(self) -> None:
         while not self._stop.wait(_SAMPLE_INTERVAL_S):
             for name, urls in self._pools.items():
-                values = scrape_sum(urls, timeout=2.0)
-                if NUM_WAITING in values:
-                    self._samples[name].append((values[NUM_WAITING], values.get(NUM_RUNNING, 0.0)))
+                pool = EngineScrape.of(scrape_sum(urls, timeout=2.0))
+                if pool.num_waiting is not None:
+                    self._samples[name].append((pool.num_waiting, pool.num_running or 0.0))
 
     def __enter__(self) -> QueueSampler:
         self._thread.start()
@@ -132,6 +120,7 @@ class RunEvidence:
         def delta(name: str, b: Mapping[str, float], a: Mapping[str, float]) -> float:
             return a.get(name, 0.0) - b.get(name, 0.0)
 
+        grown = EngineScrape.of({name: delta(name, before, after) for name in {*before, *after}})
         proxy_ms = {}
         for phase in PROXY_PHASES:
             count = delta(f"pdserve_{phase}_seconds_count", proxy_before, proxy_after)
@@ -140,13 +129,13 @@ class RunEvidence:
                     delta(f"pdserve_{phase}_seconds_sum", proxy_before, proxy_after) / count * 1000
                 )
         return cls(
-            num_transfers=round(delta(XFER_COUNT, before, after)),
-            num_failed_transfers=round(delta(XFER_FAILED, before, after)),
-            transfer_s_sum=delta(XFER_TIME_SUM, before, after),
-            transfer_bytes_sum=delta(BYTES_SUM, before, after),
+            num_transfers=round(grown.num_transfers or 0.0),
+            num_failed_transfers=round(grown.num_failed or 0.0),
+            transfer_s_sum=grown.transfer_seconds or 0.0,
+            transfer_bytes_sum=grown.num_bytes or 0.0,
             proxy_ms=proxy_ms,
             queues=dict(queues),
-            num_expired_leases=round(delta(KV_EXPIRED, before, after)),
+            num_expired_leases=round(grown.num_expired or 0.0),
             num_suspect_handoffs=round(delta(_SUSPECT, proxy_before, proxy_after)),
             num_retries=round(delta(_RETRIES, proxy_before, proxy_after)),
         )

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from pdserve.bench.verdict import MODES, RatePair
 from pdserve.bench.workload import rate_arg
@@ -27,7 +28,14 @@ def write_plots(pairs: Sequence[RatePair], out_dir: Path) -> tuple[list[Path], s
     except ImportError:
         return [], "matplotlib is not installed (pip install 'pdserve[bench]'): no plots"
     out_dir.mkdir(parents=True, exist_ok=True)
-    written = []
+    written: list[Path] = []
+
+    def save(fig: Any, name: str) -> None:
+        fig.tight_layout()
+        written.append(out_dir / name)
+        fig.savefig(written[-1], dpi=110)
+        plt.close(fig)
+
     fig, axes = plt.subplots(1, len(_CDF_PANELS), figsize=(5 * len(_CDF_PANELS), 4))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, (field, title) in zip(axes, _CDF_PANELS, strict=True):
@@ -39,18 +47,11 @@ def write_plots(pairs: Sequence[RatePair], out_dir: Path) -> tuple[list[Path], s
                 ys = [(k + 1) / len(values) for k in range(len(values))]
                 ax.step(values, ys, where="post", linestyle=_STYLE[mode], color=colors[i % len(colors)],
                         label=f"{mode} @{rate_arg(pair.rate)}")  # fmt: skip
-        ax.set_title(f"{title} CDF")
-        ax.set_xlabel("ms")
-        ax.set_ylabel("fraction of requests" if field != "itls_ms" else "fraction of gaps")
+        _label(ax, f"{title} CDF", "ms", "fraction of requests" if field != "itls_ms" else "fraction of gaps")
         ax.set_xscale("log")
-        ax.grid(True, alpha=0.3)
     if axes[0].get_legend_handles_labels()[0]:
         axes[0].legend(fontsize="small")
-    fig.tight_layout()
-    path = out_dir / "latency-cdf.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    written.append(path)
+    save(fig, "latency-cdf.png")
     rates = [p.rate for p in pairs]
     if len(pairs) > 1 and all(math.isfinite(r) for r in rates):
         fig, axes = plt.subplots(1, 2, figsize=(10, 4))
@@ -59,14 +60,14 @@ def write_plots(pairs: Sequence[RatePair], out_dir: Path) -> tuple[list[Path], s
                 for stat, marker in (("median", "o"), ("p90", "^")):
                     ys = [getattr(getattr(p, mode).result.latency(metric), stat) for p in pairs]
                     ax.plot(rates, ys, linestyle=_STYLE[mode], marker=marker, label=f"{mode} {stat}")
-            ax.set_title(f"{title} against request rate")
-            ax.set_xlabel("requests/s")
-            ax.set_ylabel("ms")
-            ax.grid(True, alpha=0.3)
+            _label(ax, f"{title} against request rate", "requests/s", "ms")
         axes[0].legend(fontsize="small")
-        fig.tight_layout()
-        path = out_dir / "latency-vs-rate.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
+        save(fig, "latency-vs-rate.png")
     return written, None
+
+
+def _label(ax: Any, title: str, xlabel: str, ylabel: str) -> None:
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)

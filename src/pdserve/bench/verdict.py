@@ -49,6 +49,8 @@ class Arm:
 
 @dataclass(frozen=True)
 class RatePair:
+    """Both modes at one request rate: what the verdict compares."""
+
     rate: float
     disaggregated: Arm
     colocated: Arm

@@ -22,8 +22,7 @@ from pdserve.addresses import is_loopback
 from pdserve.doctor.advice import Handoff, duration, prompt_budget, repeats_for, size
 from pdserve.doctor.instance import InstanceFacts
 from pdserve.doctor.report import PairReport
-from pdserve.engines.metrics import scrape
-from pdserve.errors import Unreachable, VerifyError
+from pdserve.errors import MetricsUnreadable, Unreachable
 from pdserve.prometheus import (
     BYTES_SUM,
     DESCRIPTORS_SUM,
@@ -32,6 +31,7 @@ from pdserve.prometheus import (
     XFER_COUNT,
     XFER_FAILED,
     XFER_TIME_SUM,
+    scrape,
 )
 
 _SENTENCE: Final = " the river carried the small boat past the old mill, and the miller waved"
@@ -114,13 +114,13 @@ def _wait_for_counters(url: str, before: dict[str, float]) -> dict[str, float]:
     and only no reading at all is an error."""
     deadline = time.monotonic() + _COUNTER_WAIT
     after: dict[str, float] | None = None
-    error: VerifyError | None = None
+    error: MetricsUnreadable | None = None
 
     def read() -> None:
         nonlocal after, error
         try:
             after = scrape(url, _SCRAPE_TIMEOUT)
-        except VerifyError as exc:
+        except MetricsUnreadable as exc:
             error = exc
 
     def is_counted() -> bool:
@@ -135,7 +135,7 @@ def _wait_for_counters(url: str, before: dict[str, float]) -> dict[str, float]:
     time.sleep(0.5)  # one more read, so a second sample in flight is counted too
     read()
     if after is None:
-        raise error or VerifyError(f"cannot read {url}/metrics")
+        raise error or MetricsUnreadable(f"cannot read {url}/metrics")
     return after
 
 
@@ -208,7 +208,7 @@ def run(
     request_id = f"doctor-{uuid.uuid4().hex[:12]}"
     try:
         before_d, before_p = scrape(d.url, _SCRAPE_TIMEOUT), scrape(p.url, _SCRAPE_TIMEOUT)
-    except VerifyError as exc:
+    except MetricsUnreadable as exc:
         pair.check(False, str(exc))
         return None
 
@@ -245,7 +245,7 @@ def run(
         # A decode that failed its pull answers 500 and counts the failure, a little later; one that
         # refused the request (4xx) or was not reached never touched NIXL: nothing to wait for.
         deltas = _counters(pair, d.url, before_d, p.url, before_p, decoded.status)
-    except VerifyError as exc:  # an instance that stops answering /metrics mid-canary
+    except MetricsUnreadable as exc:  # an instance that stops answering /metrics mid-canary
         pair.check(False, f"reading the transfer counters: {exc}")
         return params
     if not is_decoded:

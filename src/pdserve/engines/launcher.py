@@ -14,7 +14,6 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -23,11 +22,11 @@ from types import TracebackType
 from pdserve import httpclient
 from pdserve.engines.plan import NIXL_PROGRESS_DELAY_ENV, InstanceSpec
 from pdserve.engines.processes import (
-    die_with_parent,
     group_alive,
     process_table,
     running_members,
     signal_group,
+    spawn,
 )
 from pdserve.errors import ConfigError, EngineError, EngineStartError
 
@@ -222,14 +221,8 @@ class EngineGroup:
             log.write(f"{RUN_HEADER} {' '.join(command)}\n# env: {dict(spec.env)}\n".encode())
             log.flush()
             try:
-                proc = self._procs[spec.name] = subprocess.Popen(
-                    command,
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    env=_instance_env(spec),
-                    start_new_session=True,
-                    preexec_fn=die_with_parent(os.getpid()) if sys.platform == "linux" else None,
+                proc = self._procs[spec.name] = spawn(
+                    command, stdout=log, stderr=subprocess.STDOUT, env=_instance_env(spec)
                 )
             except OSError as exc:
                 raise EngineStartError(f"{spec.name}: cannot run {self._engine_python}: {exc}") from exc

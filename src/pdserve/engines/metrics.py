@@ -10,20 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from pdserve import httpclient
-from pdserve.errors import Unreachable, VerifyError
-from pdserve.prometheus import BYTES_SUM, XFER_COUNT, XFER_FAILED, parse_prometheus
-
-
-def scrape(url: str, timeout: float = 5.0) -> dict[str, float]:
-    """The summed samples of ``<url>/metrics``; VerifyError if the instance does not answer."""
-    try:
-        response = httpclient.get(f"{url}/metrics", timeout)
-    except Unreachable as exc:
-        raise VerifyError(f"cannot read {url}/metrics: {exc}") from exc
-    if response.status != 200:
-        raise VerifyError(f"{url}/metrics answered {response.status}")
-    return parse_prometheus(response.body.decode("utf-8", "replace"))
+from pdserve.errors import MetricsUnreadable, VerifyError
+from pdserve.prometheus import BYTES_SUM, XFER_COUNT, XFER_FAILED, scrape
 
 
 @dataclass(frozen=True)
@@ -48,5 +36,9 @@ class TransferCounts:
 
 
 def transfer_counts(urls: list[str], timeout: float = 5.0) -> TransferCounts:
-    """The counters summed over ``urls`` (the decode instances)."""
-    return sum((TransferCounts.of(scrape(u, timeout)) for u in urls), TransferCounts(0.0, 0.0, 0.0))
+    """The counters summed over ``urls`` (the decode instances); VerifyError if one cannot be read:
+    without every decode's counters there is no proof."""
+    try:
+        return sum((TransferCounts.of(scrape(u, timeout)) for u in urls), TransferCounts(0.0, 0.0, 0.0))
+    except MetricsUnreadable as exc:
+        raise VerifyError(f"cannot read the transfer counters: {exc}") from exc

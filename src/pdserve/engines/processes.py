@@ -1,5 +1,6 @@
-"""Process groups as the launcher sees them, from signals and /proc: is any member still running, what
-runs in it, every process's parent, and the parent-death signal a child is started with.
+"""Process groups as the launcher sees them, from signals and /proc: how a child is started (``spawn``:
+its own session, and the parent-death signal), is any member still running, what runs in it, every
+process's parent.
 
 Linux-first: /proc is read directly, and zombies count as gone since they hold no port or memory; elsewhere
 a group is alive as long as ``killpg(pgid, 0)`` finds it.
@@ -13,8 +14,9 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import IO
 
 _PR_SET_PDEATHSIG = 1
 
@@ -70,6 +72,29 @@ def process_table() -> dict[int, tuple[str, int]]:
         comm = stat[stat.index("(") + 1 : stat.rindex(")")]
         found[int(entry.name)] = (comm, int(stat[stat.rindex(")") + 2 :].split()[1]))
     return found
+
+
+def spawn(
+    argv: Sequence[str],
+    *,
+    stdin: int | IO[bytes] | None = subprocess.DEVNULL,
+    stdout: int | IO[bytes] | None = None,
+    stderr: int | IO[bytes] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> subprocess.Popen[bytes]:
+    """Start ``argv`` as the leader of a session of its own (its process group is what stopping signals,
+    and Ctrl-C on pdserve's terminal is pdserve's to handle) that gets SIGTERM when the calling thread
+    dies (Linux): a pdserve killed with SIGKILL leaves no child holding ports and memory. So the thread
+    that calls this must live as long as the child. OSError when ``argv`` cannot be run."""
+    return subprocess.Popen(
+        argv,
+        stdin=stdin,
+        stdout=stdout,
+        stderr=stderr,
+        env=env,
+        start_new_session=True,
+        preexec_fn=die_with_parent(os.getpid()) if sys.platform == "linux" else None,
+    )
 
 
 def die_with_parent(parent_pid: int) -> Callable[[], None]:

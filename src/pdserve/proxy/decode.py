@@ -4,6 +4,9 @@ its answer, untouched, once the lease guard trusts it.
 Nothing reaches the client before decode's first chunk (streamed) or whole answer: a failure up to then
 is returned (``DecodeFailed``), so the flow may try another decode; an answer that may rest on released
 KV is withheld (``LeaseSuspect``). Once the client has bytes, a failure ends the stream with an error.
+
+The handoff in play is the flow's (``HandoffSlot``); decode closes it only at the moment its answer
+begins, because that is when the ledger must know it: delivered, refused (a 4xx), or suspect.
 """
 
 from __future__ import annotations
@@ -23,36 +26,42 @@ from pdserve.errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
-from pdserve.proxy.attempt import Call, DecodeFailed, LeaseSuspect, Served, describe, relay_rejection
+from pdserve.proxy.attempt import (
+    Call,
+    DecodeFailed,
+    HandoffSlot,
+    LeaseSuspect,
+    Served,
+    describe,
+    relay_rejection,
+)
 from pdserve.proxy.guard import LeaseGuard
 from pdserve.proxy.instance import Instance
-from pdserve.proxy.state import ProxyState
 from pdserve.proxy.upstream import Reply, Stream
 
 log = logging.getLogger("pdserve.proxy")
 
 
 class Decoder:
-    def __init__(self, state: ProxyState, config: ProxyConfig, guard: LeaseGuard) -> None:
-        self._state = state
+    def __init__(self, config: ProxyConfig, guard: LeaseGuard) -> None:
         self._t = config.timeouts
         self._guard = guard
 
     async def attempt(
-        self, call: Call, decode: Instance, is_last: bool
+        self, call: Call, decode: Instance, slot: HandoffSlot, is_last: bool
     ) -> Served | DecodeFailed | LeaseSuspect:
-        """Serve the client from ``decode``; a failure before the client's first byte is returned,
-        unrelayed, so that another attempt may follow."""
-        call.trace.decode_url = decode.url
-        handoff = call.handoff
+        """Serve the client from ``decode`` with the handoff in ``slot`` (none: decode computes the prompt
+        itself); a failure before the client's first byte is returned, unrelayed, so that another
+        attempt may follow."""
+        handoff = slot.handoff
         payload = orjson.dumps(protocol.decode_body(call.body, handoff.params) if handoff else call.body)
         call.timeline.decode_sent = time.perf_counter()
         with decode.dispatched():
             try:
                 if call.is_stream:
-                    result = await self._decode_stream(call, decode, payload, is_last)
+                    result = await self._decode_stream(call, decode, slot, payload, is_last)
                 else:
-                    result = await self._decode_whole(call, decode, payload)
+                    result = await self._decode_whole(call, decode, slot, payload)
             except UpstreamError as exc:
                 is_stale = isinstance(exc, UpstreamStaleConnection)
                 if not is_stale:  # the connection's age, not the instance, failed that one
@@ -64,29 +73,27 @@ class Decoder:
                 return DecodeFailed(exc, kv_unused=isinstance(exc, UpstreamConnectError), is_stale=is_stale)
         if isinstance(result, DecodeFailed):
             decode.failed(describe(result.failure))
-        elif call.has_error_event:
+        elif call.out.has_error_event:
             decode.failed("streamed an error event")
         else:
             decode.succeeded()
         return result
 
-    async def _suspect(self, call: Call, decode: Instance) -> LeaseSuspect | None:
+    async def _suspect(self, call: Call, decode: Instance, slot: HandoffSlot) -> LeaseSuspect | None:
         """The lease guard's verdict on decode's answer, which is about to begin; the handoff of a
         suspect one is closed as such, and decode's prefix cache emptied of what the pull left."""
-        handoff = call.handoff
-        if handoff is None:
+        if slot.handoff is None:
             return None
-        suspicion = await self._guard.check(handoff)
+        suspicion = await self._guard.check(slot.handoff)
         if suspicion is None:
             return None
         log.warning("request %s: not relaying decode's answer: %s", call.request_id, suspicion.why)
-        self._state.ledger.mark_suspect(handoff, suspicion.kind, suspicion.why)
-        call.handoff = None
+        slot.suspect(suspicion.kind, suspicion.why)
         await self._guard.purge(decode)
         return LeaseSuspect(suspicion.why)
 
     async def _decode_whole(
-        self, call: Call, decode: Instance, payload: bytes
+        self, call: Call, decode: Instance, slot: HandoffSlot, payload: bytes
     ) -> Served | DecodeFailed | LeaseSuspect:
         limit = call.limit("decode", decode.url, self._t.decode)
         reply = await decode.upstream.post(call.path, payload, call.headers, "decode", limit)
@@ -94,18 +101,18 @@ class Decoder:
         call.trace.decode_status = reply.status
         if reply.status >= 500:
             return DecodeFailed(reply)
-        if reply.status == 200 and (suspect := await self._suspect(call, decode)) is not None:
+        if reply.status == 200 and (suspect := await self._suspect(call, decode, slot)) is not None:
             return suspect
-        self._close_handoff(call, decode, reply.status)
+        _close_handoff(slot, decode, reply.status)
         if reply.status != 200:
-            await relay_rejection("decode", decode.url, reply, call)
+            await relay_rejection("decode", decode.url, reply, call.out)
         else:
             await call.out.relay(200, reply.content_type, _without_transfer_metadata(reply.body))
         call.timeline.chunk(time.perf_counter())
         return Served()
 
     async def _decode_stream(
-        self, call: Call, decode: Instance, payload: bytes, is_last: bool
+        self, call: Call, decode: Instance, slot: HandoffSlot, payload: bytes, is_last: bool
     ) -> Served | DecodeFailed | LeaseSuspect:
         # The first chunk's budget is what the status line left of first_token, not a fresh one.
         first_token = call.limit("decode", decode.url, self._t.first_token)
@@ -120,17 +127,18 @@ class Decoder:
                     reply = Reply(resp.status, resp.content_type, await resp.read_all(self._t.idle))
                     if resp.status >= 500:
                         return DecodeFailed(reply)
-                    self._close_handoff(call, decode, resp.status)
-                    await relay_rejection("decode", decode.url, reply, call)
+                    _close_handoff(slot, decode, resp.status)
+                    await relay_rejection("decode", decode.url, reply, call.out)
                     return Served()
                 first_timeout = max(0.0, first_chunk_deadline - time.monotonic())
-                return await self._relay(call, resp, decode, first_timeout, is_last, first_byte_came)
+                return await self._relay(call, resp, decode, slot, first_timeout, is_last, first_byte_came)
 
     async def _relay(
         self,
         call: Call,
         resp: Stream,
         decode: Instance,
+        slot: HandoffSlot,
         first_timeout: float,
         is_last: bool,
         first_byte_came: Callable[[], None],
@@ -150,19 +158,18 @@ class Decoder:
                 call.timeline.decode_first_byte = time.perf_counter()
                 if is_error and not is_last:
                     return DecodeFailed(Reply(200, resp.content_type, chunk))
-                if (suspect := await self._suspect(call, decode)) is not None:
+                if (suspect := await self._suspect(call, decode, slot)) is not None:
                     return suspect
                 await out.open_stream(resp.content_type)
-                self._close_handoff(call, decode, 200)
+                _close_handoff(slot, decode, 200)
             if is_error:
                 # vLLM's event says only what failed; the client also learns where (error path only).
                 chunk = protocol.with_error_event_origin(chunk, f"decode instance {decode.url}")
-                if not call.has_error_event:
-                    call.has_error_event = True
-                    call.error = "decode streamed an error event"
+                if not out.has_error_event:
+                    out.error_event_relayed("decode streamed an error event")
                     log.warning("request %s: decode %s streamed an error event", call.request_id, decode.url)
             if watch.has_done:
-                await self._recheck_before_the_end(call, decode)
+                await self._recheck_before_the_end(decode, slot)
             await out.chunk(chunk)
             call.timeline.chunk(time.perf_counter())
         if not watch.has_done:
@@ -171,31 +178,26 @@ class Decoder:
         await out.end()
         return Served()
 
-    async def _recheck_before_the_end(self, call: Call, decode: Instance) -> None:
+    async def _recheck_before_the_end(self, decode: Instance, slot: HandoffSlot) -> None:
         """Prefill's log may have spoken since the stream began: a stream it discredits ends with an
         error naming the lease instead of a normal [DONE]."""
-        delivered = call.delivered
+        delivered = slot.delivered
         why = self._guard.from_log(delivered) if delivered is not None else None
-        if delivered is None or why is None:
+        if why is None:
             return
-        self._state.ledger.mark_suspect(delivered, "log_during_stream", why)
+        slot.suspect("log_during_stream", why)
         await self._guard.purge(decode)
         raise UpstreamUnavailable("decode", decode.url, f"KV lease: {why}; this answer may be wrong")
 
-    def _close_handoff(self, call: Call, decode: Instance, status: int) -> None:
-        """Decode answered: its first bytes mean it has the KV; a 4xx means vLLM refused the request
-        (a refusal in its handler also tells prefill to free the KV; one in its request validation leaves
-        it to the lease)."""
-        if call.handoff is None:
-            return
-        if status == 200:
-            self._state.ledger.delivered(call.handoff, decode.url)
-            call.delivered = call.handoff
-        else:
-            self._state.ledger.abandon(
-                call.handoff, f"decode {decode.url} answered {status}", "decode_rejected"
-            )
-        call.handoff = None
+
+def _close_handoff(slot: HandoffSlot, decode: Instance, status: int) -> None:
+    """Decode answered: its first bytes mean it has the KV; a 4xx means vLLM refused the request
+    (a refusal in its handler also tells prefill to free the KV; one in its request validation leaves
+    it to the lease)."""
+    if status == 200:
+        slot.deliver(decode.url)
+    else:
+        slot.abandon(f"decode {decode.url} answered {status}", "decode_rejected")
 
 
 def _without_transfer_metadata(body: bytes) -> bytes:

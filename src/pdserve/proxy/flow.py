@@ -17,20 +17,24 @@ Retries, before the client has received a byte:
   the failed decode never received them (connect error) and are younger than half the lease: a decode
   that did receive them may have pulled the blocks, which prefill then frees, and a second pull of
   freed blocks is not detected by vLLM (observed on 0.32: it "succeeds" and reads whatever is there).
+- a kept-alive connection decode had closed before answering → the same decode once more, not the
+  chooser's next pick, under a fresh prefill (``_once_more_on_a_fresh_connection`` says why); a second
+  such loss counts as a failed attempt, as above.
 Once the client has bytes, a failure ends the stream with an error event; nothing is retried.
 
 The lease guard (guard.py): decode's answer is held back until it is known not to rest on KV prefill
 had already released; a suspect one is dropped and the request prefilled again (``LeaseSuspect``), at
 most ``_MAX_LEASE_RETRIES`` times, under a fresh ``cache_salt``: the late pull's wrong blocks stay in
-decode's prefix cache under the prompt's hashes, and the redo must not match them. A request lost to a
-kept-alive connection decode had closed is asked of the same decode once more, under a fresh prefill.
+decode's prefix cache under the prompt's hashes, and the redo must not match them.
 The overall deadline (``Timeouts.request``) bounds every attempt, backoff and lease retry together.
 
 Who takes each attempt (choice.py): the role's policy over the instances in service, decodes that show
 no sign of stepping left out, and panic mode when a whole role is out of service. Each attempt returns
 a typed result (attempt.py: ``Prefilled``/``Relayed``/``PrefillFailed``, ``Served``/``DecodeFailed``/
-``LeaseSuspect``); the prefill attempts live in prefill.py, the decode attempt and its relay in
-decode.py. The ``Trace`` only records what happened, for /requests.
+``LeaseSuspect``) and the decisions are taken here, from those; the prefill attempts live in
+prefill.py, the decode attempt and its relay in decode.py. The request's handoff moves only through its
+``HandoffSlot`` (opened here, closed by decode as its answer begins, checked here at the end); what the
+client was told went wrong is the ``Responder``'s; the ``Trace`` only records, for /requests.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pdserve import protocol
@@ -53,6 +57,7 @@ from pdserve.protocol import Endpoint
 from pdserve.proxy.attempt import (
     Call,
     DecodeFailed,
+    HandoffSlot,
     LeaseSuspect,
     PrefillFailed,
     Prompt,
@@ -90,6 +95,7 @@ class _Retries:
     num_failed: int = 0  # decode attempts that failed
     num_lease: int = 0  # answers the lease guard withheld
     num_stale: int = 0  # decode attempts lost to a kept-alive connection the instance had closed
+    again: Instance | None = None  # the decode the next attempt goes to, instead of the chooser's pick
 
     @property
     def is_first(self) -> bool:
@@ -111,7 +117,7 @@ class Flow:
         self._t = config.timeouts
         self._chooser = Chooser(state, config, on_pick)
         self._prefiller = Prefiller(state, config, self._chooser)
-        self._decoder = Decoder(state, config, LeaseGuard(state, state.ledger))
+        self._decoder = Decoder(config, LeaseGuard(state, state.ledger))
         self._tracing = tracing
 
     async def serve(
@@ -141,8 +147,11 @@ class Flow:
         if auth is not None:
             headers["Authorization"] = auth
         deadline = time.monotonic() + self._t.request
-        call = Call(endpoint, body, headers, out, trace, is_stream, deadline, self._t.request)
-        timeline = call.timeline = Timeline(arrived, admitted, itl=self._state.stats.timings.itl)
+        timeline = Timeline(arrived, admitted, itl=self._state.stats.timings.itl)
+        call = Call(
+            endpoint, body, headers, out, trace, is_stream, deadline, self._t.request, timeline=timeline
+        )
+        slot = HandoffSlot(self._state.ledger, out.request_id)
         span = None
         if self._tracing is not None:
             span = self._tracing.start(out.request_id, endpoint, is_stream, arrived_ns)
@@ -150,46 +159,49 @@ class Flow:
             trace.trace_id = f"{span.get_span_context().trace_id:032x}"
         begun = time.perf_counter()
         try:
-            await self._serve(call)
+            await self._serve(call, slot)
         except UpstreamError as exc:
-            call.error = str(exc)
             log.warning("request %s failed: %s", out.request_id, exc)
             retry_after = getattr(exc, "retry_after_s", None)
             extra = [(b"retry-after", str(retry_after).encode())] if retry_after else []
             await out.error(exc.status, str(exc), exc.error_type, extra=extra)
         finally:
             timeline.ended = time.perf_counter()
-            outcome = self._outcome(call)
-            if outcome is Outcome.CLIENT_DISCONNECTED and call.error is None:
-                call.error = "client disconnected"
+            outcome = _outcome(out)
+            is_client_gone = outcome is Outcome.CLIENT_DISCONNECTED
+            error = "client disconnected" if is_client_gone else out.failure
             trace.total_ms = (timeline.ended - begun) * 1000
             trace.timeline = timeline
-            trace.error, trace.stream_error_event = call.error, call.has_error_event
+            trace.error, trace.stream_error_event = error, out.has_error_event
             trace.outcome = outcome.value
             self._state.stats.timed(timeline)
             self._state.stats.finished(endpoint, outcome)
-            if call.handoff is not None:  # still open: decode never started answering
-                kind = "client_gone" if outcome is Outcome.CLIENT_DISCONNECTED else "failed"
-                self._state.ledger.abandon(call.handoff, call.error or "request ended", kind)
+            slot.finish(error or "request ended", is_client_gone)  # open still: decode never answered
             if span is not None and self._tracing is not None:
                 attributes = {"pdserve.outcome": outcome.value, "pdserve.prefill_url": trace.prefill_url,
                               "pdserve.decode_url": trace.decode_url, "http.response.status_code": out.status,
                               "pdserve.retries": len(trace.retries)}  # fmt: skip
                 self._tracing.finish(span, timeline, arrived_ns, attributes, trace.error)
 
-    async def _serve(self, call: Call) -> None:
+    async def _serve(self, call: Call, slot: HandoffSlot) -> None:
+        """The attempts, in order, until the client has its answer; an ``UpstreamError`` says why not."""
         local_reason = (
             "colocated: no split" if self._config.colocated else protocol.needs_local_prefill(call.body)
         )
-        call.prompt = self._prompt(call.body)
+        call = replace(call, prompt=self._prompt(call.body))
         retries = _Retries()
         while True:
-            decode, num_cached = self._chooser.decode(retries.tried, call.prompt)
-            if retries.is_first and local_reason is None:
-                local_reason = self._skip_reason(call.prompt, num_cached)
-            # A split request needs a handoff: the one in play if the last decode left it reusable
-            # (``_before_retry``), else a fresh prefill.
-            if local_reason is None and call.handoff is None:
+            # Decode is picked first: what it caches decides whether prefill is worth a hop. After a
+            # stale connection it is the same one again (``_once_more_on_a_fresh_connection``).
+            if retries.again is None:
+                decode, num_cached = self._chooser.decode(retries.tried, call.prompt)
+                if retries.is_first and local_reason is None:
+                    local_reason = self._skip_reason(call.prompt, num_cached)
+            else:
+                decode, retries.again = retries.again, None
+            # Prefill, when the request is split and no handoff is in play (the last decode attempt may
+            # have left its handoff for this one: ``_before_retry``).
+            if local_reason is None and slot.handoff is None:
                 prefilled = await self._prefiller.attempts(call)
                 if isinstance(prefilled, Relayed):
                     return
@@ -202,64 +214,74 @@ class Flow:
                     )
                     log.warning("request %s: %s", call.request_id, local_reason)
                 else:
-                    call.handoff = prefilled.handoff
+                    slot.open(prefilled)
+                    call.trace.kv_transfer_params = prefilled.params
             call.trace.local_prefill_reason = local_reason
-            # A retry goes to another instance: none left (or no attempts left) makes this the last.
+            # Decode, streaming its answer back. A retry goes to another instance: none left (or no
+            # attempts left) makes this the last, whose failure the client hears of.
             has_others = self._chooser.has_other("decode", [*retries.tried, decode])
             is_last = retries.num_failed + 1 >= self._config.max_decode_attempts or not has_others
-            decoded = await self._decoder.attempt(call, decode, is_last)
+            call.trace.decode_url = decode.url
+            decoded = await self._decoder.attempt(call, decode, slot, is_last)
             if isinstance(decoded, Served):
                 return
             if isinstance(decoded, DecodeFailed) and decoded.is_stale and not retries.num_stale:
-                self._once_more_on_a_fresh_connection(call, decode, retries)
-                continue
-            if isinstance(decoded, DecodeFailed) and is_last:
+                self._once_more_on_a_fresh_connection(call, slot, decode, retries)
+            elif isinstance(decoded, DecodeFailed) and is_last:
                 await self._give_up("decode", decode.url, decoded.failure, call)
                 return
-            await self._before_retry(call, decode, decoded, retries, has_others)
+            else:
+                call = await self._before_retry(call, slot, decode, decoded, retries, has_others)
 
-    def _once_more_on_a_fresh_connection(self, call: Call, decode: Instance, retries: _Retries) -> None:
+    def _once_more_on_a_fresh_connection(
+        self, call: Call, slot: HandoffSlot, decode: Instance, retries: _Retries
+    ) -> None:
         """A kept-alive connection to ``decode`` closed before it answered anything: most likely decode
-        had closed it while idle and never read the request, so the same decode is asked again, once,
-        unseen by the client. Under a fresh handoff: had decode died on the request after pulling the
-        KV, prefill has freed those blocks, and another pull of them would read whatever is there."""
+        had closed it while idle and never read the request, so the next attempt goes to the same
+        decode, once, unseen by the client.
+
+        The same decode, not the chooser's next pick: the connection failed, not the instance (its
+        breaker is not told), and what made the chooser pick it (its prefix cache of this prompt, its
+        load) still holds, so a round robin or a cache-aware policy is not turned aside by a closed
+        socket; HTTP clients and routers that pool connections retry a request lost this way on a new
+        connection to the same server. Under a fresh handoff: had decode died on the request after
+        pulling the KV, prefill has freed those blocks, and another pull of them would read whatever is
+        there."""
         retries.num_stale += 1
+        retries.again = decode
         self._state.stats.retried("decode_stale")
         call.trace.retries.append(f"decode {decode.url}: a kept-alive connection was closed; once more")
-        if call.handoff is not None:
-            self._state.ledger.abandon(
-                call.handoff, f"decode {decode.url}: stale connection", "decode_failed"
-            )
-            call.handoff = None
+        slot.abandon(f"decode {decode.url}: stale connection", "decode_failed")
 
     async def _before_retry(
-        self, call: Call, decode: Instance, decoded: DecodeFailed | LeaseSuspect, retries: _Retries,
-        has_others: bool,
-    ) -> None:  # fmt: skip
+        self, call: Call, slot: HandoffSlot, decode: Instance, decoded: DecodeFailed | LeaseSuspect,
+        retries: _Retries, has_others: bool,
+    ) -> Call:  # fmt: skip
         """Ready the next decode attempt after ``decode`` did not serve: which decodes it avoids, whether
-        the handoff in play may be reused (``call.handoff`` left set) or a fresh prefill is needed (None),
-        and the backoff. Raises when the lease guard has withheld too many answers."""
-        if isinstance(decoded, LeaseSuspect):  # the guard already closed the handoff as suspect
+        the handoff in play may be reused (left in ``slot``) or a fresh prefill is needed, and the
+        backoff. Returns the call to make next; raises when the lease guard has withheld too many
+        answers."""
+        if isinstance(decoded, LeaseSuspect):  # decode already closed the handoff as suspect
             retries.num_lease += 1
             call.trace.retries.append(f"decode {decode.url}: {decoded.why}; prefilling again")
             self._state.stats.retried("lease")
             if retries.num_lease > _MAX_LEASE_RETRIES:
                 raise UpstreamUnavailable("decode", decode.url, f"KV lease: {decoded.why} "
                                           f"(and after {_MAX_LEASE_RETRIES} fresh prefills)")  # fmt: skip
-            # The late pull left its wrong blocks in decode's prefix cache under this prompt's hashes.
-            call.body = protocol.with_fresh_cache_salt(call.body, f"lease-retry-{uuid.uuid4().hex[:16]}")
             if has_others:
                 retries.tried.append(decode)  # it may be the reason (stalled): let another take it
-            return
+            # The late pull left its wrong blocks in decode's prefix cache under this prompt's hashes.
+            salt = f"lease-retry-{uuid.uuid4().hex[:16]}"
+            return replace(call, body=protocol.with_fresh_cache_salt(call.body, salt))
         retries.num_failed += 1
         retries.tried.append(decode)
         call.trace.retries.append(f"decode {decode.url}: {describe(decoded.failure)}")
         self._state.stats.retried("decode")
-        if call.handoff is not None and not self._may_reuse(call.handoff, decoded):
-            self._state.ledger.abandon(call.handoff, f"decode {decode.url}: {describe(decoded.failure)}",
-                                       "decode_failed")  # fmt: skip
-            call.handoff = None  # decode may have pulled, and prefill freed, those blocks: prefill again
+        if slot.handoff is not None and not self._may_reuse(slot.handoff, decoded):
+            # decode may have pulled, and prefill freed, those blocks: prefill again
+            slot.abandon(f"decode {decode.url}: {describe(decoded.failure)}", "decode_failed")
         await call.sleep(self._config.backoff_s(retries.num_failed))
+        return call
 
     @staticmethod
     def _may_reuse(handoff: Handoff, decoded: DecodeFailed) -> bool:
@@ -293,13 +315,14 @@ class Flow:
         """The last attempt of ``phase`` failed: the client hears of that failure."""
         if isinstance(failure, UpstreamError):
             raise failure
-        await relay_rejection(phase, url, failure, call)
+        await relay_rejection(phase, url, failure, call.out)
 
-    def _outcome(self, call: Call) -> Outcome:
-        out = call.out
-        if not out.finished and call.error is None:
-            return Outcome.CLIENT_DISCONNECTED
-        if call.has_error_event or (out.status == 200 and call.error is not None):
-            return Outcome.STREAM_ERROR
-        code = out.status or 0
-        return Outcome.OK if code == 200 else Outcome.CLIENT_ERROR if code < 500 else Outcome.ERROR
+
+def _outcome(out: Responder) -> Outcome:
+    """The label /metrics counts a finished request under, from what its client was sent."""
+    if not out.finished and out.failure is None:
+        return Outcome.CLIENT_DISCONNECTED
+    if out.has_error_event or (out.status == 200 and out.failure is not None):
+        return Outcome.STREAM_ERROR
+    code = out.status or 0
+    return Outcome.OK if code == 200 else Outcome.CLIENT_ERROR if code < 500 else Outcome.ERROR

@@ -1,6 +1,6 @@
 """The prefill attempts of one request: the client's body rewritten to one token with
-``do_remote_decode``, sent to a prefill instance, its ``kv_transfer_params`` opening a handoff in the
-KV ledger.
+``do_remote_decode``, sent to a prefill instance; its ``kv_transfer_params`` come back to the flow
+(``Prefilled``), which opens the handoff in the KV ledger.
 
 A 5xx, a timeout or a broken connection moves on to another prefill instance, after a backoff, within
 the request's deadline; vLLM's own 4xx is the client's mistake, which no other instance would answer
@@ -80,13 +80,10 @@ class Prefiller:
                 except ValueError as exc:
                     raise UpstreamProtocolError("prefill", prefill.url, str(exc)) from None
                 prefill.succeeded()
-                trace.kv_transfer_params = params
-                return Prefilled(
-                    self._state.ledger.open(call.request_id, prefill.url, params, prefill.num_kv_expired)
-                )
+                return Prefilled(prefill.url, params, prefill.num_kv_expired)
             if reply.status < 500:  # the client's own mistake: no other instance would differ
                 prefill.succeeded()
-                await relay_rejection("prefill", prefill.url, reply, call)
+                await relay_rejection("prefill", prefill.url, reply, call.out)
                 return Relayed()
             prefill.failed(f"answered {reply.status}")
             return reply

@@ -1,6 +1,7 @@
 """What happened to one request, as `pdserve demo` narrates it and GET /requests serves it.
 
-A record only: the flow writes it as the request goes and never reads it to decide anything."""
+A record only: written as the request goes by the part that saw each thing (prefill.py its own fields
+and retries, decode.py decode's status, flow.py the rest), and never read to decide anything."""
 
 from __future__ import annotations
 

@@ -49,15 +49,20 @@ async def _bad_request(send: Send, message: str) -> None:
     await Writer(send).whole(400, error_body(message, "BadRequestError", 400))
 
 
-async def _seconds(receive: Receive, field: str) -> float:
-    """``field`` of a small JSON body: a number of seconds >= 0; ValueError otherwise."""
+async def _seconds(receive: Receive, send: Send, field: str) -> float | None:
+    """``field`` of a small JSON body, a number of seconds >= 0; None when there is none to act on: the
+    client hung up, or was answered 400 here."""
     try:
         body = orjson.loads(await read_body(receive, _SMALL_BODY) or b"{}")
+    except ClientGone:
+        return None
     except orjson.JSONDecodeError as exc:
-        raise ValueError(f"body is not JSON: {exc}") from None
+        await _bad_request(send, f"body is not JSON: {exc}")
+        return None
     value = body.get(field) if isinstance(body, dict) else None
     if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-        raise ValueError(f'body must be {{"{field}": seconds >= 0}}, got {body!r}')
+        await _bad_request(send, f'body must be {{"{field}": seconds >= 0}}, got {body!r}')
+        return None
     return float(value)
 
 
@@ -154,24 +159,16 @@ def create_sim_app(instance: SimInstance) -> ASGIApp:
         await _json(send, 200, {})
 
     async def stall(scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            seconds = await _seconds(receive, "seconds")
-        except ClientGone:
-            return
-        except ValueError as exc:
-            await _bad_request(send, str(exc))
+        seconds = await _seconds(receive, send, "seconds")
+        if seconds is None:
             return
         inst.engine.stall(seconds)
         log.info("sim %s (%s): engine stalled for %g s", inst.engine_id, inst.role, seconds)
         await _json(send, 200, {"engine_id": inst.engine_id, "stalled_s": seconds})
 
     async def restart(scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            down_s = await _seconds(receive, "down_s")
-        except ClientGone:
-            return
-        except ValueError as exc:
-            await _bad_request(send, str(exc))
+        down_s = await _seconds(receive, send, "down_s")
+        if down_s is None:
             return
         if inst.is_restarting:
             await Writer(send).whole(409, error_body("already restarting", "ConflictError", 409))

@@ -17,6 +17,7 @@ import logging
 import random
 import time
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import Final
 
 import orjson
@@ -101,6 +102,18 @@ async def _fail(out: Writer) -> None:
         await out.end(render.STREAM_INTERNAL_ERROR + sse.DONE)
 
 
+@dataclass(frozen=True)
+class _Answer:
+    """One request being answered: what the client asked, under which ids, where to, since when."""
+
+    req: GenerationRequest
+    response_id: str
+    sim_req: SimRequest  # what the engine runs
+    out: Writer
+    t0: float  # time.perf_counter() at arrival: TTFT and E2E count from here
+    drop_after: int  # tokens streamed before an injected drop cuts the connection; -1: no drop
+
+
 class GenerationEndpoint:
     """The ASGI app of ``POST /v1/completions`` or ``POST /v1/chat/completions`` for one instance."""
 
@@ -159,12 +172,10 @@ class GenerationEndpoint:
             await out.whole(400, error_body(str(exc), "BadRequestError", 400))
             return
         drop_after = max(1, req.max_tokens // 2) if fault is RequestFault.DROP else -1
+        answer = _Answer(req, response_id, sim_req, out, t0, drop_after)
         reason = "abort"
         try:
-            if req.stream:
-                reason = await self._stream(req, response_id, sim_req, out, t0, drop_after)
-            else:
-                reason = await self._whole(req, response_id, sim_req, out, t0, fault is RequestFault.DROP)
+            reason = await (self._stream(answer) if req.stream else self._whole(answer))
         except EngineStoppedError as exc:  # the instance is shutting down, or "crashed" (restart)
             log.info("sim %s: request %s ended: %s", inst.engine_id, response_id, exc)
             reason = "error"
@@ -177,19 +188,12 @@ class GenerationEndpoint:
             if reason in ("length", "stop"):
                 inst.metrics.e2e.observe(time.perf_counter() - t0)
 
-    async def _stream(
-        self,
-        req: GenerationRequest,
-        response_id: str,
-        sim_req: SimRequest,
-        out: Writer,
-        t0: float,
-        drop_after: int,
-    ) -> str:
+    async def _stream(self, answer: _Answer) -> str:
+        req, out, t0 = answer.req, answer.out, answer.t0
         inst, metrics = self._inst, self._inst.metrics
         fmt = render.StreamFormat(
             req.endpoint,
-            response_id,
+            answer.response_id,
             int(time.time()),
             inst.model_name,
             inst.system_fingerprint,
@@ -200,7 +204,7 @@ class GenerationEndpoint:
         piece_json = tokenizer.piece_json
         await out.start_stream()
         num_tokens, last = 0, t0
-        async with aclosing(inst.engine.generate(sim_req)) as events:
+        async with aclosing(inst.engine.generate(answer.sim_req)) as events:
             async for event in events:
                 if event.finish_reason == "error":  # the KV pull failed: vLLM's 200 + error event
                     await out.end(
@@ -225,13 +229,13 @@ class GenerationEndpoint:
                     text, stop_reason = stop.add(tokenizer.piece(event.token_id))
                     if stop_reason is not None:
                         finish = "stop"
-                        self._release_unreported(event, sim_req.request_id)
+                        self._release_unreported(event, answer.sim_req.request_id)
                     elif finish is not None:
                         text += stop.flush()
                     text_json = orjson.dumps(text)
                 if finish is None:
                     await out.chunk(head + fmt.token(text_json))
-                    if num_tokens == drop_after:
+                    if num_tokens == answer.drop_after:
                         out.drop()
                         return "abort"
                     continue
@@ -247,22 +251,15 @@ class GenerationEndpoint:
             with contextlib.suppress(KVPullError):
                 self._inst.engine.serve_pull(request_id)
 
-    async def _whole(
-        self,
-        req: GenerationRequest,
-        response_id: str,
-        sim_req: SimRequest,
-        out: Writer,
-        t0: float,
-        drop: bool,
-    ) -> str:
+    async def _whole(self, answer: _Answer) -> str:
+        req, out, t0 = answer.req, answer.out, answer.t0
         inst, metrics = self._inst, self._inst.metrics
         delay = inst.faults.spec.token_delay_s
         stop = _Stop(req.stop) if req.stop else None
         token_ids: list[int] = []
         final: TokenEvent | None = None
         finish, stop_reason, last = "abort", None, t0
-        async with aclosing(inst.engine.generate(sim_req)) as events:
+        async with aclosing(inst.engine.generate(answer.sim_req)) as events:
             async for event in events:
                 if event.finish_reason == "error":
                     await out.whole(500, render.INTERNAL_ERROR_BODY)
@@ -277,7 +274,7 @@ class GenerationEndpoint:
                     stop_reason = stop.add(tokenizer.piece(event.token_id))[1]
                     if stop_reason is not None:
                         finish = "stop"
-                        self._release_unreported(event, sim_req.request_id)
+                        self._release_unreported(event, answer.sim_req.request_id)
                         break
                 if event.finish_reason is not None:
                     final, finish = event, event.finish_reason
@@ -289,13 +286,13 @@ class GenerationEndpoint:
         kv_params = None
         if req.is_prefill and final is not None and final.held is not None:
             kv_params = render.kv_transfer_params(
-                final.held, inst.engine_id, inst.host, inst.port, sim_req.request_id
+                final.held, inst.engine_id, inst.host, inst.port, answer.sim_req.request_id
             )
         body = render.whole_answer(
-            req.endpoint, response_id, int(time.time()), inst.model_name, inst.system_fingerprint, text,
+            req.endpoint, answer.response_id, int(time.time()), inst.model_name, inst.system_fingerprint, text,
             finish, stop_reason, len(req.prompt_token_ids), len(token_ids), kv_params,
         )  # fmt: skip
-        if drop:
+        if answer.drop_after >= 0:  # a whole answer is cut halfway through its body
             await out.partial(200, body, len(body) // 2)
             out.drop()
             return "abort"

@@ -47,72 +47,69 @@ def _summary(value: Any) -> str:
     return value if isinstance(value, str) else str(value)
 
 
+# pydantic's (error type, message) per kind: a value of another type, and a string that does not parse.
+_TYPE_ERRORS: Final = {
+    "int": ("int_type", "Input should be a valid integer"),
+    "float": ("float_type", "Input should be a valid number"),
+    "bool": ("bool_type", "Input should be a valid boolean"),
+    "str": ("string_type", "Input should be a valid string"),
+    "list": ("list_type", "Input should be a valid list"),
+}
+_PARSING_ERRORS: Final = {
+    "int": ("int_parsing", "Input should be a valid integer, unable to parse string as an integer"),
+    "float": ("float_parsing", "Input should be a valid number, unable to parse string as a number"),
+    "bool": ("bool_parsing", "Input should be a valid boolean, unable to interpret input"),
+}
+_INT_FROM_FLOAT: Final = (
+    "int_from_float",
+    "Input should be a valid integer, got a number with a fractional part",
+)
+
+
+def _is_of_kind(value: Any, kind: str) -> bool:
+    if kind == "int":
+        return isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    if kind == "float":
+        return isinstance(value, int | float)
+    if kind == "bool":
+        return isinstance(value, bool) or (isinstance(value, int) and value in (0, 1))
+    return isinstance(value, str if kind == "str" else list)
+
+
+def _parses_as(text: str, kind: str) -> bool:
+    """Whether lax mode reads the string ``text`` as a value of ``kind`` (int, float or bool)."""
+    if kind == "bool":
+        return text.strip().lower() in _BOOL_WORDS
+    try:
+        (int if kind == "int" else float)(text.strip())
+    except ValueError:
+        return False
+    return True
+
+
+def _problem(value: Any, kind: str) -> tuple[str, str] | None:
+    """pydantic's (error type, message) for ``value`` in a field of ``kind`` (lax mode), or None if it
+    is acceptable."""
+    if _is_of_kind(value, kind):
+        return None
+    if kind == "int" and isinstance(value, float):
+        return _INT_FROM_FLOAT
+    if isinstance(value, str) and kind in _PARSING_ERRORS:
+        return None if _parses_as(value, kind) else _PARSING_ERRORS[kind]
+    return _TYPE_ERRORS[kind]
+
+
 def _type_error(field: str, value: Any, kind: str) -> dict[str, Any] | None:
     """pydantic's error for ``value`` in a field of ``kind`` (lax mode), or None if it is acceptable."""
-    if value is None:
+    problem = None if value is None else _problem(value, kind)
+    if problem is None:
         return None
-    if kind == "int":
-        if isinstance(value, int):
-            return None
-        if isinstance(value, float):
-            if value.is_integer():
-                return None
-            err, msg = (
-                "int_from_float",
-                "Input should be a valid integer, got a number with a fractional part",
-            )
-        elif isinstance(value, str):
-            try:
-                int(value.strip())
-                return None
-            except ValueError:
-                err, msg = (
-                    "int_parsing",
-                    "Input should be a valid integer, unable to parse string as an integer",
-                )
-        else:
-            err, msg = "int_type", "Input should be a valid integer"
-    elif kind == "float":
-        if isinstance(value, int | float):
-            return None
-        if isinstance(value, str):
-            try:
-                float(value.strip())
-                return None
-            except ValueError:
-                err, msg = (
-                    "float_parsing",
-                    "Input should be a valid number, unable to parse string as a number",
-                )
-        else:
-            err, msg = "float_type", "Input should be a valid number"
-    elif kind == "bool":
-        if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
-            return None
-        if isinstance(value, str):
-            if value.strip().lower() in _BOOL_WORDS:
-                return None
-            err, msg = "bool_parsing", "Input should be a valid boolean, unable to interpret input"
-        else:
-            err, msg = "bool_type", "Input should be a valid boolean"
-    elif kind == "str":
-        if isinstance(value, str):
-            return None
-        err, msg = "string_type", "Input should be a valid string"
-    else:  # "list"
-        if isinstance(value, list):
-            return None
-        err, msg = "list_type", "Input should be a valid list"
+    err, msg = problem
     return {"type": err, "loc": f"body.{field}", "msg": msg, "input": _summary(value)}
 
 
-# Fields whose type vLLM's request models check, in the models' declaration order.
-_COMPLETION_FIELDS: Final = (
-    ("model", "str"),
-    ("echo", "bool"),
-    ("frequency_penalty", "float"),
-    ("logprobs", "int"),
-    ("max_tokens", "int"),
+# Fields whose type vLLM's request models check, in the models' declaration order; both models end alike.
+_SAMPLING_FIELDS: Final = (
     ("n", "int"),
     ("presence_penalty", "float"),
     ("seed", "int"),
@@ -120,18 +117,21 @@ _COMPLETION_FIELDS: Final = (
     ("temperature", "float"),
     ("top_p", "float"),
 )
+_COMPLETION_FIELDS: Final = (
+    ("model", "str"),
+    ("echo", "bool"),
+    ("frequency_penalty", "float"),
+    ("logprobs", "int"),
+    ("max_tokens", "int"),
+    *_SAMPLING_FIELDS,
+)
 _CHAT_FIELDS: Final = (
     ("messages", "list"),
     ("model", "str"),
     ("frequency_penalty", "float"),
     ("max_tokens", "int"),
     ("max_completion_tokens", "int"),
-    ("n", "int"),
-    ("presence_penalty", "float"),
-    ("seed", "int"),
-    ("stream", "bool"),
-    ("temperature", "float"),
-    ("top_p", "float"),
+    *_SAMPLING_FIELDS,
 )
 
 
