@@ -30,8 +30,8 @@ demo: bootstrap
 	$(VENV)/bin/pdserve demo
 
 lint: venv
-	$(VENV)/bin/ruff check src tests
-	$(VENV)/bin/ruff format --check src tests
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff format --check src tests benchmarks
 	$(VENV)/bin/lint-imports
 
 typecheck: venv

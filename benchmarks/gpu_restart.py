@@ -1,6 +1,6 @@
 """Who holds a killed prefill's GPU memory when prefill and decode share one GPU, and what frees it.
 
-On the lent H200 (2026-12-03) a SIGKILLed prefill could not be restarted next to its decode: vLLM's
+On one H200 (2026-12-03) a SIGKILLed prefill could not be restarted next to its decode: vLLM's
 start-up found only 13 of 140 GiB free, the dead prefill's share still allocated after its whole process
 group was gone. The suspect is decode: NIXL READs over cuda_ipc make UCX map prefill's KV buffers into
 decode's process, UCX keeps the mappings in its IPC cache (UCX_CUDA_IPC_CACHE, on by default), and the
@@ -22,7 +22,6 @@ Prints lines and writes DIR/gpu_restart.json; the instances' logs stay in DIR/<p
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -31,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _common import print_result, script_parser
 from pdserve.config import Topology
 from pdserve.engines.metrics import transfer_counts
 from pdserve.engines.supervisor import restart_hint
@@ -143,7 +143,7 @@ def run_phase(name: str, extra_env: dict[str, str], out: Path, port: int) -> dic
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = script_parser(__doc__)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--phases", default=",".join(PHASES))
     p.add_argument("--port", type=int, default=8300)
@@ -153,7 +153,7 @@ def main() -> int:
     for name in a.phases.split(","):
         report["phases"][name] = run_phase(name, PHASES[name], a.out, a.port)
         (a.out / "gpu_restart.json").write_text(json.dumps(report, indent=1))
-    print("RESULT " + json.dumps(report))
+    print_result(report)
     return 0
 
 

@@ -1,4 +1,4 @@
-"""The GPU run of issue 10 on a lent H200, in one device call: `scripts/gpu-run.sh` starts this.
+"""pdserve measured on a GPU host without network, in one run that `scripts/gpu-run.sh` starts.
 
 Steps, each bounded in time, each recorded whether it passed, failed or was skipped (a failure never
 stops the steps that do not need it), all within ``--deadline-s``:
@@ -22,11 +22,11 @@ stops the steps that do not need it), all within ``--deadline-s``:
   restart    only with ``--steps restart``: who holds a SIGKILLed prefill's GPU memory when it shares the GPU
              with its decode, and whether prefill restarts next to it (benchmarks/gpu_restart.py)
   e2e        the real-vLLM end-to-end tests that mean something on a GPU (``--e2e-tests``), with their pair
-             on the GPU (PDSERVE_E2E_DEVICE=cuda; needs pytest from .gpu/whl); not with ``demo`` (both
-             would want the GPU's memory): run it with ``--steps e2e``
+             on the GPU (PDSERVE_E2E_DEVICE=cuda; needs pytest among the bundle's wheels); not with
+             ``demo`` (both would want the GPU's memory): run it with ``--steps e2e``
 
-Writes to --out (at most 8 files come back): gpu_run.json (everything), gpu_run.txt (the same in words),
-nixl_transfer.json, llama3-8b-h200.yaml, logs.tar.gz (instance, nixl and step logs, tails only),
+Writes a few files to --out, to copy off the host: gpu_run.json (everything), gpu_run.txt (the same in
+words), nixl_transfer.json, llama3-8b-h200.yaml, logs.tar.gz (instance, nixl and step logs, tails only),
 load_trace.json (the load step's requests on one clock).
 """
 
@@ -50,6 +50,8 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from _common import add_numbers, is_result, read_result, script_parser
 
 HERE = Path(__file__).resolve().parent
 PY = sys.executable
@@ -90,7 +92,7 @@ class Run:
         self.out, self.work = a.out, a.work
         self.work.mkdir(parents=True, exist_ok=True)
         self.out.mkdir(parents=True, exist_ok=True)
-        self.deadline = time.monotonic() + a.deadline_s
+        self.deadline: float = time.monotonic() + a.deadline_s
         self.steps = set(a.steps.split(","))
         self.record: dict[str, Any] = {"args": {k: str(v) for k, v in vars(a).items()}, "steps": {}}
         self.lines: list[str] = []
@@ -143,7 +145,7 @@ class Run:
             self.say(f"-- {name}: {entry['status']} in {entry['seconds']} s")
         self.record["steps"][name] = entry
         self.save()
-        return entry["status"] == "ok"
+        return bool(entry["status"] == "ok")
 
 
 def _pdeathsig() -> Callable[[], None]:
@@ -182,11 +184,6 @@ def call(
         stop(proc, 10)
         rc = None
     return rc, log.read_text(errors="replace")[-6000:]
-
-
-def result_line(text: str) -> Any:
-    found = [ln for ln in text.splitlines() if ln.startswith("RESULT ")]
-    return json.loads(found[-1][7:]) if found else None
 
 
 def cli_has(*words: str) -> bool:
@@ -300,7 +297,7 @@ def start_model(run: Run) -> threading.Thread | None:
             [run.a.bench_python, str(HERE / "llama8b_random.py"), str(target), "--device", "cuda"],
             300,
         )
-        timings = result_line(text)
+        timings = read_result(text)
         run.record["model_build"] = {
             "rc": rc,
             "timings": timings,
@@ -394,7 +391,7 @@ def step_demo(run: Run) -> dict[str, Any]:
     env = {"UCX_PROTO_INFO": "y", **run.pair_env}  # the pair's logs then say which transport moved the KV
     run.say(f"pair env: {run.pair_env or '(UCX defaults)'}")
     log = run.work / "demo.log"
-    log.unlink(missing_ok=True)  # a warm machine keeps --work: an earlier call's "still running" is no news
+    log.unlink(missing_ok=True)  # a host run on again keeps --work: an old "still running" is no news
     run.demo = spawn(argv, log, env)
     deadline = time.monotonic() + min(run.a.demo_timeout_s, run.left() - 60)
     while time.monotonic() < deadline:
@@ -794,7 +791,7 @@ def finish(run: Run) -> None:
                 and path.suffix in (".log", ".json", ".yaml", ".txt", ".csv", ".md")
                 and "llama8b" not in path.parts
             ):
-                data = path.read_bytes()[-2_000_000:]  # tails: vLLM logs grow fast, 16 MiB come back
+                data = path.read_bytes()[-2_000_000:]  # tails: vLLM logs grow fast, the archive stays small
                 info = tarfile.TarInfo(str(path.relative_to(run.work)))
                 info.size = len(data)
                 tar.addfile(info, io.BytesIO(data))
@@ -804,7 +801,7 @@ def finish(run: Run) -> None:
 def step_e2e(run: Run) -> dict[str, Any]:
     env = {
         "PDSERVE_E2E_DEVICE": "cuda",
-        "PDSERVE_ENGINE_PYTHON": PY,  # the image's python, vLLM from the carry on its path
+        "PDSERVE_ENGINE_PYTHON": PY,  # the host's python, vLLM from the offline bundle on its path
         "PDSERVE_FORBID_SKIPS": "1",
         "PDSERVE_E2E_RUN_DIR": str(run.work / "e2e-run"),
     }
@@ -821,7 +818,7 @@ def step_e2e(run: Run) -> dict[str, Any]:
 def step_restart(run: Run) -> dict[str, Any]:
     rc, text = call(run, "restart", [PY, str(HERE / "gpu_restart.py"), "--out", str(run.work / "restart")],
                     run.left() - 10)  # fmt: skip
-    run.say("\n".join(ln for ln in text.splitlines()[-40:] if not ln.startswith("RESULT ")))
+    run.say("\n".join(ln for ln in text.splitlines()[-40:] if not is_result(ln)))
     path = run.work / "restart" / "gpu_restart.json"
     if not path.exists():
         raise RuntimeError(f"gpu_restart.py exit {rc}, no gpu_restart.json")
@@ -833,7 +830,7 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = script_parser(__doc__)
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/gpu-run-out")))
     p.add_argument("--work", type=Path, default=Path("/tmp/gpurun"))
     p.add_argument("--deadline-s", type=float, default=560.0, help="every step ends within this")
@@ -848,18 +845,13 @@ def main() -> int:
     p.add_argument("--pair-ucx", default="default",
                    help="default (what `up` plans), auto, or KEY=VALUE,... added for the vLLM pair "
                         "(the plan's own UCX variables win over these)")  # fmt: skip
-    p.add_argument("--nixl-budget-s", type=float, default=100.0)
-    p.add_argument("--demo-timeout-s", type=float, default=300.0)
-    p.add_argument("--concurrency", type=int, default=16)
-    p.add_argument("--requests", type=int, default=32)
+    add_numbers(p, {"--nixl-budget-s": 100.0, "--demo-timeout-s": 300.0})
+    add_numbers(p, {"--concurrency": 16, "--requests": 32})
     p.add_argument("--load-rounds", type=int, default=1, help="the load step's arms in turn, this many times")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="vLLM with CUDA graphs (longer start-up, steadier steps); default --enforce-eager")  # fmt: skip
-    p.add_argument("--prompt-tokens", type=int, default=2000)
-    p.add_argument("--output-tokens", type=int, default=128)
-    p.add_argument("--proxy-port", type=int, default=8000)
-    p.add_argument("--first-port", type=int, default=8100)
-    p.add_argument("--side-port", type=int, default=5600)
+    add_numbers(p, {"--prompt-tokens": 2000, "--output-tokens": 128})
+    add_numbers(p, {"--proxy-port": 8000, "--first-port": 8100, "--side-port": 5600})
     p.add_argument("--device", default="cuda", help="cuda; cpu only to try this driver on a CPU machine")
     p.add_argument("--bench-python", default=PY, help="python with torch and nixl (on the H200: this one)")
     p.add_argument("--nixl-mem", default="vram,dram", help="memory kinds for the nixl step")

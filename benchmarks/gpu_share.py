@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _common import add_numbers, script_parser
+
 PHASES = (  # name, seconds, decode mode (None: idle), prefill active
     ("decode alone, synced", 2.0, "sync", False),
     ("decode alone, queued", 2.0, "queued", False),
@@ -161,7 +163,8 @@ def summarize(decode: list[dict[str, Any]], prefill: list[dict[str, Any]]) -> di
             ms = [1e3 * (s["end"] - s["start"]) for s in d[1:]]  # the first may include the phase's start
             row["decode_step_ms"] = dist(ms)
             if p:
-                over, clear = [], []
+                over: list[float] = []
+                clear: list[float] = []
                 for s, v in zip(d[1:], ms, strict=True):
                     hit = any(q["start"] < s["end"] and q["end"] > s["start"] for q in p)
                     (over if hit else clear).append(v)
@@ -174,10 +177,9 @@ def summarize(decode: list[dict[str, Any]], prefill: list[dict[str, Any]]) -> di
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = script_parser(__doc__)
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/gpu-share")))
-    p.add_argument("--decode-ms", type=float, default=5.0)
-    p.add_argument("--prefill-ms", type=float, default=150.0)
+    add_numbers(p, {"--decode-ms": 5.0, "--prefill-ms": 150.0})
     p.add_argument("--role", choices=("decode", "prefill"), help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.role:

@@ -25,6 +25,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from _common import script_parser
 from pdserve import httpclient
 from pdserve.config import Topology
 from pdserve.engines.metrics import transfer_counts
@@ -101,12 +102,7 @@ def measure(delay_us: int, args: argparse.Namespace, seed: int) -> dict[str, Any
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--requests", type=int, default=20)
-    parser.add_argument("--idle-s", type=float, default=15.0)
+    parser = script_parser(__doc__, {"--rounds": 2, "--requests": 20, "--idle-s": 15.0})
     parser.add_argument("--out", help="write the results here as JSON")
     args = parser.parse_args()
     results = []

@@ -1,9 +1,9 @@
 """How fast does NIXL move a KV-sized buffer between two processes, and over which UCX transport?
 
-vLLM's NixlConnector has the decode process READ the prompt's KV from the prefill process. On the lent
-H200 (one GPU, two vLLM processes on it) that moved at 0.5 GB/s over tcp/lo while the GPU copies at
-1.8 TB/s; here READ ran at 0.5 GB/s by default and 0.8-1.2 TB/s with UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y
-(2026-12-03, BENCHMARKS.md "GPU (one H200)"). This reproduces the transfer without vLLM: a *target*
+vLLM's NixlConnector has the decode process READ the prompt's KV from the prefill process. On one H200
+(two vLLM processes on it) that moved at 0.5 GB/s over tcp/lo while the GPU copies at 1.8 TB/s; here
+READ ran at 0.5 GB/s by default and 0.8-1.2 TB/s with UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y (2026-12-03,
+BENCHMARKS.md "GPU (one H200)"). This reproduces the transfer without vLLM: a *target*
 process registers a buffer with NIXL, an *initiator* process READs it (and WRITEs it back), both with the
 UCX backend, under several environments. Each setting is a fresh pair of processes, so UCX reads its
 variables anew.
@@ -15,14 +15,13 @@ processes and a device-to-device copy inside one.
 
     python3 benchmarks/nixl_transfer.py --out DIR [--mem vram|dram] [--settings NAME,...] [--mib 256]
 
-Needs torch and nixl importable (the engine venv, or the GPU carry's /tmp/site); imports no pdserve.
-Writes DIR/nixl_transfer.json (every figure) and DIR/nixl-<setting>.log (each pair's output, UCX's
-protocol choices included: UCX_PROTO_INFO=y) and prints one line per figure.
+Needs torch and nixl importable (the engine venv, or the offline bundle unpacked on a GPU host without
+network); imports no pdserve. Writes DIR/nixl_transfer.json (every figure) and DIR/nixl-<setting>.log
+(each pair's output, UCX's protocol choices included: UCX_PROTO_INFO=y) and prints one line per figure.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -33,6 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from _common import add_numbers, print_result, read_result, script_parser
 
 BLOCK_BYTES = 32 * 1024
 _PAIR_TIMEOUT_S = 90.0
@@ -106,10 +107,19 @@ def _publish(path: Path, data: bytes) -> None:
     tmp.rename(path)  # the peer never reads half a file
 
 
-def _agent(name: str, backend: str) -> Any:
+def _agent_with_buffer(
+    name: str, backend: str, rdv: Path, mem: str, num_bytes: int, seed: int
+) -> tuple[Any, Any, int]:
+    """A NIXL agent with a buffer of the pattern ``seed`` registered, its metadata published for the peer:
+    (agent, buffer, the device id its descriptors name: the buffer's GPU, 0 for host memory)."""
     from nixl._api import nixl_agent, nixl_agent_config
 
-    return nixl_agent(name, nixl_agent_config(backends=[backend]))
+    agent = nixl_agent(name, nixl_agent_config(backends=[backend]))
+    buf = _pattern(num_bytes, seed=seed, mem=mem)
+    _sync(mem)
+    agent.register_memory(buf)
+    _publish(rdv / f"{name}.meta", agent.get_agent_metadata())
+    return agent, buf, max(buf.get_device(), 0)
 
 
 def _descs(base: int, num_bytes: int, chunk: int, device_id: int) -> list[tuple[int, int, int]]:
@@ -118,12 +128,7 @@ def _descs(base: int, num_bytes: int, chunk: int, device_id: int) -> list[tuple[
 
 def run_target(rdv: Path, mem: str, num_bytes: int, backend: str) -> int:
     """Hold a buffer with a known pattern; after the initiator's WRITEs, check what it wrote."""
-    agent = _agent("target", backend)
-    buf = _pattern(num_bytes, seed=1, mem=mem)
-    _sync(mem)
-    agent.register_memory(buf)
-    device_id = max(buf.get_device(), 0)
-    _publish(rdv / "target.meta", agent.get_agent_metadata())
+    agent, buf, device_id = _agent_with_buffer("target", backend, rdv, mem, num_bytes, seed=1)
     _publish(rdv / "target.json", json.dumps({"addr": buf.data_ptr(), "device": device_id}).encode())
     agent.add_remote_agent(_wait_file(rdv / "initiator.meta", _WAIT_S))
     deadline = time.monotonic() + _PAIR_TIMEOUT_S
@@ -156,12 +161,7 @@ def _timed(agent: Any, handle: Any, timeout: float) -> float:
 
 def run_initiator(rdv: Path, mem: str, num_bytes: int, backend: str, reps: int) -> int:
     """READ the target's buffer (then WRITE a second pattern into it), per layout; print one JSON."""
-    agent = _agent("initiator", backend)
-    buf = _pattern(num_bytes, seed=0, mem=mem)
-    _sync(mem)
-    agent.register_memory(buf)
-    device_id = max(buf.get_device(), 0)
-    _publish(rdv / "initiator.meta", agent.get_agent_metadata())
+    agent, buf, device_id = _agent_with_buffer("initiator", backend, rdv, mem, num_bytes, seed=0)
     remote = agent.add_remote_agent(_wait_file(rdv / "target.meta", _WAIT_S))
     info = json.loads(_wait_file(rdv / "target.json", _WAIT_S))
     kind = mem.upper()
@@ -194,7 +194,7 @@ def run_initiator(rdv: Path, mem: str, num_bytes: int, backend: str, reps: int) 
                 entry["error"] = f"{type(exc).__name__}: {exc}"
             results.append(entry)
     agent.send_notif(remote, b"done")
-    print("RESULT " + json.dumps(results), flush=True)
+    print_result(results)
     time.sleep(0.5)  # let the notification leave before the agent is torn down
     return 0
 
@@ -207,24 +207,10 @@ def run_torch_ipc(num_bytes: int, reps: int) -> int:
     src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda").fill_(7)
     dst = torch.empty_like(src)
     out: dict[str, Any] = {}
-    times = []
-    for _ in range(reps + 1):
-        torch.cuda.synchronize()
-        started = time.perf_counter()
-        dst.copy_(src)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - started)
-    out["d2d_copy_gb_per_s"] = num_bytes / statistics.median(times[1:]) / 1e9  # bytes moved, not r+w
+    out["d2d_copy_gb_per_s"] = num_bytes / _copy_s(dst, src, reps) / 1e9  # bytes moved, not r+w
     host = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
     for name, (a, b) in {"d2h_pinned": (host, src), "h2d_pinned": (src, host)}.items():
-        times = []
-        for _ in range(reps + 1):
-            torch.cuda.synchronize()
-            started = time.perf_counter()
-            a.copy_(b, non_blocking=True)
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - started)
-        out[f"{name}_gb_per_s"] = num_bytes / statistics.median(times[1:]) / 1e9
+        out[f"{name}_gb_per_s"] = num_bytes / _copy_s(a, b, reps, non_blocking=True) / 1e9
     ctx = mp.get_context("spawn")
     queue, answer = ctx.Queue(), ctx.Queue()
     child = ctx.Process(target=_ipc_child, args=(queue, answer, reps))
@@ -235,7 +221,7 @@ def run_torch_ipc(num_bytes: int, reps: int) -> int:
     finally:
         queue.put(None)
         child.join(timeout=10)
-    print("RESULT " + json.dumps(out), flush=True)
+    print_result(out)
     return 0
 
 
@@ -244,18 +230,25 @@ def _ipc_child(queue: Any, answer: Any, reps: int) -> None:
 
     remote = queue.get()
     local = torch.empty_like(remote)
+    seconds = _copy_s(local, remote, reps)
+    ok = bool((local == 7).all().item())
+    answer.put({"torch_ipc_read_gb_per_s": remote.numel() / seconds / 1e9, "torch_ipc_ok": ok})
+    queue.get()  # hold the mapping until the parent is done
+
+
+def _copy_s(dst: Any, src: Any, reps: int, non_blocking: bool = False) -> float:
+    """Median seconds of ``reps`` copies of ``src`` into ``dst``, each timed between two device syncs,
+    after one more that warms up (and is not counted)."""
+    import torch
+
     times = []
     for _ in range(reps + 1):
         torch.cuda.synchronize()
         started = time.perf_counter()
-        local.copy_(remote)
+        dst.copy_(src, non_blocking=non_blocking)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - started)
-    ok = bool((local == 7).all().item())
-    answer.put(
-        {"torch_ipc_read_gb_per_s": remote.numel() / statistics.median(times[1:]) / 1e9, "torch_ipc_ok": ok}
-    )
-    queue.get()  # hold the mapping until the parent is done
+    return statistics.median(times[1:])
 
 
 _UCX_PREFIX = re.compile(r"^\[[0-9.]+\] \[[^\]]+\]\s*")
@@ -323,9 +316,9 @@ def run_pair(
                 )
                 text = initiator.stdout.decode(errors="replace") + initiator.stderr.decode(errors="replace")
                 log.write(b"\n===== initiator =====\n" + text.encode())
-                found = [ln for ln in text.splitlines() if ln.startswith("RESULT ")]
-                record["results"] = json.loads(found[-1][7:]) if found else []
-                if not found:
+                results = read_result(text)
+                record["results"] = [] if results is None else results
+                if results is None:
                     record["error"] = f"initiator exited {initiator.returncode} without a result"
                 target.wait(timeout=15)
                 result_file = rdv / "target.result"
@@ -365,7 +358,7 @@ def _describe(record: dict[str, Any]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = script_parser(__doc__)
     p.add_argument(
         "--role",
         choices=("orchestrate", "target", "initiator", "torch-ipc", "plugins"),
@@ -374,8 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("."))
     p.add_argument("--rendezvous", type=Path)
     p.add_argument("--mem", default="vram,dram", help="vram, dram or both (comma-separated)")
-    p.add_argument("--mib", type=int, default=256)
-    p.add_argument("--reps", type=int, default=3)
+    add_numbers(p, {"--mib": 256, "--reps": 3})
     p.add_argument("--backend", default="UCX")
     p.add_argument("--settings", default=DEFAULT_SETTINGS, help="comma-separated names from SETTINGS")
     p.add_argument("--budget-s", type=float, default=240.0, help="stop starting new pairs after this long")
@@ -436,7 +428,7 @@ def run_plugins() -> int:
             found[name] = "starts: " + ",".join(probe.get_backend_mem_types(name))
         except Exception as exc:
             found[name] = f"fails: {str(exc)[:160]}"
-    print("RESULT " + json.dumps(found), flush=True)
+    print_result(found)
     return 0
 
 
@@ -446,11 +438,8 @@ def _run_role(role: str, mib: int, env: dict[str, str] | None = None) -> dict[st
                               capture_output=True, text=True, timeout=_PAIR_TIMEOUT_S, env=env)  # fmt: skip
     except subprocess.TimeoutExpired:
         return {"error": f"{role} timed out after {_PAIR_TIMEOUT_S:.0f} s"}
-    found = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    result: dict[str, Any] = (
-        json.loads(found[-1][7:]) if found else {"error": (proc.stdout + proc.stderr)[-2000:]}
-    )
-    return result
+    result: dict[str, Any] | None = read_result(proc.stdout)
+    return {"error": (proc.stdout + proc.stderr)[-2000:]} if result is None else result
 
 
 if __name__ == "__main__":

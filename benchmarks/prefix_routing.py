@@ -26,6 +26,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from _common import add_numbers, script_parser
 from pdserve.bench.load import Job, run_load
 from pdserve.prometheus import parse_prometheus
 from pdserve.sim.profile import load_profile
@@ -104,18 +105,10 @@ def run_policy(policy: str, args: argparse.Namespace, tokenizer: str) -> dict[st
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = script_parser(__doc__)
     parser.add_argument("--profile", default="llama3-8b-a100")
-    parser.add_argument("--tenants", type=int, default=8)
-    parser.add_argument("--per-tenant", type=int, default=24)
-    parser.add_argument("--prefix-tokens", type=int, default=2048)
-    parser.add_argument("--suffix-tokens", type=int, default=64)
-    parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--first-port", type=int, default=20300)
+    add_numbers(parser, {"--tenants": 8, "--per-tenant": 24, "--prefix-tokens": 2048, "--suffix-tokens": 64})
+    add_numbers(parser, {"--max-tokens": 16, "--concurrency": 16, "--seed": 0, "--first-port": 20300})
     parser.add_argument("--tokenizer", help="model dir with tokenizer.json (default: the embedded model's)")
     parser.add_argument("--logs", default="/tmp/pdserve-bench")
     args = parser.parse_args()

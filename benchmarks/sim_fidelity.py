@@ -29,6 +29,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from _common import add_numbers, script_parser
 from pdserve.bench.load import Job, Outcome, Summary, run_load, summarize
 from pdserve.sim.profile import load_profile
 from pdserve.sim.server import SimInstanceSpec, sim_in_thread
@@ -131,14 +132,11 @@ def render(results: Sequence[Result], tolerance: float) -> tuple[str, bool]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = script_parser(__doc__)
     parser.add_argument("--real", required=True, help="base URL of the real vLLM instance")
     parser.add_argument("--profile", default="tiny-cpu", help="sim profile: shipped name or YAML path")
     parser.add_argument("--model", help="model name in the requests (default: the profile's)")
-    parser.add_argument("--prompt-tokens", type=int, default=200)
-    parser.add_argument("--output-tokens", type=int, default=32)
+    add_numbers(parser, {"--prompt-tokens": 200, "--output-tokens": 32})
     parser.add_argument(
         "--token-range", type=int, nargs=2, default=(200, 1500), metavar=("LOW", "HIGH"),
         help="prompt token ids are drawn from [LOW, HIGH] (inside the real model's vocabulary)",

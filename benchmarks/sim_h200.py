@@ -33,6 +33,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from _common import add_numbers, script_parser
 from pdserve.bench.simcluster import ClusterLoad, _Pulls, run, serve
 from pdserve.bench.workload import Slo
 from pdserve.sim.device import SharedDevice
@@ -131,7 +132,7 @@ def vllm_ttft_mean(arm: str, real: dict[str, Any]) -> float:
     return sum(known) if arm == "disaggregated" else statistics.fmean(known)
 
 
-def fit_prefill(profile: Profile, real: dict[str, Any], args: tuple[int, ...], seed: int) -> float:
+def fit_prefill(profile: Profile, real: dict[str, Any], args: tuple[int, int, int, int], seed: int) -> float:
     """prefill_per_token_s at which the sim's one-instance TTFT p50 equals the measured one (bisection)."""
     low, high = 0.0, 1e-3
     for _ in range(30):
@@ -147,7 +148,12 @@ def side_by_side(a: argparse.Namespace) -> int:
     profile = load_profile(a.profile)
     measured, workload, one_gpu, rounds = load_measured(a.measured)
     one_gpu = a.one_gpu or one_gpu
-    args = tuple(workload[k] for k in ("requests", "concurrency", "prompt_tokens", "output_tokens"))
+    args = (
+        workload["requests"],
+        workload["concurrency"],
+        workload["prompt_tokens"],
+        workload["output_tokens"],
+    )
     if a.fit_prefill:
         fitted = fit_prefill(profile, measured["one-instance"], args, a.seed)
         print(f"prefill_per_token_s fitted to the one-instance TTFT p50: {fitted:.4g} (profile: "
@@ -203,7 +209,7 @@ def xpyd(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = script_parser(__doc__)
     sub = p.add_subparsers(dest="what", required=True)
     s = sub.add_parser("side-by-side")
     s.add_argument(
@@ -223,11 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     x = sub.add_parser("xpyd")
     x.add_argument("--rates", default="4,8,12,16")
-    x.add_argument("--input-len", type=int, default=2000)
-    x.add_argument("--output-len", type=int, default=128)
-    x.add_argument("--requests", type=int, default=400)
-    x.add_argument("--slo-ttft-ms", type=float, default=1000.0)
-    x.add_argument("--slo-tpot-ms", type=float, default=50.0)
+    add_numbers(x, {"--input-len": 2000, "--output-len": 128, "--requests": 400})
+    add_numbers(x, {"--slo-ttft-ms": 1000.0, "--slo-tpot-ms": 50.0})
     x.add_argument("--ratios", action="store_true", help="also every other P:D split of 8 instances")
     for q in (s, x):
         q.add_argument("--profile", default="llama3-8b-h200")

@@ -10,7 +10,6 @@ at a time, for ``--duration`` seconds. Tokens are counted from each stream's fin
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -21,6 +20,8 @@ import time
 from dataclasses import dataclass
 
 import aiohttp
+
+from _common import script_parser
 
 
 @dataclass
@@ -112,12 +113,7 @@ async def run(url: str, concurrency: int, max_tokens: int, duration: float) -> t
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--concurrency", type=int, default=64)
-    parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--duration", type=float, default=10.0)
+    parser = script_parser(__doc__, {"--concurrency": 64, "--max-tokens": 256, "--duration": 10.0})
     args = parser.parse_args()
     proc, url = start_sim(["--log-level", "warning"])
     try:

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from asgi_rig import Recorder
 from pdserve.asgi import ResponseWriter, header, read_body, run_until_disconnect
 from pdserve.errors import BodyTooLarge, ClientGone
 
@@ -24,14 +25,6 @@ def scripted(messages: Iterable[dict[str, Any]], then_wait: bool = True) -> Any:
         return {"type": "http.disconnect"}
 
     return receive
-
-
-class Recorder:
-    def __init__(self) -> None:
-        self.sent: list[dict[str, Any]] = []
-
-    async def __call__(self, message: dict[str, Any]) -> None:
-        self.sent.append(message)
 
 
 async def test_body_is_joined_from_its_parts() -> None:
@@ -60,7 +53,7 @@ async def test_writer_reports_how_far_the_answer_got() -> None:
     assert (out.started, out.finished, out.status) == (True, False, 200)
     await out.chunk(b"data: 1\n\n")
     await out.end()
-    assert out.finished and [m.get("more_body", False) for m in send.sent[1:]] == [True, False]
+    assert out.finished and [m.get("more_body", False) for m in send.messages[1:]] == [True, False]
     whole = ResponseWriter(Recorder())
     await whole.whole(404, b"{}")
     assert whole.finished and whole.status == 404

@@ -76,14 +76,9 @@ def test_prefill_asks_for_one_unstreamed_token_and_remote_decode() -> None:
     body = protocol.prefill_body(CLIENT)
     assert body["max_tokens"] == 1
     assert body["stream"] is False
-    assert body["kv_transfer_params"] == {
-        "do_remote_decode": True,
-        "do_remote_prefill": False,
-        "remote_engine_id": None,
-        "remote_block_ids": None,
-        "remote_host": None,
-        "remote_port": None,
-    }
+    # Spelled out here, not read from PREFILL_KV_PARAMS: vLLM's NixlConnector wants exactly these.
+    unknown_yet = dict.fromkeys(("remote_engine_id", "remote_block_ids", "remote_host", "remote_port"))
+    assert body["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False, **unknown_yet}
 
 
 def test_prefill_drops_fields_that_only_decode_may_see() -> None:

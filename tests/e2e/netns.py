@@ -10,12 +10,14 @@ runs side by side do not collide, and ``Network.close`` removes everything it ma
 
 from __future__ import annotations
 
+import abc
 import ipaddress
 import os
 import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
+from typing import Self
 
 _IP = "ip"
 _INNER_LINK = "pdsv0"  # the veth end inside a namespace: one per namespace, so the name may repeat
@@ -60,7 +62,32 @@ class Host:
         return [line.split()[3].split("/")[0] for line in out.splitlines() if len(line.split()) > 3]
 
 
-class Network:
+class Resource(abc.ABC):
+    """What a test builds and must take down again (a network, a Ray cluster on it): ``open`` builds it,
+    ``close`` takes down whatever of it exists. As a context manager, a failed ``open`` is closed too, so
+    half of one never outlives the test."""
+
+    @abc.abstractmethod
+    def open(self) -> object: ...
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+    def __enter__(self) -> Self:
+        try:
+            self.open()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+class Network(Resource):
     """A bridge in the root namespace (the proxy's "host", at ``gateway``) and one namespace per name.
 
     Use as a context manager; ``close`` is idempotent and tolerates a half-built network.
@@ -115,18 +142,6 @@ class Network:
             self._has_bridge = False
         if errors:
             raise RuntimeError("cleaning up the test network: " + "; ".join(errors))
-
-    def __enter__(self) -> Network:
-        try:
-            return self.open()
-        except BaseException:
-            self.close()
-            raise
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
 
 
 def _free_subnet(pid: int) -> ipaddress.IPv4Network:

@@ -18,9 +18,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
 
-from netns import Host
+from netns import Host, Resource
 
 RAY = str(Path(sys.executable).with_name("ray"))
 GCS_PORT = 26379  # inside the head's namespace; pdserve's tests keep Ray in 26000-26999
@@ -73,7 +72,7 @@ class Node:
 
 
 @dataclass
-class RayCluster:
+class RayCluster(Resource):
     head: Node
     worker: Node
     env: dict[str, str]
@@ -84,7 +83,7 @@ class RayCluster:
     def address(self) -> str:
         return f"{self.head.host.address}:{GCS_PORT}"
 
-    def start(self, timeout: float = 180.0) -> RayCluster:
+    def open(self, timeout: float = 180.0) -> RayCluster:
         started = time.monotonic()
         head_args = ["--head", f"--port={GCS_PORT}", "--include-dashboard=false"]
         for node, args in ((self.head, head_args), (self.worker, [f"--address={self.address}"])):
@@ -107,7 +106,7 @@ class RayCluster:
         """Resident memory of both nodes' Ray processes, their actors' workers included."""
         return sum(_rss_kib(n.proc.pid) for n in (self.head, self.worker) if n.proc) / 1024
 
-    def stop(self) -> None:
+    def close(self) -> None:
         for name, node in (("worker", self.worker), ("head", self.head)):
             self.stop_s[name] = node.stop()
             shutil.rmtree(node.temp_dir, ignore_errors=True)
@@ -138,15 +137,3 @@ class RayCluster:
             if not node.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError(f"ray start failed:\n{node.log_path.read_text(errors='replace')[-3000:]}")
             time.sleep(0.2)
-
-    def __enter__(self) -> RayCluster:
-        try:
-            return self.start()
-        except BaseException:
-            self.stop()
-            raise
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()

@@ -13,6 +13,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import openai
 import pytest
@@ -249,21 +250,49 @@ def _kill_during_a_request(
     return killed_at
 
 
-def test_prefill_killed_mid_request_is_a_prompt_clear_error_and_up_restarts_it_and_transfers_resume(
+@dataclass(frozen=True)
+class _Kill:
+    """What a test that kills an instance under load works with: the session's stack and its proxy's
+    client, a quick proxy's client (short timeouts) for the request the kill cuts, decode alone's client
+    (the expected answers) and the model's name."""
+
+    stack: Stack
+    client: openai.OpenAI
+    quick_client: openai.OpenAI
+    decode_alone: openai.OpenAI
+    model_name: str
+
+    def victim(self, role: str) -> tuple[InstanceSpec, int]:
+        """The role's instance and its process group."""
+        return _spec(self.stack, role), _pgid(self.stack, role)
+
+    def load(self) -> _Load:
+        return _Load(self.client, self.decode_alone, self.model_name)
+
+
+@pytest.fixture
+def kill(
     stack: Stack,
     quick: tuple[ProxyThread, openai.OpenAI],
     client: openai.OpenAI,
     decode_alone: openai.OpenAI,
     model_name: str,
-) -> None:
+) -> _Kill:
+    """The session's pair, for a test that kills one of its instances, with a quick proxy in front."""
     _, quick_client = quick
-    spec = _spec(stack, "prefill")
-    pgid = _pgid(stack, "prefill")
-    load = _Load(client, decode_alone, model_name)
+    return _Kill(stack, client, quick_client, decode_alone, model_name)
+
+
+def test_prefill_killed_mid_request_is_a_prompt_clear_error_and_up_restarts_it_and_transfers_resume(
+    kill: _Kill,
+) -> None:
+    stack, client, decode_alone, model_name = kill.stack, kill.client, kill.decode_alone, kill.model_name
+    spec, pgid = kill.victim("prefill")
+    load = kill.load()
     with load:
         time.sleep(2.0)  # the load is under way
         os.killpg(pgid, signal.SIGSTOP)  # the request is certainly inside prefill when the kill comes
-        killed_at = _kill_during_a_request(quick_client, model_name, pgid, spec)
+        killed_at = _kill_during_a_request(kill.quick_client, model_name, pgid, spec)
         _restarted_by_the_supervisor(stack, spec, killed_at)
         if stack.topology.device == "cuda":
             # Decode kept the dead prefill's KV buffers mapped (cuda_ipc), which held prefill's GPU memory
@@ -279,20 +308,13 @@ def test_prefill_killed_mid_request_is_a_prompt_clear_error_and_up_restarts_it_a
     _serves_again(stack, client, model_name, decode_alone, num=3)
 
 
-def test_decode_killed_mid_stream_ends_the_stream_with_an_error_and_up_restarts_it(
-    stack: Stack,
-    quick: tuple[ProxyThread, openai.OpenAI],
-    client: openai.OpenAI,
-    decode_alone: openai.OpenAI,
-    model_name: str,
-) -> None:
-    _, quick_client = quick
-    spec = _spec(stack, "decode")
-    pgid = _pgid(stack, "decode")
+def test_decode_killed_mid_stream_ends_the_stream_with_an_error_and_up_restarts_it(kill: _Kill) -> None:
+    stack, client, decode_alone, model_name = kill.stack, kill.client, kill.decode_alone, kill.model_name
+    spec, pgid = kill.victim("decode")
     prefill = stack.urls("prefill")[0]
-    load = _Load(client, decode_alone, model_name)
+    load = kill.load()
     with load:
-        stream = quick_client.completions.create(
+        stream = kill.quick_client.completions.create(
             model=model_name, prompt=_prompt("midstream", 16), max_tokens=1500, temperature=0, stream=True
         )
         received = 0

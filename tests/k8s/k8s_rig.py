@@ -9,7 +9,6 @@ condition and its deletion itself. Its pods carry a finalizer, so deleting one l
 from __future__ import annotations
 
 import socket
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -18,6 +17,7 @@ from lightkube import AsyncClient
 from lightkube.resources.core_v1 import Pod
 from lightkube.types import PatchType
 
+from asgi_rig import listening_socket, serve_in_thread
 from pdserve.config import ProxyConfig, Timeouts
 from pdserve.configparts import HealthChecks, K8sDiscovery
 from pdserve.proxy.server import make_server
@@ -115,10 +115,7 @@ def _status(ip: str | None, ready: bool) -> dict[str, Any]:
 @contextmanager
 def discovering_proxy(api_server: str, **config: Any) -> Iterator[str]:
     """A real proxy (uvloop, httptools) in its own thread, with no static instances: only discovery."""
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(128)
+    sock = listening_socket()
     proxy_config = ProxyConfig(
         (),
         (),
@@ -133,12 +130,5 @@ def discovering_proxy(api_server: str, **config: Any) -> Iterator[str]:
         ),
         **config,
     )
-    server = make_server(proxy_config, log_level="warning")
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=15)
-        sock.close()
+    with serve_in_thread(make_server(proxy_config, log_level="warning"), sock, stop_s=15) as url:
+        yield url

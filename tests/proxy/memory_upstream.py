@@ -13,6 +13,7 @@ from typing import Any
 
 import orjson
 
+from asgi_rig import Recorder as Recorder  # re-exported: the flow tests import it from here
 from pdserve.config import Role
 from pdserve.errors import UpstreamTimeout
 from pdserve.proxy.upstream import Reply, Stream
@@ -103,21 +104,3 @@ class MemoryUpstream:
             raise UpstreamTimeout(phase, self.url, f"no answer within {timeout:g} s")
         await asyncio.sleep(answer.delay_s)
         return answer
-
-
-class Recorder:
-    """An ASGI ``send`` that keeps what the client would have received."""
-
-    def __init__(self) -> None:
-        self.messages: list[dict[str, Any]] = []
-
-    async def __call__(self, message: dict[str, Any]) -> None:
-        self.messages.append(message)
-
-    @property
-    def status(self) -> int:
-        return int(self.messages[0]["status"])
-
-    @property
-    def body(self) -> bytes:
-        return b"".join(m.get("body", b"") for m in self.messages[1:])

@@ -3,8 +3,6 @@ would be), on sockets bound before they start so callers may connect at once."""
 
 from __future__ import annotations
 
-import socket
-import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -13,6 +11,7 @@ from typing import Any
 import uvicorn
 from fake_vllm import FakeVLLM
 
+from asgi_rig import listening_socket, serve_in_thread
 from pdserve.config import ProxyConfig, Timeouts
 from pdserve.configparts import HealthChecks
 from pdserve.proxy.server import make_server
@@ -29,28 +28,6 @@ class Rig:
     decode: FakeVLLM
     prefill_url: str
     decode_url: str
-
-
-def listening_socket() -> socket.socket:
-    """A socket bound to a free port on 127.0.0.1 and already listening, so callers may connect at once."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(128)
-    return sock
-
-
-@contextmanager
-def serve_in_thread(server: uvicorn.Server, sock: socket.socket) -> Iterator[str]:
-    """Run ``server`` on ``sock`` in a thread with its own event loop; yields its base URL."""
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
 
 
 @contextmanager

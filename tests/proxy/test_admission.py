@@ -29,23 +29,28 @@ async def test_requests_beyond_the_limit_wait_in_order_and_run_when_a_slot_frees
     assert (admission.num_running, admission.num_queued) == (0, 0)
 
 
-async def test_a_full_queue_refuses_at_once_with_429_and_retry_after() -> None:
-    admission = Admission(max_concurrent=1, max_queued=0, queue_timeout_s=5)
+async def _second_request_refused(admission: Admission) -> tuple[Overloaded, int]:
+    """While a first request holds the only slot, a second one asks for a slot and is refused: the
+    refusal, and how many requests were queued right after it (the first still running)."""
     async with admission.slot():
         with pytest.raises(Overloaded) as info:
             async with admission.slot():
                 pass
-    assert info.value.status == 429 and info.value.retry_after_s >= 1
+        num_queued = admission.num_queued
+    return info.value, num_queued
+
+
+async def test_a_full_queue_refuses_at_once_with_429_and_retry_after() -> None:
+    admission = Admission(max_concurrent=1, max_queued=0, queue_timeout_s=5)
+    refused, _ = await _second_request_refused(admission)
+    assert refused.status == 429 and refused.retry_after_s >= 1
 
 
 async def test_waiting_past_the_queue_timeout_is_a_503_and_frees_the_queue_place() -> None:
     admission = Admission(max_concurrent=1, max_queued=1, queue_timeout_s=0.05)
-    async with admission.slot():
-        with pytest.raises(Overloaded) as info:
-            async with admission.slot():
-                pass
-        assert admission.num_queued == 0
-    assert info.value.status == 503
+    refused, num_queued = await _second_request_refused(admission)
+    assert num_queued == 0
+    assert refused.status == 503
     assert admission.num_running == 0
 
 

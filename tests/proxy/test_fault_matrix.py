@@ -79,44 +79,51 @@ class Case:
 
 
 OK_QUICK = Expect("ok", QUICK_S)
+
+
+def _one(role: str, expect: Expect = OK_QUICK, **fault: Any) -> Case:
+    """The fault on the role's first instance only: every request is retried on the other, and answered."""
+    return Case({f"{role}0": fault}, expect, expect, retried=role)
+
+
+def _on_both(role: str, **fault: Any) -> dict[str, dict[str, Any]]:
+    """The fault on both of the role's instances."""
+    return {f"{role}0": fault, f"{role}1": dict(fault)}
+
+
+def _both_fail(role: str, expect: Expect, **fault: Any) -> Case:
+    """The fault on both of the role's instances, streamed and whole requests ending alike."""
+    return Case(_on_both(role, **fault), expect, expect)
+
+
+def _both_decodes_fail(status: int, **fault: Any) -> Case:
+    """The fault on both decode instances, met at once: a streamed request ends with an SSE error event,
+    a whole one with ``status`` naming decode."""
+    return Case(
+        _on_both("decode", **fault),
+        Expect("stream_error", QUICK_S),
+        Expect("error", QUICK_S, status, "decode"),
+    )
+
+
 CASES = [
+    pytest.param(_one("prefill", error_rate=1), id="one-prefill-answers-500-others-answer"),
     pytest.param(
-        Case({"prefill0": {"error_rate": 1}}, OK_QUICK, OK_QUICK, retried="prefill"),
-        id="one-prefill-answers-500-others-answer",
-    ),
-    pytest.param(
-        Case(
-            {"prefill0": {"error_rate": 1}, "prefill1": {"error_rate": 1}},
-            Expect("error", QUICK_S, 500, "prefill"),
-            Expect("error", QUICK_S, 500, "prefill"),
-        ),
+        _both_fail("prefill", Expect("error", QUICK_S, 500, "prefill"), error_rate=1),
         id="every-prefill-answers-500-client-gets-500-naming-prefill",
     ),
     pytest.param(
-        Case(
-            {"prefill0": {"hang_rate": 1}},
-            Expect("ok", T.prefill),
-            Expect("ok", T.prefill),
-            retried="prefill",
-        ),
+        _one("prefill", Expect("ok", T.prefill), hang_rate=1),
         id="one-prefill-hangs-answered-by-the-other-after-the-prefill-timeout",
     ),
     pytest.param(
-        Case(
-            {"prefill0": {"hang_rate": 1}, "prefill1": {"hang_rate": 1}},
-            Expect("error", 2 * T.prefill, 504, "prefill"),
-            Expect("error", 2 * T.prefill, 504, "prefill"),
-        ),
+        _both_fail("prefill", Expect("error", 2 * T.prefill, 504, "prefill"), hang_rate=1),
         id="every-prefill-hangs-client-gets-504-naming-prefill",
     ),
+    # The answer is cut off after prefill computed the KV: those blocks stay held until the lease ends.
+    pytest.param(_one("prefill", drop_rate=1), id="one-prefill-dies-mid-answer-others-answer"),
     pytest.param(
-        # The answer is cut off after prefill computed the KV: those blocks stay held until the lease ends.
-        Case({"prefill0": {"drop_rate": 1}}, OK_QUICK, OK_QUICK, retried="prefill"),
-        id="one-prefill-dies-mid-answer-others-answer",
-    ),
-    pytest.param(
-        Case({"decode0": {"error_rate": 1}}, OK_QUICK, OK_QUICK, retried="decode"),
-        id="one-decode-answers-500-others-answer-after-a-fresh-prefill",
+        _one("decode", error_rate=1), id="one-decode-answers-500-others-answer-after-a-fresh-prefill"
     ),
     pytest.param(
         Case(
@@ -128,50 +135,28 @@ CASES = [
         id="one-decode-hangs-answered-by-the-other-after-the-decode-timeout",
     ),
     pytest.param(
-        Case(
-            {"decode0": {"drop_rate": 1}, "decode1": {"drop_rate": 1}},
-            Expect("stream_error", QUICK_S),
-            Expect("error", QUICK_S, 502, "decode"),
-        ),
+        _both_decodes_fail(502, drop_rate=1),
         id="every-decode-dies-mid-answer-streams-end-with-an-error-event",
     ),
+    pytest.param(_one("decode", pull_fail_rate=1), id="one-decode-cannot-pull-kv-others-answer"),
     pytest.param(
-        Case({"decode0": {"pull_fail_rate": 1}}, OK_QUICK, OK_QUICK, retried="decode"),
-        id="one-decode-cannot-pull-kv-others-answer",
+        _both_decodes_fail(500, pull_fail_rate=1), id="no-decode-can-pull-kv-client-gets-vllms-error"
     ),
     pytest.param(
         Case(
-            {"decode0": {"pull_fail_rate": 1}, "decode1": {"pull_fail_rate": 1}},
-            Expect("stream_error", QUICK_S),
-            Expect("error", QUICK_S, 500, "decode"),
-        ),
-        id="no-decode-can-pull-kv-client-gets-vllms-error",
-    ),
-    pytest.param(
-        Case(
-            {"decode0": {"token_delay_s": T.idle + 0.4}, "decode1": {"token_delay_s": T.idle + 0.4}},
+            _on_both("decode", token_delay_s=T.idle + 0.4),
             Expect("stream_error", T.first_token + T.idle),
             Expect("error", 2 * T.decode, 504, "decode"),
             max_error_gap_s=T.idle,
         ),
         id="tokens-slower-than-the-idle-timeout-end-with-an-error-not-a-stall",
     ),
+    pytest.param(_one("prefill", down=True), id="one-prefill-down-routed-around"),
     pytest.param(
-        Case({"prefill0": {"down": True}}, OK_QUICK, OK_QUICK, retried="prefill"),
-        id="one-prefill-down-routed-around",
-    ),
-    pytest.param(
-        Case(
-            {"prefill0": {"down": True}, "prefill1": {"down": True}},
-            Expect("error", QUICK_S, 502, "prefill"),
-            Expect("error", QUICK_S, 502, "prefill"),
-        ),
+        _both_fail("prefill", Expect("error", QUICK_S, 502, "prefill"), down=True),
         id="every-prefill-down-client-gets-502-naming-prefill",
     ),
-    pytest.param(
-        Case({"decode0": {"down": True}}, OK_QUICK, OK_QUICK, retried="decode"),
-        id="one-decode-down-routed-around",
-    ),
+    pytest.param(_one("decode", down=True), id="one-decode-down-routed-around"),
 ]
 
 MATRIX: list[str] = []  # one line per request, printed at the end of the module (pytest -s or -rA)
@@ -345,11 +330,11 @@ class HangUp:
 HANG_UPS = [
     pytest.param(
         # Prefill has computed (and holds) the KV, but its answer is slow to reach the proxy.
-        HangUp({"prefill0": {"token_delay_s": 1.0}, "prefill1": {"token_delay_s": 1.0}}, "prefill holds KV"),
+        HangUp(_on_both("prefill", token_delay_s=1.0), "prefill holds KV"),
         id="while-prefill-answers",
     ),
     pytest.param(
-        HangUp({"decode0": {"hang_rate": 1}, "decode1": {"hang_rate": 1}}, "decode called"),
+        HangUp(_on_both("decode", hang_rate=1), "decode called"),
         id="between-prefill-and-decode",
     ),
     pytest.param(

@@ -74,6 +74,14 @@ async def handoff(prefill: SimEngine, request_id: str, prompt: tuple[int, ...] =
     return RemoteKV(prefill.engine_id, request_id, event.held.block_ids, event.held.num_tokens, "h", 0)
 
 
+@contextlib.asynccontextmanager
+async def handed_off() -> AsyncIterator[tuple[SimEngine, SimEngine, SimEngine, RemoteKV]]:
+    """``pd()`` once prefill has computed request "r"'s prompt and holds its KV: the three engines and
+    the params decode gets for "r"."""
+    async with pd() as (prefill, decode, alone):
+        yield prefill, decode, alone, await handoff(prefill, "r")
+
+
 def lease_lines(caplog: pytest.LogCaptureFixture) -> list[tuple[str, str]]:
     """Prefill's lease lines as pdserve's log watcher reads them: (kind, remote_request_id)."""
     parsed = (parse_line(r.getMessage()) for r in caplog.records if r.name == "pdserve.sim")
@@ -104,12 +112,10 @@ async def test_a_request_queued_at_decode_past_the_lease_keeps_its_kv_while_deco
 async def test_a_stalled_decode_sends_no_heartbeat_its_late_pull_succeeds_with_wrong_tokens(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    async with pd() as (prefill, decode, alone):
-        clock = decode.clock
-        remote = await handoff(prefill, "r")
+    async with handed_off() as (prefill, decode, alone, remote):
         decode.stall(LEASE_S + 2)  # the request reaches decode, whose engine does not step
         got = await tokens(decode, SimRequest("r", PROMPT, 8, remote=remote))
-        assert clock.now() >= LEASE_S + 2
+        assert decode.clock.now() >= LEASE_S + 2
         expected = await tokens(alone, SimRequest("x", PROMPT, 8))
         assert got != expected and len(got) == 8  # a whole, normal-looking answer
         assert (decode.stats.num_pulls_ok, decode.stats.num_pulls_failed) == (1, 0)  # counted as a transfer
@@ -124,9 +130,8 @@ async def test_a_stalled_decode_sends_no_heartbeat_its_late_pull_succeeds_with_w
 async def test_a_stalled_prefill_reaps_nothing_so_a_read_during_the_stall_is_intact(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    async with pd() as (prefill, decode, alone):
+    async with handed_off() as (prefill, decode, alone, remote):
         clock = decode.clock
-        remote = await handoff(prefill, "r")
         prefill.stall(2 * LEASE_S)
         await clock.sleep(LEASE_S + 1)  # past the lease, but nothing reaps it
         assert prefill.stats.num_held == 1
@@ -141,8 +146,7 @@ async def test_a_stalled_prefill_reaps_nothing_so_a_read_during_the_stall_is_int
 async def test_a_late_pull_poisons_decodes_prefix_cache_for_that_prompt() -> None:
     """vLLM caches the blocks a pull filled (scheduler: _update_waiting_for_remote_kv → cache_blocks), so
     a later request on that decode sharing the prompt's full blocks reads the stale KV too."""
-    async with pd() as (prefill, decode, alone):
-        remote = await handoff(prefill, "r")
+    async with handed_off() as (_, decode, alone, remote):
         decode.stall(LEASE_S + 2)
         await tokens(decode, SimRequest("r", PROMPT, 8, remote=remote))
         again = await tokens(decode, SimRequest("again", PROMPT, 8))  # no PD: decode alone, cache hit
@@ -154,9 +158,8 @@ async def test_a_late_pull_poisons_decodes_prefix_cache_for_that_prompt() -> Non
 
 
 async def test_heartbeats_stop_once_the_pull_is_done() -> None:
-    async with pd() as (prefill, decode, _):
+    async with handed_off() as (prefill, decode, _, remote):
         clock = decode.clock
-        remote = await handoff(prefill, "r")
         await tokens(decode, SimRequest("r", PROMPT, 4, remote=remote))
         held = await handoff(prefill, "kept")  # nobody pulls it: its lease must run out on time
         await clock.sleep(LEASE_S + 0.5)
