@@ -90,7 +90,6 @@ def run_phase(name: str, extra_env: dict[str, str], out: Path, port: int) -> dic
     try:
         record["idle_mib"] = gpu_used_mib()
         stack.start()
-        assert stack.group is not None
         prefill, decode = (next(s for s in stack.specs if s.role == r) for r in ("prefill", "decode"))
         record["pair_mib"] = gpu_used_mib()
         record["first_request"] = pd_request(stack, f"{name} first")

@@ -62,7 +62,7 @@ def measure(delay_us: int, args: argparse.Namespace, seed: int) -> dict[str, Any
         run_dir=str(run_dir), on_instance_exit="stop",
     )  # fmt: skip
     with Stack(topology, say=lambda m: print(f"[{delay_us} us] {m}", flush=True)) as stack:
-        assert stack.group is not None and stack.model is not None
+        assert stack.model is not None
         groups = {pid for s in stack.specs if (pid := stack.group.pid(s)) is not None}
         time.sleep(5)  # start-up's last work settles
         before = _cpu_seconds(groups)

@@ -38,7 +38,8 @@ import aiohttp
 
 from pdserve import prometheus
 from pdserve.bench.load import Job, send, text_of
-from pdserve.config import Timeouts, Topology
+from pdserve.config import ProxySettings, RoleSpec, Timeouts, Topology
+from pdserve.configparts import ApiKeys
 from pdserve.errors import MetricsUnreadable
 from pdserve.stack import Stack
 
@@ -189,7 +190,6 @@ async def worker(client: Client, ts: list[Template], stop_at: float, rng: random
 
 
 async def stall(stack: Stack, role: str, seconds: float) -> dict[str, Any]:
-    assert stack.group is not None
     spec = next(s for s in stack.specs if s.role == role)
     core = stack.group.engine_core_pid(spec)
     if core is None:
@@ -203,7 +203,6 @@ async def stall(stack: Stack, role: str, seconds: float) -> dict[str, Any]:
 
 
 async def kill(stack: Stack, role: str, limit_s: float) -> dict[str, Any]:
-    assert stack.group is not None
     spec = next(s for s in stack.specs if s.role == role)
     since = time.monotonic()
     stack.group.kill(spec)
@@ -265,11 +264,13 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         on_instance_exit="restart", run_dir=str(run_dir) if run_dir else None,
         # A small pool makes prefill reuse released blocks at once, so a late pull reads another
         # prompt's KV (with vLLM's own pool of thousands of blocks it mostly reads intact leftovers).
-        prefill_args=("--num-gpu-blocks-override", str(args.prefill_blocks)) if args.prefill_blocks else (),
+        prefill=RoleSpec(args=("--num-gpu-blocks-override", str(args.prefill_blocks)) if args.prefill_blocks else ()),
     )  # fmt: skip
-    timeouts = Timeouts(connect=5, prefill=60, first_token=90, idle=60, decode=120, request=150)
-    with Stack(topology, say=lambda m: print(f"[soak] {m}", flush=True), timeouts=timeouts,
-               proxy_options={"admin_api_key": ADMIN_KEY}) as stack:  # fmt: skip
+    settings = ProxySettings(
+        timeouts=Timeouts(connect=5, prefill=60, first_token=90, idle=60, decode=120, request=150),
+        api_keys=ApiKeys(admin=ADMIN_KEY),
+    )
+    with Stack(topology, say=lambda m: print(f"[soak] {m}", flush=True), proxy=settings) as stack:
         assert stack.model is not None
         model = stack.model.served_model_name or stack.model.path
         ts = templates(args.seed)

@@ -87,6 +87,14 @@ class Stack:
     def specs(self) -> tuple[InstanceSpec, ...]:
         return self.engines.specs if self.engines is not None else ()
 
+    @property
+    def group(self) -> EngineGroup:
+        """The instances' processes on this host, for what acts on them directly (tests and benchmarks
+        that kill or stall one); EngineError on Ray or before ``start``."""
+        if not isinstance(self.engines, LocalEngines):
+            raise EngineError("the instances are not processes of this host (on Ray, or not started)")
+        return self.engines.group
+
     def urls(self, role: str) -> list[str]:
         return [s.url for s in self.specs if s.role == role]
 
