@@ -28,7 +28,7 @@ from typing import Any
 from _common import script_parser
 from pdserve import httpclient
 from pdserve.config import Topology
-from pdserve.engines.metrics import transfer_counts
+from pdserve.engines.transfers import transfer_counts
 from pdserve.prometheus import parse_prometheus
 from pdserve.stack import Stack
 

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 from _common import add_numbers, script_parser
 from pdserve.bench.load import Job, Outcome, Summary, run_load, summarize
+from pdserve.sim.fleet import SimInstanceSpec, sim_in_thread
 from pdserve.sim.profile import load_profile
-from pdserve.sim.server import SimInstanceSpec, sim_in_thread
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pdserve import httpclient
 from pdserve.config import ProxyConfig
 from pdserve.proxy.server import make_server
+from pdserve.sim.fleet import SimInstanceSpec, sim_in_thread
 from pdserve.sim.profile import load_profile
-from pdserve.sim.server import SimInstanceSpec, sim_in_thread
 
 _START_S = 30.0  # generous: other suites may load the two cores meanwhile
 

@@ -14,7 +14,7 @@ import pytest
 
 from pdserve import httpclient
 from pdserve.cli import build_parser, main
-from pdserve.flags import topology_from_args
+from pdserve.commands.flags import topology_from_args
 
 
 def test_flags_override_the_topology_file(tmp_path: Path) -> None:

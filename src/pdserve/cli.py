@@ -24,7 +24,7 @@ import time
 from collections.abc import Sequence
 from types import FrameType
 
-from pdserve import flags
+from pdserve.commands import flags
 from pdserve.config import proxy_default
 from pdserve.errors import PDServeError
 
@@ -90,7 +90,7 @@ def cmd_proxy(a: argparse.Namespace) -> int:
 
 
 def cmd_verify(a: argparse.Namespace) -> int:
-    from pdserve.verify import verify
+    from pdserve.commands.verify import verify
 
     print(f"verifying {a.url} ...")
     report = verify(a.url)
@@ -100,13 +100,13 @@ def cmd_verify(a: argparse.Namespace) -> int:
 
 
 def cmd_top(a: argparse.Namespace) -> int:
-    from pdserve.top import run
+    from pdserve.commands.top import run
 
     return run(a.url, a.interval, a.once)
 
 
 def cmd_trace(a: argparse.Namespace) -> int:
-    from pdserve.requesttrace import trace_request
+    from pdserve.commands.trace import trace_request
 
     print("\n".join(trace_request(a.url, a.request_id, a.logs, a.admin_api_key)))
     return 0
@@ -136,7 +136,7 @@ def cmd_plan(a: argparse.Namespace) -> int:
 
 
 def cmd_demo(a: argparse.Namespace) -> int:
-    from pdserve.demo import run_demo
+    from pdserve.commands.demo import run_demo
 
     _raise_on_sigterm()
     return run_demo(flags.topology_from_args(a), keep=a.keep)
@@ -148,7 +148,7 @@ def cmd_sim(a: argparse.Namespace) -> int:
         from pdserve.sim.calibrate import main as calibrate
 
         return calibrate(a.sim_args[1:])
-    from pdserve.sim.cli import main as serve_sim
+    from pdserve.sim.command import main as serve_sim
 
     return serve_sim(a.sim_args)
 

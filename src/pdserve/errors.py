@@ -36,7 +36,7 @@ else: connection, OS and timeout errors of the proxy's own HTTP client (``proxy/
 ``proxy/upstream.py``; aiohttp in ``sim/transfer.py`` (the simulator's KV pulls) and ``sim/probe.py``
 (calibration), while ``bench/load.py`` counts them as failed requests; urllib in ``httpclient.py``;
 subprocess in ``engines/launcher.py`` (the instances), ``engines/model.py`` (the tiny model's build) and
-``engines/benchclient.py``, while ``engines/venv.py``'s version probe makes a failure "version unknown",
+``bench/vllmbench.py``, while ``engines/venv.py``'s version probe makes a failure "version unknown",
 a warning; yaml in ``topologyfile.py``, ``sim/profile.py`` and ``sim/calibrate.py`` (``--set``); lightkube in ``proxy/k8s_watch.py``; ray in
 ``engines/ray_cluster.py``.
 ``UpstreamError.status`` is the HTTP status the proxy answers the client with.

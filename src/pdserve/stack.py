@@ -26,8 +26,8 @@ from pdserve.config import ProxySettings, Topology, lease_warnings
 from pdserve.engines.backend import EngineBackend, LocalEngines
 from pdserve.engines.launcher import DEFAULT_ENTRYPOINT, EngineGroup
 from pdserve.engines.model import ResolvedModel, resolve_model
-from pdserve.engines.plan import InstanceSpec, plan_instances, plan_sim_instances, visible_gpus
-from pdserve.engines.rayplan import placeholder_gpu_ids
+from pdserve.engines.placement import InstanceSpec, plan_instances, plan_sim_instances, visible_gpus
+from pdserve.engines.rayplacement import placeholder_gpu_ids
 from pdserve.engines.supervisor import RestartPolicy
 from pdserve.engines.venv import engine_vllm_version, find_engine_python, version_warning
 from pdserve.errors import EngineError

@@ -9,8 +9,8 @@ import aiohttp
 import pytest
 
 from pdserve.bench.load import Job, run_load, send
+from pdserve.sim.fleet import SimInstanceSpec, sim_in_thread
 from pdserve.sim.profile import load_profile
-from pdserve.sim.server import SimInstanceSpec, sim_in_thread
 
 Served = tuple[aiohttp.ClientSession, str, str]  # a session, a simulated instance's URL, its model
 

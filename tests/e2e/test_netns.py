@@ -22,16 +22,16 @@ import pytest
 from netns import Host, Network, can_make_namespaces
 
 from pdserve import httpclient
+from pdserve.commands.verify import wait_for_transfers
 from pdserve.config import ProxyConfig, RoleSpec, Topology
 from pdserve.configparts import Routing
 from pdserve.doctor.logs import read_lanes, read_log
 from pdserve.engines.launcher import EngineGroup
-from pdserve.engines.metrics import transfer_counts
 from pdserve.engines.model import resolve_model
-from pdserve.engines.plan import InstanceSpec, plan_instances
+from pdserve.engines.placement import InstanceSpec, plan_instances
+from pdserve.engines.transfers import transfer_counts
 from pdserve.engines.venv import find_engine_python
 from pdserve.proxy.thread import ProxyThread
-from pdserve.verify import wait_for_transfers
 
 pytestmark = pytest.mark.vllm
 

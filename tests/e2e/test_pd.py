@@ -12,12 +12,12 @@ from contextlib import contextmanager
 import openai
 import pytest
 
+from pdserve.commands.verify import verify, wait_for_transfers
 from pdserve.config import ProxyConfig, Timeouts
 from pdserve.engines.backend import LocalEngines
-from pdserve.engines.metrics import transfer_counts
+from pdserve.engines.transfers import transfer_counts
 from pdserve.proxy.thread import ProxyThread
 from pdserve.stack import Stack
-from pdserve.verify import verify, wait_for_transfers
 
 pytestmark = pytest.mark.vllm
 

@@ -26,9 +26,9 @@ from netns import Network, can_make_namespaces
 from raycluster import Node, RayCluster
 
 from pdserve import httpclient
-from pdserve.engines.metrics import transfer_counts
+from pdserve.commands.verify import wait_for_transfers
+from pdserve.engines.transfers import transfer_counts
 from pdserve.engines.venv import find_engine_python
-from pdserve.verify import wait_for_transfers
 
 PDSERVE = str(Path(sys.executable).with_name("pdserve"))
 SIM_PORTS = {"proxy": 26000, "first": 26100, "side": 27100}

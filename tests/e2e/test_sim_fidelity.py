@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from pdserve.protocol import PREFILL_KV_PARAMS
+from pdserve.sim.fleet import SimInstanceSpec, sim_in_thread
 from pdserve.sim.profile import load_profile
-from pdserve.sim.server import SimInstanceSpec, sim_in_thread
 from pdserve.stack import Stack
 
 pytestmark = pytest.mark.vllm

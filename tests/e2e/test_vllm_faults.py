@@ -19,15 +19,15 @@ import openai
 import pytest
 
 from pdserve import httpclient
+from pdserve.commands.verify import wait_for_transfers
 from pdserve.config import ProxyConfig, Timeouts
 from pdserve.engines.backend import LocalEngines
-from pdserve.engines.metrics import transfer_counts
-from pdserve.engines.plan import InstanceSpec
+from pdserve.engines.placement import InstanceSpec
+from pdserve.engines.transfers import transfer_counts
 from pdserve.events import InstanceEvent
 from pdserve.prometheus import KV_USAGE, scrape
 from pdserve.proxy.thread import ProxyThread
 from pdserve.stack import Stack, wait_http_ok
-from pdserve.verify import wait_for_transfers
 
 pytestmark = pytest.mark.vllm
 

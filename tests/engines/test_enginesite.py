@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.engines.launcher import _instance_env
-from pdserve.engines.plan import InstanceSpec
+from pdserve.engines.placement import InstanceSpec
 
 ENGINESITE = Path(__file__).parents[2] / "src" / "pdserve" / "engines" / "enginesite"
 

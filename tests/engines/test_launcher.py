@@ -22,7 +22,7 @@ import pytest
 from pdserve.config import Role
 from pdserve.engines import launcher
 from pdserve.engines.launcher import EngineGroup
-from pdserve.engines.plan import InstanceSpec
+from pdserve.engines.placement import InstanceSpec
 from pdserve.errors import ConfigError, EngineError, EngineStartError
 
 FAKE_ENGINE = str(Path(__file__).with_name("fake_engine.py"))
@@ -256,7 +256,7 @@ def test_instances_die_when_the_launching_process_is_sigkilled(tmp_path: Path) -
         import sys
         from pathlib import Path
         from pdserve.engines.launcher import EngineGroup
-        from pdserve.engines.plan import InstanceSpec
+        from pdserve.engines.placement import InstanceSpec
         spec = InstanceSpec("prefill", 0, "127.0.0.1", {spec.port}, {spec.side_channel_port}, {spec.args!r}, ())
         group = EngineGroup([spec], sys.executable, Path({str(tmp_path)!r}), entrypoint=({FAKE_ENGINE!r},))
         group.start()

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from pdserve import flags
+from pdserve.commands import flags
 from pdserve.config import RoleSpec, Topology
-from pdserve.engines.plan import InstanceSpec, plan_instances, plan_sim_instances
-from pdserve.engines.rayplan import (
+from pdserve.engines.placement import InstanceSpec, plan_instances, plan_sim_instances
+from pdserve.engines.rayplacement import (
     ActorState,
     NodeInstance,
     actor_options,

@@ -16,7 +16,7 @@ import pytest
 from test_launcher import FAKE_ENGINE, fake_spec, group_is_running, health_status, port_is_free
 
 from pdserve.engines.launcher import EngineGroup
-from pdserve.engines.plan import InstanceSpec
+from pdserve.engines.placement import InstanceSpec
 from pdserve.engines.supervisor import RestartPolicy, Supervisor, restart_hint
 from pdserve.errors import ConfigError
 from pdserve.events import InstanceEvent

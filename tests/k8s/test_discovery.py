@@ -15,8 +15,8 @@ import kmock
 import orjson
 from k8s_rig import Cluster, discovering_proxy, free_ports
 
+from pdserve.sim.fleet import SimInstanceSpec, sim_in_thread
 from pdserve.sim.profile import Profile, load_profile
-from pdserve.sim.server import SimInstanceSpec, sim_in_thread
 from pdserve.sim.types import SimRole
 
 # Each decode step takes a while, so a long answer is still streaming when its pod starts terminating.

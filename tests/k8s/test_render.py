@@ -23,7 +23,7 @@ import yaml
 
 from pdserve.cli import build_parser, main
 from pdserve.config import ProxyConfig
-from pdserve.engines.plan import kv_transfer_config
+from pdserve.engines.placement import kv_transfer_config
 from pdserve.k8s.command import k8s_discovery
 from pdserve.labels import label_selector
 

@@ -28,8 +28,8 @@ import orjson
 
 from pdserve.protocol import Endpoint
 from pdserve.sim.faults import FaultSpec
+from pdserve.sim.fleet import SimInstanceSpec, sim_in_thread
 from pdserve.sim.profile import load_profile
-from pdserve.sim.server import SimInstanceSpec, sim_in_thread
 
 MODEL = "sim-model"
 LEASE_S = 3.0  # prefill holds un-pulled KV this long; the proxy is told the same

@@ -39,7 +39,7 @@ from pdserve.configparts import ApiKeys, HealthChecks
 from pdserve.prometheus import parse_prometheus
 from pdserve.protocol import Endpoint
 from pdserve.proxy.server import make_server
-from pdserve.sim.server import SimInstanceSpec, sim_in_thread
+from pdserve.sim.fleet import SimInstanceSpec, sim_in_thread
 
 MAX_TOKENS = 8
 # Well past the lease (prefill reaps the KV while decode's engine does not step), even if a loaded

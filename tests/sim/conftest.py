@@ -9,7 +9,7 @@ import pytest
 from sim_rig import CLIENT_TIMEOUT, PROFILE, Sims
 
 from pdserve.sim.faults import FaultSpec
-from pdserve.sim.server import SimInstanceSpec, sim_in_thread
+from pdserve.sim.fleet import SimInstanceSpec, sim_in_thread
 
 
 @pytest.fixture(scope="session")

@@ -12,8 +12,8 @@ import orjson
 
 from pdserve.prometheus import parse_prometheus
 from pdserve.protocol import PREFILL_KV_PARAMS
+from pdserve.sim.fleet import SimCluster
 from pdserve.sim.profile import Profile
-from pdserve.sim.server import SimCluster
 
 MODEL = "sim-model"
 MAX_MODEL_LEN = 256

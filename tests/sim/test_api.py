@@ -34,8 +34,8 @@ from sim_rig import (
     stats,
 )
 
-from pdserve.sim.cli import main
-from pdserve.sim.server import SimInstanceSpec, sim_in_thread
+from pdserve.sim.command import main
+from pdserve.sim.fleet import SimInstanceSpec, sim_in_thread
 
 COMPLETION_KEYS = ["id", "object", "created", "model", "choices", "service_tier", "system_fingerprint", "usage",
                    "kv_transfer_params", "ec_transfer_params", "metrics"]  # fmt: skip

@@ -27,7 +27,7 @@ from sim_rig import (
 )
 
 from pdserve.engines.logwatch import parse_line
-from pdserve.sim.server import SimInstanceSpec, sim_in_thread
+from pdserve.sim.fleet import SimInstanceSpec, sim_in_thread
 
 KV_PARAMS_KEYS = ["do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_engine_id",
                   "remote_request_id", "remote_host", "remote_port", "tp_size", "dcp_size", "pp_size",

@@ -13,7 +13,7 @@ import orjson
 import pytest
 from sim_rig import INTERNAL_ERROR, PROFILE, PROMPT, completion, metric, post, prefill, stats
 
-from pdserve.sim.server import SimCluster, SimInstanceSpec, sim_in_thread
+from pdserve.sim.fleet import SimCluster, SimInstanceSpec, sim_in_thread
 
 LEASE_S = 3.0  # a heartbeat extends a lease to 3 * 2 // 3 = 2 s from when prefill reads it
 STEP_S = 0.005

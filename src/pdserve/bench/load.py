@@ -4,7 +4,7 @@ TTFT = send → first chunk with choices; ITL = gaps between later chunks with c
 TPOT = (E2EL − TTFT) / (output chunks − 1). ``run_load`` streams every request, a fixed number at once;
 ``send`` is one request as its job says (streamed or whole), keeping the answer's text, so a caller that
 judges answers (benchmarks/soak.py) sends through the same client. `pdserve bench` itself drives vLLM's
-client instead (engines/benchclient.py), so its figures are vLLM's by definition.
+client instead (bench/vllmbench.py), so its figures are vLLM's by definition.
 """
 
 from __future__ import annotations

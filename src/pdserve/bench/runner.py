@@ -7,7 +7,7 @@ pdserve PD proxy (prefill on the prefill instances, decode on the decode instanc
 order alternating from rate to rate so drift on the machine does not always fall on the same mode. Each
 run draws its prompts from the workload with a seed of its own and carries a ``cache_salt`` of its own
 (bench/workload.py), so no run is served from another's prefix cache. vLLM's client is imported once,
-while the instances start (engines/benchclient.py).
+while the instances start (bench/vllmbench.py).
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from pdserve.bench.inputs import write_sharegpt_sample, write_sim_tokenizer
 from pdserve.bench.plots import write_plots
 from pdserve.bench.result import BenchResult, load_result
 from pdserve.bench.verdict import Arm, Mode, RatePair, Verdict, decide, render
+from pdserve.bench.vllmbench import BenchClient
 from pdserve.bench.workload import Workload, client_args, rate_arg
 from pdserve.config import ProxySettings, Topology
-from pdserve.engines.benchclient import BenchClient
 from pdserve.engines.venv import find_engine_python
 from pdserve.errors import BenchError, ConfigError, Unreachable
 from pdserve.proxy.thread import proxy_for

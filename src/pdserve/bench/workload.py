@@ -1,7 +1,7 @@
 """What `pdserve bench` sends, as vLLM's benchmark client takes it: datasets, load, SLOs → its arguments.
 
 Pure: a ``Workload`` and a run's particulars become the argument list of one ``vllm bench serve`` run
-(engines/benchclient.py runs it). Every run asks for the detailed result JSON (each request's TTFT and
+(bench/vllmbench.py runs it). Every run asks for the detailed result JSON (each request's TTFT and
 ITLs, for the CDF plots), vLLM's percentiles 50/90/99 of TTFT, TPOT, ITL and E2EL, greedy sampling and
 ``ignore_eos`` (a run's output length is the workload's, whatever the model says), and a ``cache_salt``
 of its own (no '@' or '/': vLLM refuses those): vLLM then never serves one run's prompts from another run's prefix cache, so the second of

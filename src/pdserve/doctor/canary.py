@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 from pdserve import httpclient, protocol
 from pdserve.addresses import is_loopback
 from pdserve.doctor.advice import Handoff, duration, prompt_budget, repeats_for, size
-from pdserve.doctor.instance import InstanceFacts
+from pdserve.doctor.facts import InstanceFacts
 from pdserve.doctor.report import PairReport
 from pdserve.errors import MetricsUnreadable, Unreachable
 from pdserve.prometheus import (

@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 from pdserve import httpclient
 from pdserve.doctor import canary
 from pdserve.doctor.advice import duration, judge, rate, size
-from pdserve.doctor.instance import InstanceFacts, attach_log, compare, gather
+from pdserve.doctor.facts import InstanceFacts, attach_log, compare, gather
 from pdserve.doctor.logs import read_lanes, run_dirs
 from pdserve.doctor.report import DoctorReport, PairReport, Status
 from pdserve.doctor.report import brief as brief_lines

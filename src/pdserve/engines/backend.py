@@ -18,7 +18,7 @@ from typing import Protocol
 from pdserve.config import OnInstanceExit
 from pdserve.engines.launcher import EngineGroup
 from pdserve.engines.logwatch import LogWatcher
-from pdserve.engines.plan import InstanceSpec
+from pdserve.engines.placement import InstanceSpec
 from pdserve.engines.supervisor import RestartPolicy, Supervisor
 from pdserve.events import InstanceEvent, KVLogEvent
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from types import TracebackType
 
 from pdserve import httpclient
-from pdserve.engines.plan import NIXL_PROGRESS_DELAY_ENV, InstanceSpec
+from pdserve.engines.placement import NIXL_PROGRESS_DELAY_ENV, InstanceSpec
 from pdserve.engines.processes import (
     group_alive,
     process_table,

@@ -1,6 +1,6 @@
 """Instances on a Ray cluster: one Ray actor per planned instance, the instance a process of that actor.
 
-The actor (``InstanceActor``) lands on a node that has the resources its role names (engines/rayplan.py),
+The actor (``InstanceActor``) lands on a node that has the resources its role names (engines/rayplacement.py),
 learns the node's IP, and runs the instance there with the launcher (a one-instance ``EngineGroup``:
 same process group, log and health wait as on one host), bound to and advertised at that IP. When the
 instance exits the actor exits too, and Ray restarts it (``max_restarts``): the new actor starts the
@@ -32,8 +32,8 @@ from pdserve import httpclient
 from pdserve.config import Topology
 from pdserve.engines.backend import OnEvent
 from pdserve.engines.launcher import EngineGroup
-from pdserve.engines.plan import InstanceSpec
-from pdserve.engines.rayplan import (
+from pdserve.engines.placement import InstanceSpec
+from pdserve.engines.rayplacement import (
     ActorState,
     NodeInstance,
     actor_name,

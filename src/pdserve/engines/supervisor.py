@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from pdserve.engines.launcher import RUN_HEADER, EngineGroup
-from pdserve.engines.plan import InstanceSpec
+from pdserve.engines.placement import InstanceSpec
 from pdserve.errors import ConfigError, EngineStartError
 from pdserve.events import InstanceEvent, InstanceEventKind
 

@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 
 from pdserve.config import Role
-from pdserve.engines.plan import kv_transfer_config
+from pdserve.engines.placement import kv_transfer_config
 from pdserve.k8s.spec import ClusterSpec
 
 Obj = dict[str, Any]

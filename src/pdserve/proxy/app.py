@@ -27,13 +27,13 @@ from pdserve.proxy.context import Context
 from pdserve.proxy.flow import Flow
 from pdserve.proxy.health import HealthChecker
 from pdserve.proxy.models import check_models_match
+from pdserve.proxy.otel import RequestTracing
 from pdserve.proxy.peer_routes import PEER_ROUTES
 from pdserve.proxy.peers import Fanout, Peers
 from pdserve.proxy.policies import PolicyOptions, make_policy
 from pdserve.proxy.routing import Policy
 from pdserve.proxy.state import ProxyState, UpstreamFactory
 from pdserve.proxy.tokens import PromptTokenizer
-from pdserve.proxy.tracing import RequestTracing
 
 log = logging.getLogger("pdserve.proxy")
 

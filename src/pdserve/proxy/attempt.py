@@ -24,9 +24,9 @@ from pdserve import protocol
 from pdserve.errors import UpstreamError, UpstreamTimeout
 from pdserve.protocol import Endpoint
 from pdserve.proxy.ledger import Handoff, Ledger
+from pdserve.proxy.record import Trace
 from pdserve.proxy.responder import Responder
 from pdserve.proxy.timeline import Timeline
-from pdserve.proxy.trace import Trace
 from pdserve.proxy.upstream import Reply
 
 

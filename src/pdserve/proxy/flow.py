@@ -71,14 +71,14 @@ from pdserve.proxy.decode import Decoder
 from pdserve.proxy.guard import LeaseGuard
 from pdserve.proxy.instance import Instance
 from pdserve.proxy.ledger import Handoff
+from pdserve.proxy.otel import RequestTracing
 from pdserve.proxy.prefill import Prefiller
 from pdserve.proxy.prefix import should_skip_prefill
+from pdserve.proxy.record import Trace
 from pdserve.proxy.responder import Responder
 from pdserve.proxy.state import Outcome, ProxyState
 from pdserve.proxy.timeline import Timeline
 from pdserve.proxy.tokens import PromptTokenizer
-from pdserve.proxy.trace import Trace
-from pdserve.proxy.tracing import RequestTracing
 from pdserve.proxy.upstream import Reply
 
 log = logging.getLogger("pdserve.proxy")

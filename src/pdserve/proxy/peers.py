@@ -30,7 +30,7 @@ from starlette.responses import Response
 from pdserve.asgi import Scope
 from pdserve.config import ROLES, Role
 from pdserve.proxy.connection import RequestWriter, parse_response
-from pdserve.proxy.metrics import format_number
+from pdserve.proxy.exposition import format_number
 from pdserve.proxy.routing import C, Pick, Policy
 
 log = logging.getLogger("pdserve.proxy")

@@ -26,7 +26,7 @@ from pdserve.asgi import Receive, Scope, Send, header, read_body, run_until_disc
 from pdserve.errors import BodyTooLarge, ClientGone, Overloaded, UpstreamError
 from pdserve.protocol import Endpoint
 from pdserve.proxy.context import Context, context
-from pdserve.proxy.metrics import render as render_metrics
+from pdserve.proxy.exposition import render as render_metrics
 from pdserve.proxy.responder import Responder
 
 log = logging.getLogger("pdserve.proxy")

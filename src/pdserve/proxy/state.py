@@ -21,9 +21,9 @@ from pdserve.protocol import Endpoint
 from pdserve.proxy.breaker import CircuitBreaker
 from pdserve.proxy.instance import EngineLoad, Instance
 from pdserve.proxy.ledger import Ledger
+from pdserve.proxy.record import Trace
 from pdserve.proxy.routing import Policy
 from pdserve.proxy.timeline import Timeline, Timings
-from pdserve.proxy.trace import Trace
 from pdserve.proxy.upstream import HTTPUpstream, Upstream
 
 log = logging.getLogger("pdserve.proxy")

@@ -1,7 +1,7 @@
-"""``python -m pdserve.sim``: see ``pdserve.sim.cli``."""
+"""``python -m pdserve.sim``: see ``pdserve.sim.command``."""
 
 import sys
 
-from pdserve.sim.cli import main
+from pdserve.sim.command import main
 
 sys.exit(main())

@@ -4,7 +4,7 @@ Routes:
     POST /v1/completions, /v1/chat/completions   generation (sim/generation.py)
     GET  /v1/models                              the served model, in vLLM's shape
     GET  /health                                 200 with an empty body, as vLLM
-    GET  /metrics                                Prometheus text in vLLM's names (sim/metrics.py)
+    GET  /metrics                                Prometheus text in vLLM's names (sim/vllm_metrics.py)
     POST /reset_prefix_cache                     forget the prefix cache (vLLM serves it in dev mode)
     GET  /sim/faults, POST /sim/faults           the injected faults; POST merges the given fields
     POST /sim/kv/pull                            another process's decoder reads KV this instance holds
@@ -34,7 +34,7 @@ from pdserve.asgi import ASGIApp, Receive, Scope, Send, read_body
 from pdserve.errors import ClientGone, ConfigError, KVPullError
 from pdserve.protocol import error_body
 from pdserve.sim.generation import GenerationEndpoint
-from pdserve.sim.instance import SimInstance
+from pdserve.sim.replica import SimInstance
 from pdserve.sim.transfer import HEARTBEAT_PATH, PULL_PATH, held_to_mapping
 from pdserve.sim.wire import JSON, Writer, drop_unanswered
 

@@ -42,7 +42,7 @@ from pdserve.errors import (
 from pdserve.protocol import Endpoint, error_body
 from pdserve.sim import render, tokenizer
 from pdserve.sim.faults import RequestFault
-from pdserve.sim.instance import SimInstance
+from pdserve.sim.replica import SimInstance
 from pdserve.sim.request import GenerationRequest, parse_request
 from pdserve.sim.types import SimRequest, TokenEvent
 from pdserve.sim.wire import DISCONNECT_WAIT_S, Writer

@@ -24,9 +24,9 @@ import orjson
 
 from pdserve.errors import KVPullError
 from pdserve.sim.faults import Faults
-from pdserve.sim.metrics import SimMetrics
 from pdserve.sim.profile import Profile
 from pdserve.sim.types import HeldKV, RemoteKV
+from pdserve.sim.vllm_metrics import SimMetrics
 
 log = logging.getLogger("pdserve.sim")
 

@@ -16,9 +16,9 @@ import sys
 
 from pdserve.errors import ConfigError
 from pdserve.sim.faults import FaultSpec
-from pdserve.sim.instance import SimInstance
+from pdserve.sim.fleet import SimInstanceSpec, run_sim
 from pdserve.sim.profile import load_profile
-from pdserve.sim.server import SimInstanceSpec, run_sim
+from pdserve.sim.replica import SimInstance
 from pdserve.sim.types import SimRole
 
 

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from pdserve.doctor.canary import _side_channel, is_this_host
-from pdserve.doctor.instance import InstanceFacts
+from pdserve.doctor.facts import InstanceFacts
 from pdserve.doctor.logs import parse_log
 from pdserve.doctor.report import PairReport
 from pdserve.doctor.run import same_kernel

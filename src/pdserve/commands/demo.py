@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from pdserve import httpclient
+from pdserve.commands.verify import http_json, verify
 from pdserve.config import Topology
 from pdserve.engines.backend import LocalEngines
-from pdserve.engines.metrics import transfer_counts
+from pdserve.engines.transfers import transfer_counts
 from pdserve.stack import Stack
-from pdserve.verify import http_json, verify
 
 _LOG_MARK = "KV Transfer metrics:"
 _LOG_WAIT = 15.0  # vLLM logs connector stats at most every 10 s

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pdserve.requesttrace import log_lines, render
+from pdserve.commands.trace import log_lines, render
 
 TRACE = {
     "request_id": "r1", "endpoint": "completions", "stream": True, "outcome": "ok", "trace_id": None,

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.doctor.advice import Handoff, judge, prompt_budget, rate, repeats_for, size
-from pdserve.doctor.instance import InstanceFacts, compare
+from pdserve.doctor.facts import InstanceFacts, compare
 from pdserve.doctor.logs import LogFacts, candidate_logs, parse_log, read_lanes
 from pdserve.doctor.report import (
     EXIT_DOES_NOT_PAY,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pdserve.engines.metrics import TransferCounts
+from pdserve.engines.transfers import TransferCounts
 from pdserve.prometheus import parse_prometheus
 
 SAMPLE = """\

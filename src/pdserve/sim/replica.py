@@ -20,10 +20,10 @@ from dataclasses import dataclass
 from pdserve.errors import KVPullError
 from pdserve.sim.engine import SimEngine
 from pdserve.sim.faults import Faults, FaultSpec
-from pdserve.sim.metrics import SimMetrics
 from pdserve.sim.profile import Profile
 from pdserve.sim.transfer import KVRegistry, PullSource
 from pdserve.sim.types import HeldKV, KVSource, SimRole
+from pdserve.sim.vllm_metrics import SimMetrics
 
 # The vLLM release whose HTTP behaviour the sim reproduces (see docs/vllm.md).
 VLLM_VERSION = "0.32.0"

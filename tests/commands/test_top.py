@@ -12,8 +12,8 @@ import pytest
 
 from live_proxy import LiveProxy, live_proxy
 from pdserve.cli import main
+from pdserve.commands.top import InstanceRow, ProxyScrape, Snapshot, _fit, render, run
 from pdserve.prometheus import EngineScrape
-from pdserve.top import InstanceRow, ProxyScrape, Snapshot, _fit, render, run
 
 PREFILL, DECODE = "http://p:1", "http://d:1"
 INSTANCES = (InstanceRow("prefill", PREFILL, "serving", "closed", 1),

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from pdserve.cli import main
-from pdserve.verify import Report, _read_stream, cases, verify
+from pdserve.commands.verify import Report, _read_stream, cases, verify
 
 
 def test_stream_text_is_joined_from_deltas() -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.engines.benchclient import BenchClient
+from pdserve.bench.vllmbench import BenchClient
 from pdserve.errors import BenchError
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from pdserve.config import Role, Topology
-from pdserve.engines.plan import InstanceSpec
+from pdserve.engines.placement import InstanceSpec
 from pdserve.events import InstanceEvent, InstanceEventKind
 
 # The plan's GPU ids are placeholders under Ray: Ray gives each actor its GPUs and sets the actor's own
@@ -42,7 +42,7 @@ class NodeInstance:
 def actor_options(spec: InstanceSpec, topology: Topology) -> dict[str, Any]:
     """``ActorClass.options(...)`` for one instance: the custom resources its role names and, on cuda,
     its GPUs. ``num_cpus=0``: what decides where an instance goes is the resources named here, not
-    Ray's CPU bookkeeping (a vLLM instance's cores are its own affair, engines/plan.py)."""
+    Ray's CPU bookkeeping (a vLLM instance's cores are its own affair, engines/placement.py)."""
     options: dict[str, Any] = {"num_cpus": 0, "resources": role_resources(topology, spec.role)}
     if topology.device == "cuda":
         options["num_gpus"] = gpus_per_actor(topology)

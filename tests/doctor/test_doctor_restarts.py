@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdserve.doctor.instance import InstanceFacts
+from pdserve.doctor.facts import InstanceFacts
 from pdserve.doctor.logs import parse_log
 from pdserve.doctor.report import Check, PairReport
 from pdserve.doctor.run import restarts

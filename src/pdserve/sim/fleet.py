@@ -24,8 +24,8 @@ import uvicorn
 
 from pdserve.sim.api import create_sim_app
 from pdserve.sim.faults import FaultSpec
-from pdserve.sim.instance import SimInstance
 from pdserve.sim.profile import Profile
+from pdserve.sim.replica import SimInstance
 from pdserve.sim.transfer import KVRegistry
 from pdserve.sim.types import SimRole
 from pdserve.sim.wire import DroppedConnectionFilter

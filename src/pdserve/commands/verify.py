@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve import httpclient, sse
-from pdserve.engines.metrics import TransferCounts, transfer_counts
+from pdserve.engines.transfers import TransferCounts, transfer_counts
 from pdserve.errors import Unreachable, VerifyError
 
 _MAX_TOKENS = 16

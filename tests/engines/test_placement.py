@@ -7,7 +7,7 @@ import json
 import pytest
 
 from pdserve.config import RoleSpec, Topology
-from pdserve.engines.plan import (
+from pdserve.engines.placement import (
     InstanceSpec,
     cpu_list,
     gpu_memory_share,

@@ -11,7 +11,7 @@ import pytest
 from sim_rig import MODEL, PREFILL_PARAMS, Sims
 
 from pdserve.prometheus import parse_prometheus
-from pdserve.sim.metrics import Histogram, SimMetrics, go_float
+from pdserve.sim.vllm_metrics import Histogram, SimMetrics, go_float
 
 LABELS = f'{{engine="0",model_name="{MODEL}"}}'
 NAMES = [
