@@ -3,8 +3,8 @@
 vLLM's NixlConnector has the decode process READ the prompt's KV from the prefill process. On one H200
 (two vLLM processes on it) that moved at 0.5 GB/s over tcp/lo while the GPU copies at 1.8 TB/s; here
 READ ran at 0.5 GB/s by default and 0.8-1.2 TB/s with UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y (2026-12-03,
-BENCHMARKS.md "GPU (one H200)"). This reproduces the transfer without vLLM: a *target*
-process registers a buffer with NIXL, an *initiator* process READs it (and WRITEs it back), both with the
+BENCHMARKS.md "KV transfer and PD latency on one H200"). This reproduces the transfer without vLLM: a
+*target* process registers a buffer with NIXL, an *initiator* process READs it (and WRITEs it back), both with the
 UCX backend, under several environments. Each setting is a fresh pair of processes, so UCX reads its
 variables anew.
 

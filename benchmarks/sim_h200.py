@@ -42,7 +42,7 @@ from pdserve.sim.profile import Profile, load_profile
 
 TOLERANCE = 0.2
 DATA = Path(__file__).resolve().parent / "data"
-# The load steps of the 2026-12-04 runs (BENCHMARKS.md "GPU (one H200)"): vLLM with CUDA graphs, the pair
+# The load steps of the 2026-12-04 runs (BENCHMARKS.md "CUDA graphs on one and two H200s"): vLLM with CUDA graphs, the pair
 # on two H200s (the default) and on one; and the eager run of that morning (steps CPU-bound and drifting by
 # a quarter between rounds: the shipped profile, made with CUDA graphs, is not meant to match it).
 MEASURED = {

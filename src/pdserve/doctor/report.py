@@ -1,6 +1,6 @@
 """What `pdserve doctor` found: checks per pair, the measured handoff, the verdict, and the exit status.
 
-Exit status (for scripts; README's command table says the same):
+Exit status (for scripts; docs/cli.md says the same):
 
     0  every check passed and the split pays on this link (moving the KV is faster than computing it)
     1  a check failed: a mismatch, an unreachable side channel, a canary that moved no KV or answered wrong

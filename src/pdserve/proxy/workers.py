@@ -1,8 +1,8 @@
 """A proxy of several processes: ``config.workers`` workers (worker.py) sharing one port, started,
 watched and stopped from the process that runs `pdserve proxy` or `pdserve up`.
 
-Why processes: one CPython process is one core's worth of proxy (BENCHMARKS.md, "Proxy hot path"), and
-the kernel spreads client connections over workers that all listen on the port (SO_REUSEPORT). What
+Why processes: one CPython process is one core's worth of proxy (BENCHMARKS.md, "Proxy overhead against
+vllm-router", and its archive), and the kernel spreads client connections over workers that all listen on the port (SO_REUSEPORT). What
 each worker keeps is its own: health checks and circuit breakers of every instance (each worker checks
 for itself), its share of the admission limits (``ProxyConfig.worker_share``), its requests' KV handoffs
 and traces. Reads and admin changes span them all (peers.py); what the launcher learns reaches every

@@ -8,7 +8,7 @@ gives each step turns of at most ``turn_s`` of device time, first come first ser
 turn runs whole, and the other engine's waiting step goes next; a longer one runs in turns, alternating
 with the other engine's steps.
 
-Against the H200 (BENCHMARKS.md "CUDA graphs, one GPU and two"): 1P1D on one GPU, where a prefill step of
+Against the H200 (BENCHMARKS.md "CUDA graphs on one and two H200s"): 1P1D on one GPU, where a prefill step of
 6,400 tokens (150 ms alone) meets decode steps of 5.6 ms, decode's ITL was 6.3 ms at p50 and 13.5 at p90:
 most steps ran whole, and one in three waited for a prefill turn of about 8 ms. Processor sharing (every
 overlapped step at half speed) gets the same mean but a p50 of 11 ms; turns of 8 ms give 6.1 and 13.9.
