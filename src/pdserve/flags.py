@@ -89,7 +89,7 @@ def timeouts_from_args(a: argparse.Namespace) -> Timeouts:
 
 def add_topology(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="YAML", help="topology file; flags given explicitly override it")
-    p.add_argument("--model", help="local model directory or hub name (default: the embedded tiny model)")
+    p.add_argument("--model", help="tiny (random, fast), a model dir or hub name (default: SmolLM2-135M)")
     p.add_argument("--prefill", type=int, dest="num_prefill", help="number of prefill instances (default 1)")
     p.add_argument("--decode", type=int, dest="num_decode", help="number of decode instances (default 1)")
     p.add_argument("--port", type=int, dest="proxy_port", help="proxy port (default 8000)")
