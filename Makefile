@@ -22,9 +22,11 @@ $(ENGINE_VENV)/.installed: scripts/engine-venv.sh
 	bash scripts/engine-venv.sh $(ENGINE_VENV)
 	touch $@
 
-# The embedded tiny model, built once into ~/.cache/pdserve (or $PDSERVE_CACHE_DIR).
+# The default model (SmolLM2-135M-Instruct) and the tiny random one the tests use, built once into
+# ~/.cache/pdserve (or $PDSERVE_CACHE_DIR).
 model: venv engine-venv
 	$(VENV)/bin/pdserve model
+	$(VENV)/bin/pdserve model --model tiny
 
 demo: bootstrap
 	$(VENV)/bin/pdserve demo

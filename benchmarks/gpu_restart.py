@@ -82,6 +82,7 @@ def pd_request(stack: Stack, tag: str) -> dict[str, Any]:
 def run_phase(name: str, extra_env: dict[str, str], out: Path, port: int) -> dict[str, Any]:
     os.environ.update(extra_env)  # the launcher passes its environment on to both instances
     topology = Topology(
+        model="tiny",
         device="cuda", vllm_args=("--enforce-eager",), on_instance_exit="stop", run_dir=str(out / name),
         engine_python=sys.executable, proxy_port=port, first_port=port + 100, first_side_channel_port=port - 2400,
     )  # fmt: skip

@@ -386,8 +386,7 @@ def step_demo(run: Run) -> dict[str, Any]:
     argv = [PY, "-m", "pdserve.cli", "demo", "--device", run.a.device, "--keep", "--run-dir", str(run.work / "run"),
             "--on-instance-exit", "stop", *eager_args(run), f"--port={run.a.proxy_port}",
             f"--first-port={run.a.first_port}", f"--first-side-channel-port={run.a.side_port}"]  # fmt: skip
-    if run.model_dir:
-        argv += ["--model", run.model_dir]
+    argv += ["--model", run.model_dir or "tiny"]  # no model of ours: pdserve's tiny one, not its default
     env = {"UCX_PROTO_INFO": "y", **run.pair_env}  # the pair's logs then say which transport moved the KV
     run.say(f"pair env: {run.pair_env or '(UCX defaults)'}")
     log = run.work / "demo.log"
@@ -717,8 +716,7 @@ def step_bench(run: Run) -> dict[str, Any]:
             *eager_args(run), f"--run-dir={run.work / 'bench-run'}",
             f"--port={run.a.proxy_port}", f"--first-port={run.a.first_port}",
             f"--first-side-channel-port={run.a.side_port}", *bench_workload(run, "compare")]  # fmt: skip
-    if run.model_dir:
-        argv += [f"--model={run.model_dir}"]
+    argv += [f"--model={run.model_dir or 'tiny'}"]
     rc, text = call(run, "bench", argv, run.left() - 30, {"UCX_PROTO_INFO": "y", **run.pair_env})
     run.say(text[-3000:])
     return {"present": True, "exit": rc, "argv": argv, "report": bench_report(run.work / "bench-compare")}

@@ -58,6 +58,7 @@ def _suspects(proxy_url: str) -> float:
 def measure(delay_us: int, args: argparse.Namespace, seed: int) -> dict[str, Any]:
     run_dir = Path(tempfile.mkdtemp(prefix=f"nixl-progress-{delay_us}-"))
     topology = Topology(
+        model="tiny",
         nixl_progress_delay_us=delay_us, proxy_port=28000, first_port=28100, first_side_channel_port=25600,
         run_dir=str(run_dir), on_instance_exit="stop",
     )  # fmt: skip

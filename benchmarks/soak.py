@@ -260,6 +260,7 @@ async def scrape(url: str) -> dict[str, float]:
 async def soak(args: argparse.Namespace) -> dict[str, Any]:
     run_dir = Path(args.out).with_suffix("") if args.out else None
     topology = Topology(
+        model="tiny",
         proxy_port=22500, first_port=22510, first_side_channel_port=22600, kv_lease_s=args.kv_lease,
         on_instance_exit="restart", run_dir=str(run_dir) if run_dir else None,
         # A small pool makes prefill reuse released blocks at once, so a late pull reads another

@@ -11,6 +11,10 @@ py=${PYTHON_ENGINE:-$(command -v python3.11 || command -v python3)}
 log="$dir.install.log"
 VLLM_VERSION=0.32.0
 NIXL_VERSION=1.5.1
+# transformers reads the default model's GGUF (engines/smollm.py) with these; --no-deps, or pip would
+# replace the engine's numpy with the newest one.
+GGUF_VERSION=0.19.0
+ACCELERATE_VERSION=1.15.0
 
 pip_quiet() {
   # pip's "Location ... is ignored" lines for this machine's local indexes are noise; errors still show.
@@ -33,8 +37,11 @@ else
   pip_quiet install -q "vllm==$VLLM_VERSION"
   pip_quiet install -q "nixl==$NIXL_VERSION"
 fi
+echo "engine-venv: installing gguf==$GGUF_VERSION accelerate==$ACCELERATE_VERSION (--no-deps)"
+pip_quiet install -q --no-deps "gguf==$GGUF_VERSION" "accelerate==$ACCELERATE_VERSION"
 "$dir/bin/python" - <<'PY'
 import importlib.util, sys
+import gguf, accelerate  # noqa: F401  (converting the default model's GGUF needs both)
 import vllm  # noqa: F401
 from nixl._api import nixl_agent  # noqa: F401  (vLLM logs "NIXL is not available" without it)
 from transformers import LlamaConfig  # noqa: F401  (fails if a mismatched torchvision is present)

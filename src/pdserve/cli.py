@@ -255,8 +255,12 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("sim_args", nargs=argparse.REMAINDER)
     sim.set_defaults(func=cmd_sim)
 
-    model = sub.add_parser("model", help="build the embedded tiny model if needed and print its path")
-    model.add_argument("--model", help="resolve this instead of the embedded model")
+    model = sub.add_parser(
+        "model", help="build the default model (SmolLM2-135M-Instruct) if needed and print its path"
+    )
+    model.add_argument(
+        "--model", help="resolve this instead: tiny (the random test model), a directory, a hub name"
+    )
     model.add_argument("--engine-python")
     model.set_defaults(func=cmd_model)
     return parser

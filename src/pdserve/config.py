@@ -234,7 +234,9 @@ class Topology:
 
     engine: EngineKind = "vllm"  # "sim": pdserve's simulator instead of vLLM (scale and fault tests)
     sim_profile: str = "zero"  # the simulator's timing profile: a shipped name or a YAML file
-    model: str | None = None  # local directory or hub name; None → the embedded tiny model
+    model: str | None = (
+        None  # local directory or hub name; None → SmolLM2-135M-Instruct; "tiny": the random test model
+    )
     prefill: RoleSpec = field(default_factory=RoleSpec)
     decode: RoleSpec = field(default_factory=RoleSpec)
     host: str = "127.0.0.1"
@@ -252,7 +254,7 @@ class Topology:
     # spinning core per instance. None: 100 on cpu (few cores, every one counts), 0 (NIXL's) on cuda.
     nixl_progress_delay_us: int | None = None
     kv_lease_s: float | None = None  # vLLM's kv_lease_duration (whole seconds); None: vLLM's 30 s
-    max_model_len: int | None = None  # None: 2048 for the embedded model, the model's own otherwise
+    max_model_len: int | None = None  # None: 2048 for the models pdserve builds, the model's own otherwise
     vllm_args: tuple[str, ...] = ()  # extra arguments for every instance (a role's own args follow)
     engine_python: str | None = None  # python of the vLLM venv; None → discovered (engines/venv.py)
     startup_timeout: float = 600.0

@@ -24,7 +24,10 @@ from pdserve.stack import Stack
 # Ports away from `pdserve up`'s defaults, so a developer's running system does not collide with the suite.
 # Supervised as `pdserve up` is: the fault tests kill instances and wait for the supervisor's restart.
 ON_GPU = os.environ.get("PDSERVE_E2E_DEVICE") == "cuda"
+# The tiny random model: the suite's many requests and restarts need its speed (test_real_model.py runs the
+# answer checks on the real one).
 E2E_TOPOLOGY = Topology(
+    model="tiny",
     proxy_port=18000,
     first_port=18100,
     first_side_channel_port=15600,

@@ -21,8 +21,8 @@ from pdserve.bench.result import load_result
 pytestmark = pytest.mark.vllm
 
 NUM_PROMPTS = 6
-COMPARE = ["bench", "--compare", "--num-prompts", str(NUM_PROMPTS), "--input-len", "128", "--output-len", "8",
-           "--max-concurrency", "2", "--num-warmups", "1", "--goodput", "ttft:20000", "tpot:5000",
+COMPARE = ["bench", "--compare", "--model", "tiny", "--num-prompts", str(NUM_PROMPTS), "--input-len", "128",
+           "--output-len", "8", "--max-concurrency", "2", "--num-warmups", "1", "--goodput", "ttft:20000", "tpot:5000",
            "--port", "21300", "--first-port", "21310", "--first-side-channel-port", "21350"]  # fmt: skip
 _NUMBER = r"-?[\d.]+|inf|nan"
 

@@ -66,7 +66,7 @@ def network() -> Iterator[Network]:
 @pytest.fixture(scope="module")
 def across(network: Network, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Across]:
     engine_python = find_engine_python(None)
-    model = resolve_model(None, engine_python)  # the embedded tiny model
+    model = resolve_model("tiny", engine_python)  # the embedded tiny model
     hosts = network.hosts
     topology = Topology(
         prefill=RoleSpec(hosts=(hosts["prefill"].address,)),

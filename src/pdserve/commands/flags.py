@@ -201,7 +201,7 @@ def api_keys_from_args(a: argparse.Namespace) -> ApiKeys:
 
 def add_topology(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="YAML", help="topology file; flags given explicitly override it")
-    p.add_argument("--model", help="local model directory or hub name (default: the embedded tiny model)")
+    p.add_argument("--model", help="tiny (random, fast), a model dir or hub name (default: SmolLM2-135M)")
     for role in ROLES:
         p.add_argument(f"--{role}", type=int, dest="role_counts", action=_PerRole, role=role,
                        is_repeatable=False, metavar="N", help=f"number of {role} instances (default 1)")  # fmt: skip

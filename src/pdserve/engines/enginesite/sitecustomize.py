@@ -11,6 +11,15 @@ and decode's pulls came seconds late, and KV leases ran out before decode read t
 about 3 % of a core when idle). Unset or 0: NIXL's own behaviour. Anything unexpected (another NIXL
 version's internals) leaves NIXL as it is and says so in the instance's log.
 
+It also keeps each vLLM CPU worker computing on the cores pdserve gave it. vLLM's NIXL connector
+(``nixl/base_worker.py``: "reserve different cores for start_load_kv() from model_forward()") calls
+``os.sched_setaffinity(0, <the last core of each NUMA node>)`` from the worker's main thread, which is
+also the thread that runs the model (OpenMP's master). It does so whatever ``VLLM_CPU_OMP_THREADS_BIND``
+says, so every instance on a host ends up computing on the same core: on a 2-core machine prefill and
+decode both ran on core 1 while core 0 idled, and PD's time to first token was 1.2-1.5 s against 0.15 s for
+one instance. That one call, and only in that module, leaves the thread where it is and says so in the
+log. ``PDSERVE_KEEP_CPU_AFFINITY=0`` lets vLLM move it (to measure the difference).
+
 Python runs only the first ``sitecustomize`` on its path: this one then runs the next one, if any.
 """
 
@@ -21,10 +30,14 @@ import importlib.machinery
 import importlib.util
 import os
 import sys
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 _ENV = "PDSERVE_NIXL_PROGRESS_DELAY_US"
+_AFFINITY_ENV = "PDSERVE_KEEP_CPU_AFFINITY"
+# The module whose sched_setaffinity call is kept from moving the worker (tests/engines check it is there).
+NIXL_WORKER_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker"
 
 
 def _say(message: str) -> None:
@@ -63,42 +76,79 @@ def _patch(module: ModuleType, delay_us: int) -> None:
     _say(f"NIXL progress thread polls every {delay_us} us ({module.__name__})")
 
 
-class _NixlFinder(importlib.abc.MetaPathFinder):
-    """Patches ``nixl*._api`` as it is imported, so nothing is imported before vLLM asks for it."""
+class _KeptAffinityOs:
+    """``os`` as vLLM's NIXL worker module sees it: ``sched_setaffinity(0, ...)`` keeps the calling thread
+    on the cores it has (those ``VLLM_CPU_OMP_THREADS_BIND`` gave it); everything else is ``os``."""
 
-    def __init__(self, delay_us: int) -> None:
-        self._delay_us = delay_us
+    def sched_setaffinity(self, pid: int, mask: Any) -> None:
+        if pid != 0:
+            os.sched_setaffinity(pid, mask)
+            return
+        kept = sorted(os.sched_getaffinity(0))
+        _say(
+            f"vLLM's NIXL worker asked to move its model thread to cores {sorted(mask)}; "
+            f"it stays on {kept}, the cores pdserve gave this instance"
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(os, name)
+
+
+def _keep_affinity(module: ModuleType) -> None:
+    if getattr(module, "os", None) is not os:
+        _say(f"{module.__name__} has no module-level os: its CPU affinity call left as is")
+        return
+    module.os = _KeptAffinityOs()  # type: ignore[attr-defined]
+
+
+def _is_nixl_api(name: str) -> bool:
+    return name.startswith("nixl") and name.endswith("._api")
+
+
+class _PatchingFinder(importlib.abc.MetaPathFinder):
+    """Patches the modules ``matches`` accepts as they are imported, so nothing is imported before vLLM
+    asks for it."""
+
+    def __init__(self, matches: Callable[[str], bool], patch: Callable[[ModuleType], None]) -> None:
+        self._matches = matches
+        self._patch = patch
 
     def find_spec(self, name: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        if not (name.startswith("nixl") and name.endswith("._api")):
+        if not self._matches(name):
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         loader = spec.loader if spec is not None else None
         if spec is None or not isinstance(loader, importlib.abc.Loader):
             return None
         exec_module = loader.exec_module
-        delay_us = self._delay_us
+        patch = self._patch
 
         def exec_and_patch(module: ModuleType) -> None:
             exec_module(module)
             try:
-                if hasattr(module, "nixl_agent"):
-                    _patch(module, delay_us)
+                patch(module)
             except Exception as exc:  # never break vLLM's start-up over a tuning
-                _say(f"could not set NIXL's progress delay ({exc!r}): left as is")
+                _say(f"could not patch {name} ({exc!r}): left as is")
 
         loader.exec_module = exec_and_patch  # type: ignore[method-assign]
         return spec
 
 
 def _install() -> None:
+    if os.environ.get(_AFFINITY_ENV, "1") != "0":
+        sys.meta_path.insert(0, _PatchingFinder(lambda name: name == NIXL_WORKER_MODULE, _keep_affinity))
     try:
         delay_us = int(os.environ.get(_ENV, "0") or 0)
     except ValueError:
         _say(f"{_ENV}={os.environ[_ENV]!r} is not a whole number of microseconds: NIXL left as is")
         return
     if delay_us > 0:
-        sys.meta_path.insert(0, _NixlFinder(delay_us))
+
+        def delay(module: ModuleType) -> None:
+            if hasattr(module, "nixl_agent"):
+                _patch(module, delay_us)
+
+        sys.meta_path.insert(0, _PatchingFinder(_is_nixl_api, delay))
 
 
 def _run_next_sitecustomize() -> None:
