@@ -36,7 +36,7 @@ from safetensors.torch import save_file  # type: ignore[import-not-found,unused-
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import LlamaConfig, PreTrainedTokenizerFast  # type: ignore[import-not-found,unused-ignore]
 
-from pdserve.engines.tinymodel import CHAT_TEMPLATE, SPECIAL_TOKENS
+from pdserve.engines.tinymodel import SPECIAL_TOKENS, as_llama_tokenizer
 
 SEED = 20251202
 VOCAB_SIZE = 128256  # Llama-3's
@@ -69,26 +69,8 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    bos_id = vocab["<s>"]
-    tok.post_processor = processors.Sequence(
-        [
-            processors.ByteLevel(trim_offsets=False),
-            processors.TemplateProcessing(
-                single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos_id)]
-            ),
-        ]
-    )
     tok.add_special_tokens(SPECIAL_TOKENS)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token="<s>",
-        eos_token="</s>",
-        unk_token="<unk>",
-        pad_token="<pad>",
-        model_max_length=MAX_LEN,
-        chat_template=CHAT_TEMPLATE,
-        clean_up_tokenization_spaces=False,
-    )
+    return as_llama_tokenizer(tok, MAX_LEN)
 
 
 def _bytes_to_unicode() -> list[str]:

@@ -130,8 +130,14 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         show_progress=False,
     )
     tok.train_from_iterator(CORPUS.splitlines(keepends=True), trainer=trainer)
-    # Prepend <s> like Llama: vLLM's completions endpoint adds special tokens, its chat endpoint does
-    # not (the template writes bos_token itself), so both paths see exactly one <s>.
+    return as_llama_tokenizer(tok, MAX_LEN)
+
+
+def as_llama_tokenizer(tok: Tokenizer, max_len: int) -> PreTrainedTokenizerFast:
+    """A byte-level BPE ``tok`` holding SPECIAL_TOKENS, dressed as a Llama tokenizer with the chat template.
+
+    Prepends <s> like Llama: vLLM's completions endpoint adds special tokens, its chat endpoint does not
+    (the template writes bos_token itself), so both paths see exactly one <s>."""
     bos_id = tok.token_to_id("<s>")
     tok.post_processor = processors.Sequence(
         [
@@ -147,7 +153,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         eos_token="</s>",
         unk_token="<unk>",
         pad_token="<pad>",
-        model_max_length=MAX_LEN,
+        model_max_length=max_len,
         chat_template=CHAT_TEMPLATE,
         clean_up_tokenization_spaces=False,
     )
