@@ -33,7 +33,7 @@ from typing import Any
 # mypy runs in the pdserve venv, which lacks these; "unused-ignore" keeps it clean where they exist.
 import torch  # type: ignore[import-not-found,unused-ignore]
 from safetensors.torch import save_file  # type: ignore[import-not-found,unused-ignore]
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, PreTrainedTokenizerFast  # type: ignore[import-not-found,unused-ignore]
 
 from pdserve.engines.tinymodel import SPECIAL_TOKENS, as_llama_tokenizer
