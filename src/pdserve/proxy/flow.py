@@ -147,9 +147,8 @@ class Flow:
             headers["Authorization"] = auth
         deadline = time.monotonic() + self._t.request
         timeline = Timeline(arrived, admitted, itl=self._state.stats.timings.itl)
-        call = Call(
-            endpoint, body, headers, out, trace, is_stream, deadline, self._t.request, timeline=timeline
-        )
+        call = Call(endpoint, body, headers, out, trace, is_stream, deadline, self._t.request,
+                    self._prompt(body), timeline)  # fmt: skip
         slot = HandoffSlot(self._state.ledger, out.request_id)
         span = None
         if self._tracing is not None:
@@ -187,7 +186,6 @@ class Flow:
         local_reason = (
             "colocated: no split" if self._config.colocated else protocol.needs_local_prefill(call.body)
         )
-        call = replace(call, prompt=self._prompt(call.body))
         retries = _Retries()
         while True:
             # Decode is picked first: what it caches decides whether prefill is worth a hop. After a
