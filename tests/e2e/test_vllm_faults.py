@@ -319,12 +319,20 @@ def test_decode_killed_mid_stream_ends_the_stream_with_an_error_and_up_restarts_
         )
         received = 0
         killed_at = 0.0
-        with pytest.raises(openai.APIError):
+        # Killed as soon as the client holds a token: the tiny model writes 1,500 tokens in a few seconds,
+        # and a client starved of CPU that read its tenth token only then would find the stream complete.
+        try:
             for chunk in stream:
                 received += sum(1 for c in chunk.choices if c.text)
-                if received == 10:
+                if received == 1:
                     killed_at = time.monotonic()
                     os.killpg(pgid, signal.SIGKILL)
+        except openai.APIError:
+            pass
+        else:
+            pytest.fail(
+                f"the stream ended with no error after {received} tokens, decode killed after the first"
+            )
         assert killed_at, "the stream ended before decode could be killed"
         assert time.monotonic() - killed_at < QUICK.idle + 3
         assert received < 1500  # cut short, and the client was told so rather than handed a short answer
