@@ -22,6 +22,7 @@ from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from pdserve.sim import logprobs
 from pdserve.sim.kvcache import KVCache
 from pdserve.sim.profile import Profile
 from pdserve.sim.types import FinishReason, HeldKV, RemoteKV, SimRequest, SimRole, TokenEvent
@@ -60,6 +61,7 @@ class Sequence:
     is_pull_pending: bool = False  # a remote request not yet pulled (recomputed locally if preempted after)
     reads_stale_kv: bool = False  # some of its KV came from released blocks: its outputs are wrong
     arrived_at: float = 0.0  # when the scheduler was given it (engine clock)
+    context_digest: int = 0  # of every token so far, for logprobs (computed only when asked for)
 
     @property
     def request_id(self) -> str:
@@ -161,6 +163,7 @@ class Scheduler:
             hash(req.prompt_token_ids),
             is_pull_pending=req.remote is not None,
             arrived_at=now,
+            context_digest=logprobs.digest_of(tokens) if req.logprobs else 0,
         )
         self.kv.hash_blocks(tokens, seq.block_hashes, req.cache_salt)
         self._live[req.request_id] = seq
@@ -214,7 +217,10 @@ class Scheduler:
             self.kv.mark_stale(request_id, seq.num_computed_tokens, num_computed)
             self._read_stale(seq)
         self.prompt_tokens_remote += num_computed - seq.num_computed_tokens
-        seq.num_computed_tokens = seq.num_cached_tokens = num_computed
+        seq.num_computed_tokens = num_computed
+        # vLLM counts every prompt token the connector loaded as cached, the last one included (it is
+        # recomputed for its logits but reported as external): decode's cached_tokens is the prompt.
+        seq.num_cached_tokens = max(num_computed, min(remote.num_tokens, seq.num_prompt_tokens))
         seq.is_pull_pending = False
         self.kv.cache_blocks(request_id, seq.block_hashes, num_computed)
         self._set_status(seq, Status.RUNNING)
@@ -331,6 +337,10 @@ class Scheduler:
         req = seq.request
         index = seq.num_output_tokens
         token = output_token(req.seed, seq.prompt_hash, index, self.vocab_size)
+        token_logprob = None
+        if req.logprobs:
+            token_logprob = logprobs.logprob(seq.context_digest, token)
+            seq.context_digest = logprobs.extend(seq.context_digest, token)
         seq.token_ids.append(token)
         if len(seq.token_ids) % self.kv.block_size == 0:
             self.kv.hash_blocks(seq.token_ids, seq.block_hashes, seq.request.cache_salt)
@@ -342,14 +352,14 @@ class Scheduler:
             finish = "length"
             held = HeldKV(
                 tuple(self.kv.blocks(req.request_id)), seq.num_prompt_tokens, now + self.profile.kv_lease_s,
-                seq.num_cached_tokens,
+                seq.num_cached_tokens, prompt_digest=hash(req.prompt_token_ids),
             )  # fmt: skip
             self._finish(seq, keep_blocks=True)
             self.held[req.request_id] = held
         elif index + 1 >= req.max_tokens:
             finish = "length"
             self._finish(seq)
-        return req.request_id, TokenEvent(token, index, finish, num_cached, held)
+        return req.request_id, TokenEvent(token, index, finish, num_cached, held, token_logprob)
 
     # --- State changes -------------------------------------------------------------------------------
 
@@ -357,6 +367,7 @@ class Scheduler:
         if not seq.reads_stale_kv:
             seq.reads_stale_kv = True
             seq.prompt_hash ^= _STALE_SALT
+            seq.context_digest ^= logprobs.WRONG_KV
             self.num_stale_reads += 1
 
     def _set_status(self, seq: Sequence, status: Status) -> None:
