@@ -12,7 +12,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from pdserve import httpclient
+from pdserve import httpclient, kvproof
 from pdserve.commands.verify import http_json, verify
 from pdserve.config import Topology
 from pdserve.engines.backend import LocalEngines
@@ -41,6 +41,17 @@ def _short(params: dict[str, Any]) -> list[str]:
     return [f"      {k}: {json.dumps(params.get(k))}" for k in keys if k in params]
 
 
+def tolerance_of(stack: Stack) -> kvproof.Tolerance:
+    """Exact where every instance computes in float32 (pdserve's own model on CPU); bf16's otherwise."""
+    dtypes = set()
+    for spec in stack.specs:
+        args = list(spec.args)
+        given = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--dtype"]
+        given += [a.split("=", 1)[1] for a in args if a.startswith("--dtype=")]
+        dtypes.add(given[-1] if given else None)
+    return kvproof.FLOAT32 if dtypes == {"float32"} else kvproof.BF16
+
+
 def walk_through(stack: Stack) -> bool:
     """Send one chat request and narrate its path; True when the transfer evidence is there."""
     decode_urls = stack.urls("decode")
@@ -60,7 +71,10 @@ def walk_through(stack: Stack) -> bool:
     _say(f"1. client -> proxy  POST {stack.proxy_url}/v1/chat/completions  (X-Request-Id {request_id})")
     _say(f"   {json.dumps(body)}")
     response = httpclient.post_json(
-        f"{stack.proxy_url}/v1/chat/completions", body, 120, headers={"X-Request-Id": request_id}
+        f"{stack.proxy_url}/v1/chat/completions",
+        kvproof.with_evidence(body, "chat"),  # + token ids and logprobs: the evidence below
+        120,
+        headers={"X-Request-Id": request_id},
     )
     status, answer = response.status, response.json()
     _, listing = http_json(f"{stack.proxy_url}/requests")
@@ -83,6 +97,17 @@ def walk_through(stack: Stack) -> bool:
     )
 
     _say("5. evidence that the KV cache really moved (not just HTTP 200):")
+    evidence = kvproof.evidence_of([answer]) if status == 200 else kvproof.Evidence()
+    is_pulled, said = evidence.transfer()
+    _say(f"   this request: {said} (decode's usage.prompt_tokens_details.cached_tokens)")
+    tolerance = tolerance_of(stack)
+    agreement = kvproof.teacher_forced(decode_urls[0], str(body["model"]), evidence)
+    is_right = agreement.within(tolerance)
+    _say(
+        f"   its answer, scored token by token by decode alone (no PD): {agreement.says()}, "
+        f"{'within' if is_right else 'OUTSIDE'} the tolerance ({tolerance.describe()})"
+    )
+    _say("   decode's counters (every request's, not only this one's):")
     delta = transfer_counts(decode_urls) - before
     deadline = time.monotonic() + 10
     while delta.successful < 1 and time.monotonic() < deadline:
@@ -98,7 +123,7 @@ def walk_through(stack: Stack) -> bool:
         log_line = _last_log_line(decode_log, _LOG_MARK, log_offset)
     # vLLM logs one line per 10 s window, so it may also count the verify requests above.
     _say(f"   decode log (last 10 s window): {log_line or '(no KV Transfer metrics line within 15 s)'}")
-    return status == 200 and delta.successful == 1 and delta.failed == 0
+    return status == 200 and is_pulled and is_right
 
 
 def run_demo(topology: Topology, keep: bool = False) -> int:
@@ -110,7 +135,7 @@ def run_demo(topology: Topology, keep: bool = False) -> int:
         for line in stack.describe():
             _say("  " + line)
         _say("\n== pdserve verify ==")
-        report = verify(stack.proxy_url, say=lambda m: _say("  " + m))
+        report = verify(stack.proxy_url, say=lambda m: _say("  " + m), tolerance=tolerance_of(stack))
         _say("\n".join(report.lines()))
         is_walk_ok = walk_through(stack)
         ok = report.ok and is_walk_ok
