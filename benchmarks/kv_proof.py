@@ -61,12 +61,10 @@ def _completion(url: str, body: dict[str, Any]) -> dict[str, Any]:
 def handoff(
     prefill: str, decode: str, model: str, ids: list[int], params_of: list[int] | None = None
 ) -> kvproof.Evidence:
-    """Prefill ``ids`` (and ``params_of``, if given) and decode ``ids`` with the params of ``params_of``."""
+    """Decode ``ids`` with the params prefill gives for ``params_of`` (default: ``ids`` itself)."""
     body = {"model": model, "prompt": ids, "max_tokens": 32, "temperature": 0.0}
-    params = _completion(prefill, protocol.prefill_body(body))["kv_transfer_params"]
-    if params_of is not None:
-        other = {**body, "prompt": params_of}
-        params = _completion(prefill, protocol.prefill_body(other))["kv_transfer_params"]
+    prefilled = body if params_of is None else {**body, "prompt": params_of}
+    params = _completion(prefill, protocol.prefill_body(prefilled))["kv_transfer_params"]
     answer = _completion(decode, kvproof.with_evidence(protocol.decode_body(body, params), "completions"))
     return kvproof.evidence_of([answer])
 
