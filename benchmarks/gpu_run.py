@@ -12,7 +12,11 @@ stops the steps that do not need it), all within ``--deadline-s``:
              `verify`, the walk-through; the pair then stays up for the steps below. It runs with the UCX
              settings `up` plans (UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y); ``--pair-ucx KEY=V,...`` adds others
              (``UCX_TLS=^cuda_ipc`` gives the old tcp path), ``auto`` what the nixl step found fastest
-  doctor     `pdserve doctor` on the pair (when this checkout has it)
+             A demo whose checks failed is a failed step (the pair stays up for the steps below).
+  proof      benchmarks/kv_proof.py on the pair: wrong KV injected (decode handed another fresh prompt's
+             params) must fail the teacher-forced oracle at the bf16 tolerance, healthy handoffs pass it,
+             and `pdserve verify` passes while ``--concurrency`` other clients stream through the proxy
+  doctor     `pdserve doctor` on the pair (when this checkout has it); its exit 1 is a failed step
   load       16 streams of 2,000-token unique prompts, 128 tokens out, through the PD proxy, a colocated
              proxy over the same two instances, and one instance alone (TTFT, ITL, KV GB/s)
   benchurl   `pdserve bench URL` (vLLM's own client) on the load workload: the PD proxy, one instance
@@ -71,6 +75,7 @@ STEPS = (
     "model",
     "nixl",
     "demo",
+    "proof",
     "doctor",
     "load",
     "benchurl",
@@ -424,7 +429,32 @@ def step_demo(run: Run) -> dict[str, Any]:
         run.say("  " + line)
     if run.demo.poll() is not None or "--keep: still running" not in text:
         raise RuntimeError(f"demo is not up (exit {run.demo.poll()}): {text[-1500:]}")
-    return {"verdict": next((ln for ln in text.splitlines() if ln.startswith("demo:")), None), "lines": keep}
+    verdict = next((ln for ln in text.splitlines() if ln.startswith("demo:")), None)
+    failed = [ln.strip() for ln in keep if ln.strip().startswith("FAIL")]
+    if failed or verdict is None or "FAILED" in verdict:
+        # The pair is up (--keep), so the steps after this still run; the demo itself failed.
+        raise RuntimeError(f"{verdict or 'demo: no verdict'}; " + " | ".join(failed[:8]))
+    return {"verdict": verdict, "lines": keep}
+
+
+def step_proof(run: Run) -> dict[str, Any]:
+    need_pair(run)
+    from kv_proof import verify_under_load, wrong_kv
+
+    injected = wrong_kv(run.prefill, run.decode, num_tokens=300, rounds=3)
+    for kind in ("healthy", "wrong"):
+        for r in injected[kind]:
+            run.say(
+                f"  {kind:8} {r['transfer']}; {r['oracle']}; within {injected['tolerance']}: {r['within']}"
+            )
+    loaded = verify_under_load(run.proxy, run.a.concurrency, run.a.prompt_tokens, run.a.output_tokens)
+    for line in loaded["lines"]:
+        run.say(line)
+    run.say(f"  beside {loaded['streams']} streams: {loaded['sent']} requests, {loaded['failed']} failed")
+    result = {"wrong_kv": injected, "verify_under_load": loaded}
+    if not injected["ok"] or not loaded["ok"]:
+        raise RuntimeError(f"proof failed: wrong_kv ok={injected['ok']}, verify under load ok={loaded['ok']}")
+    return result
 
 
 def eager_args(run: Run) -> list[str]:
@@ -446,6 +476,8 @@ def step_doctor(run: Run) -> dict[str, Any]:
         run, "doctor", [PY, "-m", "pdserve.cli", "doctor", run.proxy, "--logs", str(run.work / "run")], 150
     )
     run.say(text[-4000:])
+    if rc == 1:  # doctor's EXIT_FAILED: a check failed (3 only says the split does not pay here)
+        raise RuntimeError(f"pdserve doctor failed (exit 1): {text[-600:]}")
     return {"present": True, "exit": rc}
 
 
@@ -863,6 +895,7 @@ def main() -> int:
         run.do("nixl", step_nixl, 300)
         run.do("model", lambda r: step_model(r, thread), 200)
         run.do("demo", step_demo, 180)
+        run.do("proof", step_proof, 120)
         run.do("doctor", step_doctor, 120)
         run.do("load", step_load, 80)
         run.do("benchurl", step_bench_url, 90)

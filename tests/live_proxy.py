@@ -4,6 +4,7 @@ processes would be."""
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import threading
 import time
@@ -35,9 +36,12 @@ class LiveProxy:
 
 
 @contextmanager
-def live_proxy(num_prefill: int = 2, num_decode: int = 2) -> Iterator[LiveProxy]:
+def live_proxy(
+    num_prefill: int = 2, num_decode: int = 2, prompt_tokens_details: bool = False
+) -> Iterator[LiveProxy]:
     # tiny-cpu: measured step times and KV sizes, so transfers take time and move bytes (zero costs none).
     profile = load_profile("tiny-cpu")
+    profile = dataclasses.replace(profile, prompt_tokens_details=prompt_tokens_details)
     specs = [SimInstanceSpec("prefill")] * num_prefill + [SimInstanceSpec("decode")] * num_decode
     with sim_in_thread(specs, profile) as cluster:
         urls = tuple(cluster.urls)

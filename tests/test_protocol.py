@@ -128,9 +128,18 @@ def test_decode_gets_the_clients_own_values() -> None:
     assert {k: v for k, v in body.items() if k != "kv_transfer_params"} == CLIENT
 
 
-def test_decode_gets_prefills_params_verbatim() -> None:
+def test_decode_gets_prefills_params_verbatim_but_for_its_cached_token_count() -> None:
     body = protocol.decode_body(CLIENT, PREFILL_ANSWER_PARAMS)
-    assert body["kv_transfer_params"] == PREFILL_ANSWER_PARAMS
+    expected = {k: v for k, v in PREFILL_ANSWER_PARAMS.items() if k != "remote_prefill_cached_tokens"}
+    assert body["kv_transfer_params"] == expected
+
+
+def test_decode_is_not_handed_prefills_cached_token_count() -> None:
+    # vLLM's decode would report prefill's cache hits as its own cached_tokens: the proof would be blind.
+    params = {**PREFILL_ANSWER_PARAMS, "remote_prefill_cached_tokens": 256}
+    body = protocol.decode_body(CLIENT, params)
+    assert "remote_prefill_cached_tokens" not in body["kv_transfer_params"]
+    assert params["remote_prefill_cached_tokens"] == 256  # the caller's dict is left alone
 
 
 def test_decode_after_prefill_rewrite_still_has_the_clients_values() -> None:

@@ -55,16 +55,18 @@ def cmd_up(a: argparse.Namespace) -> int:
         flags.topology_from_args(a), proxy=flags.proxy_settings_from_args(a), proxy_log_level=a.log_level
     )
     with stack_ as stack:
-        print("\npdserve is up:")
-        for line in stack.describe():
-            print("  " + line)
+        doctor_lines: list[str] = []
         if a.doctor:
             # Brief: one canary per pair, so a link that makes the split cost more than it saves is
-            # said at start-up, not found by users later (`pdserve doctor` says more).
+            # said at start-up, not found by users later (`pdserve doctor` says more). It runs before
+            # "pdserve is up" and the URLs: a client started on that line meets no canary traffic.
             from pdserve.doctor.run import brief
 
-            for line in brief(stack.proxy_url, [str(stack.run_dir)]):
-                print("  " + line)
+            print("\nchecking each prefill→decode pair ...", flush=True)
+            doctor_lines = brief(stack.proxy_url, [str(stack.run_dir)])
+        print("\npdserve is up:")
+        for line in (*stack.describe(), *doctor_lines):
+            print("  " + line)
         print("Ctrl-C stops everything.", flush=True)
         while True:
             # --on-instance-exit stop: an instance that dies takes the whole stack down, loudly;

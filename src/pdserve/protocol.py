@@ -102,10 +102,17 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# Prefill's prefix-cache hits, which vLLM's decode front end would report as its own
+# ``usage.prompt_tokens_details.cached_tokens``: without it decode reports what it did not compute itself
+# (pulled plus locally cached), the per-request evidence that the prompt's KV was not recomputed.
+PREFILL_CACHED_KEY: Final = "remote_prefill_cached_tokens"
+
+
 def decode_body(body: dict[str, Any], kv_params: dict[str, Any]) -> dict[str, Any]:
-    """The client's own request (max_tokens, stream, … untouched) plus prefill's params, verbatim."""
+    """The client's own request (max_tokens, stream, … untouched) plus prefill's params, all but
+    ``remote_prefill_cached_tokens``, so decode's cached-token count is decode's own."""
     out = dict(body)
-    out["kv_transfer_params"] = kv_params
+    out["kv_transfer_params"] = {k: v for k, v in kv_params.items() if k != PREFILL_CACHED_KEY}
     return out
 
 

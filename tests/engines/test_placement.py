@@ -84,12 +84,23 @@ def test_args_order_lets_user_and_role_args_override_the_defaults() -> None:
         "--max-model-len", "2048",
         "--enforce-eager",
         "--kv-transfer-config", '{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_buffer_device":"cpu"}',
+        "--enable-prompt-tokens-details",
         "--dtype", "float32",
         "--max-num-seqs", "8",
     )  # fmt: skip
     assert decode.args[-4:] == ("--dtype", "float32", "--max-num-seqs", "64")
     assert dict(prefill.env)["VLLM_CPU_KVCACHE_SPACE"] == "3"
     assert dict(prefill.env)["VLLM_TARGET_DEVICE"] == "cpu"
+
+
+def test_every_instance_reports_its_cached_tokens_once_even_when_the_user_asks_too() -> None:
+    specs = plan_instances(Topology(), "/m", None, [0, 1])
+    sims = plan_sim_instances(Topology(engine="sim"))
+    assert all(s.args.count("--enable-prompt-tokens-details") == 1 for s in (*specs, *sims))
+    given = Topology(vllm_args=("--enable-prompt-tokens-details",))
+    assert all(
+        s.args.count("--enable-prompt-tokens-details") == 1 for s in plan_instances(given, "/m", None, [0, 1])
+    )
 
 
 def test_max_model_len_comes_from_topology_then_default_then_the_model() -> None:

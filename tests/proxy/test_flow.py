@@ -15,6 +15,7 @@ import pytest
 from fake_vllm import MODEL, FakeVLLM
 from proxy_rig import TIMEOUTS, Rig, running_proxy, serve_fake
 
+from pdserve import protocol
 from pdserve.protocol import PREFILL_KV_PARAMS
 
 COMPLETION: dict[str, Any] = {"model": MODEL, "prompt": "Hello there", "max_tokens": 5}
@@ -207,7 +208,9 @@ async def test_prefill_gets_one_token_request_and_decode_gets_clients_own(
 
     [decode_seen] = rig.decode.generations()
     [issued] = rig.prefill.issued_kv_params
-    assert decode_seen.body == {**client_body, "kv_transfer_params": issued}
+    # All of prefill's params but its cached-token count, which decode would report as its own.
+    forwarded = {k: v for k, v in issued.items() if k != "remote_prefill_cached_tokens"}
+    assert decode_seen.body == {**client_body, "kv_transfer_params": forwarded}
 
 
 async def test_prefill_gets_no_max_completion_tokens_when_client_sent_none(
@@ -254,7 +257,10 @@ async def test_client_kv_transfer_params_never_reach_an_instance(
     [decode_seen] = rig.decode.generations()
     assert prefill_seen.body is not None and decode_seen.body is not None
     assert prefill_seen.body["kv_transfer_params"] == PREFILL_KV_PARAMS
-    assert decode_seen.body["kv_transfer_params"] == rig.prefill.issued_kv_params[0]
+    assert (
+        decode_seen.body["kv_transfer_params"]
+        == protocol.decode_body({}, rig.prefill.issued_kv_params[0])["kv_transfer_params"]
+    )
     assert b"evil.example" not in raw
 
 
@@ -544,7 +550,11 @@ async def test_requests_alternate_between_instances_and_decode_pulls_from_the_ri
             assert status == 200
     prefills, decodes = (rig.prefill, prefill2), (rig.decode, decode2)
     assert [len(fake.generations()) for fake in (*prefills, *decodes)] == [2, 2, 2, 2]
-    issued = {p["remote_request_id"]: p for fake in prefills for p in fake.issued_kv_params}
+    issued = {
+        p["remote_request_id"]: protocol.decode_body({}, p)["kv_transfer_params"]
+        for fake in prefills
+        for p in fake.issued_kv_params
+    }
     for seen in [*rig.decode.generations(), *decode2.generations()]:
         assert seen.body is not None
         params = seen.body["kv_transfer_params"]

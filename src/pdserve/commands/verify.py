@@ -1,10 +1,14 @@
-"""`pdserve verify URL`: proof that PD works beyond HTTP 200.
+"""`pdserve verify URL`: proof that PD works beyond HTTP 200, per request, beside other traffic.
 
-Through the proxy it sends completions and chat requests, streamed and not, then checks that
-1. every one answered 200 with text and (streamed) ended with [DONE] and no error event;
-2. the decode instances' successful-transfer counter rose by exactly the number of requests and the
-   failed-transfer counter did not move (the KV came over NIXL, once per request);
-3. each greedy answer equals the same request served by one decode instance alone, no prefill.
+Through the proxy it sends completions and chat requests, streamed and not, each under its own
+X-Request-Id, then checks for each one
+1. it answered 200 with text and (streamed) ended with [DONE] and no error event;
+2. decode did not compute its prompt: decode's own ``usage.prompt_tokens_details.cached_tokens`` equals
+   its ``prompt_tokens`` (the prompt is unique from its first token, so only the connector can have
+   supplied it; pdserve.kvproof says why this holds per request where counter deltas cannot);
+3. (whole answers) the answer is the one prefill's KV should give: one decode instance, no PD, scores
+   the answer's tokens teacher-forced and their logprobs agree within the stated tolerance; in float32
+   the text must also equal that instance's own greedy answer.
 """
 
 from __future__ import annotations
@@ -16,9 +20,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve import httpclient, sse
+from pdserve import httpclient, kvproof, sse
 from pdserve.engines.transfers import TransferCounts, transfer_counts
 from pdserve.errors import Unreachable, VerifyError
+from pdserve.kvproof import Evidence, Tolerance
 
 _MAX_TOKENS = 16
 _COUNTER_WAIT = 30.0  # vLLM publishes connector stats with engine steps; they lag the answer a little
@@ -30,6 +35,7 @@ class Answer:
     text: str
     error: str | None = None  # an error body or streamed error event, if any
     request_id: str | None = None
+    evidence: Evidence = field(default_factory=Evidence)
 
 
 @dataclass
@@ -65,24 +71,32 @@ def _text_of(choice: dict[str, Any]) -> str:
     return str(part.get("content") or "")
 
 
-def ask(base: str, path: str, body: dict[str, Any], timeout: float = 120.0) -> Answer:
+def ask(
+    base: str, path: str, body: dict[str, Any], timeout: float = 120.0, request_id: str | None = None
+) -> Answer:
     """One request; a streamed one is read to the end, its deltas joined and its events checked."""
+    headers = {"X-Request-Id": request_id} if request_id else None
     try:
-        response = httpclient.post_json(base + path, body, timeout)
+        response = httpclient.post_json(base + path, body, timeout, headers=headers)
     except Unreachable as exc:
         raise VerifyError(str(exc)) from exc
     request_id = response.headers.get("x-request-id")
     if response.status != 200:
         return Answer(response.status, "", error=response.body.decode("utf-8", "replace"))
     if not body.get("stream"):
+        data = json.loads(response.body)
         return Answer(
-            response.status, _text_of(json.loads(response.body)["choices"][0]), request_id=request_id
+            response.status,
+            _text_of(data["choices"][0]),
+            request_id=request_id,
+            evidence=kvproof.evidence_of([data]),
         )
     return _read_stream(response.status, response.body, request_id)
 
 
 def _read_stream(status: int, raw: bytes, request_id: str | None) -> Answer:
     parts: list[str] = []
+    chunks: list[dict[str, Any]] = []
     is_done = False
     for payload in sse.payloads(raw):
         if payload == sse.DONE_PAYLOAD:
@@ -91,9 +105,11 @@ def _read_stream(status: int, raw: bytes, request_id: str | None) -> Answer:
         error = sse.error_of(payload)
         if error is not None:
             return Answer(status, "".join(parts), error=json.dumps(error), request_id=request_id)
-        parts.extend(_text_of(c) for c in json.loads(payload).get("choices", []))
+        chunk = json.loads(payload)
+        chunks.append(chunk)
+        parts.extend(_text_of(c) for c in chunk.get("choices", []))
     cut = None if is_done else "stream ended without [DONE]"
-    return Answer(status, "".join(parts), error=cut, request_id=request_id)
+    return Answer(status, "".join(parts), cut, request_id, kvproof.evidence_of(chunks))
 
 
 def cases(model: str) -> list[tuple[str, str, dict[str, Any]]]:
@@ -117,7 +133,8 @@ def cases(model: str) -> list[tuple[str, str, dict[str, Any]]]:
 def wait_for_transfers(
     decode_urls: list[str], before: TransferCounts, expected: int, timeout: float = _COUNTER_WAIT
 ) -> TransferCounts:
-    """Counter delta once it reaches ``expected`` (or at ``timeout``), re-read once more to catch extras."""
+    """Counter delta once it reaches ``expected`` (or at ``timeout``), re-read once more to catch extras.
+    For tests on an otherwise idle system; verify itself proves each request's transfer on its own."""
     deadline = time.monotonic() + timeout
     delta = transfer_counts(decode_urls) - before
     while delta.successful < expected and time.monotonic() < deadline:
@@ -127,7 +144,43 @@ def wait_for_transfers(
     return transfer_counts(decode_urls) - before
 
 
-def verify(proxy_url: str, say: Callable[[str], None] = print) -> Report:
+def check_answer(
+    report: Report,
+    label: str,
+    answer: Answer,
+    reference_url: str,
+    model: str,
+    tolerance: Tolerance,
+    alone: Answer | None = None,
+) -> None:
+    """The per-request checks of one PD answer; each names the request, so a failure says which."""
+    who = f"{label} [{answer.request_id}]"
+    is_answered = report.check(
+        answer.status == 200 and answer.error is None and bool(answer.text),
+        f"{who}: HTTP {answer.status}, {len(answer.text)} chars"
+        + (f", error {answer.error}" if answer.error else ""),
+    )
+    if not is_answered:
+        return
+    ok, said = answer.evidence.transfer()
+    report.check(ok, f"{who}: {said}")
+    if alone is None:  # a stream: its tokens' logprobs are checked on the whole answers
+        return
+    agreement = kvproof.teacher_forced(reference_url, model, answer.evidence)
+    report.check(
+        agreement.within(tolerance),
+        f"{who}: its logprobs agree with one instance scoring the same tokens, no PD "
+        f"({agreement.says()}; tolerance {tolerance.describe()})",
+    )
+    if tolerance.exact_text:
+        report.check(
+            alone.status == 200 and alone.text == answer.text,
+            f"{who}: same greedy text as one instance alone"
+            + ("" if alone.text == answer.text else f" (PD {answer.text!r} vs alone {alone.text!r})"),
+        )
+
+
+def verify(proxy_url: str, say: Callable[[str], None] = print, tolerance: Tolerance = kvproof.BF16) -> Report:
     proxy_url = proxy_url.rstrip("/")
     report = Report()
     status, instances = http_json(f"{proxy_url}/instances", timeout=10)
@@ -147,30 +200,15 @@ def verify(proxy_url: str, say: Callable[[str], None] = print) -> Report:
         return report
     model = models["data"][0]["id"]
     say(f"model {model}; {num_prefill} prefill, {len(decode_urls)} decode instance(s)")
+    say(f"answer oracle: teacher-forced logprobs, tolerance {tolerance.describe()}")
 
-    before = transfer_counts(decode_urls)
-    todo = cases(model)
-    for label, path, body in todo:
-        answer = ask(proxy_url, path, body)
+    nonce = uuid.uuid4().hex[:8]
+    for i, (label, path, body) in enumerate(cases(model)):
+        endpoint = "chat" if "chat" in path else "completions"
+        answer = ask(proxy_url, path, kvproof.with_evidence(body, endpoint), request_id=f"verify-{nonce}-{i}")
         report.answers.append((label, answer))
-        report.check(
-            answer.status == 200 and answer.error is None and bool(answer.text),
-            f"{label}: HTTP {answer.status}, {len(answer.text)} chars"
-            + (f", error {answer.error}" if answer.error else ""),
-        )
-    delta = wait_for_transfers(decode_urls, before, len(todo))
-    report.check(
-        delta.successful == len(todo),
-        f"decode transfer counter rose by {delta.successful:g} for {len(todo)} requests "
-        f"({delta.bytes:g} bytes of KV pulled over NIXL)",
-    )
-    report.check(delta.failed == 0, f"failed transfers rose by {delta.failed:g}")
-
-    for (label, path, body), (_, answer) in zip(todo, report.answers, strict=True):
-        alone = ask(decode_urls[0], path, {**body, "stream": False})
-        report.check(
-            alone.status == 200 and alone.text == answer.text,
-            f"{label}: same greedy text as one instance alone"
-            + ("" if alone.text == answer.text else f" (PD {answer.text!r} vs alone {alone.text!r})"),
-        )
+        alone = None
+        if not body.get("stream"):
+            alone = ask(decode_urls[0], path, {**body, "cache_salt": f"pdserve-alone-{nonce}-{i}"})
+        check_answer(report, label, answer, decode_urls[0], model, tolerance, alone)
     return report

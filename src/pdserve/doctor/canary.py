@@ -1,9 +1,12 @@
 """One canary handoff on one prefill→decode pair, straight to the instances (not through the proxy):
 the prefill request as the proxy sends it, a TCP connect to the side channel prefill names, the decode
-request with prefill's params, and the evidence on decode's NIXL counters. Then the same request served
-by decode alone (the greedy-text oracle) and a prefill-only request there (what prefilling costs).
+request with prefill's params, and the evidence: the canary's own cached-token count on decode (its
+prompt, unique from the first token, was not computed there; pdserve.kvproof), and decode's NIXL
+counters for the figures. Then the answer oracle (decode scores the canary's tokens teacher-forced, no
+PD; in float32 also the greedy text of decode alone) and a prefill-only request there (what prefilling
+costs).
 
-Decode's prefix cache would make both baselines reuse the canary's pulled blocks, so each carries its
+Decode's prefix cache would make the baselines reuse the canary's pulled blocks, so each carries its
 own ``cache_salt`` (vLLM hashes it into the first block): they compute the prompt from scratch, and a
 transfer that delivered wrong KV cannot make the oracle agree with it.
 """
@@ -13,11 +16,11 @@ from __future__ import annotations
 import socket
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final
 from urllib.parse import urlsplit
 
-from pdserve import httpclient, protocol
+from pdserve import httpclient, kvproof, protocol
 from pdserve.addresses import is_loopback
 from pdserve.doctor.advice import Handoff, duration, prompt_budget, repeats_for, size
 from pdserve.doctor.facts import InstanceFacts
@@ -50,6 +53,7 @@ class Call:
     raw: bytes  # the body, or the connection error's text
     text: str | None = None  # the completion's text, when it answered 200
     prompt_tokens: int | None = None  # vLLM's usage.prompt_tokens
+    evidence: kvproof.Evidence = field(default_factory=kvproof.Evidence)
 
     def says(self) -> str:
         return f"HTTP {self.status} in {duration(self.seconds)}" + (
@@ -71,7 +75,8 @@ def _call(url: str, body: dict[str, Any], request_id: str, timeout: float) -> Ca
         return Call(response.status, seconds, response.body)
     usage = payload.get("usage") or {}
     text = str(payload["choices"][0].get("text") or "")
-    return Call(response.status, seconds, response.body, text, usage.get("prompt_tokens"))
+    evidence = kvproof.evidence_of([payload])
+    return Call(response.status, seconds, response.body, text, usage.get("prompt_tokens"), evidence)
 
 
 def _count_tokens(url: str, model: str, text: str) -> int | None:
@@ -231,7 +236,8 @@ def run(
     pair.params = params
     _side_channel(pair, params, d.url)
 
-    decoded = _call(d.url, protocol.decode_body(body, params), request_id, timeout)
+    decode_body = kvproof.with_evidence(protocol.decode_body(body, params), "completions")
+    decoded = _call(d.url, decode_body, request_id, timeout)
     is_decoded = pair.check(
         decoded.status == 200, f"canary decode on {d.url} with prefill's params: {decoded.says()}"
     )
@@ -251,10 +257,24 @@ def run(
     if not is_decoded:
         return params
 
+    _own_transfer(pair, decoded.evidence)
+    tolerance = tolerance_for(p, d)
+    agreement = kvproof.teacher_forced(d.url, model, decoded.evidence, timeout)
+    pair.check(
+        agreement.within(tolerance),
+        f"canary's logprobs agree with decode scoring the same tokens alone, no PD ({agreement.says()}; "
+        f"tolerance {tolerance.describe()})"
+        + (
+            ""
+            if agreement.within(tolerance)
+            else ": wrong KV arrived, or the two instances compute differently"
+        ),
+    )
     alone = _call(d.url, {**body, "cache_salt": uuid.uuid4().hex}, f"{request_id}-alone", timeout)
-    if alone.status == 200 and alone.text == decoded.text:
+    # Only in float32: in bf16/fp16 near-tied logits tip either way with the batch's shape.
+    if tolerance.exact_text and alone.status == 200 and alone.text == decoded.text:
         pair.check(True, f"canary's greedy text equals decode serving it alone: {_short(decoded.text)}")
-    else:
+    elif tolerance.exact_text:
         pair.check(
             False,
             f"canary's greedy text differs from decode serving it alone: PD {_short(decoded.text)}, alone "
@@ -286,6 +306,21 @@ def run(
             **deltas,
         )
     return params
+
+
+def tolerance_for(p: InstanceFacts, d: InstanceFacts) -> kvproof.Tolerance:
+    """Exact in float32, as both logs say the engines compute; bf16's otherwise (or when unknown)."""
+    dtypes = {f.log.dtype if f.log else None for f in (p, d)}
+    return kvproof.FLOAT32 if dtypes == {"float32"} else kvproof.BF16
+
+
+def _own_transfer(pair: PairReport, evidence: kvproof.Evidence) -> None:
+    """The canary's own proof, whatever else decode serves meanwhile."""
+    ok, said = evidence.transfer()
+    if evidence.cached_tokens is None:  # an instance started without the flag: nothing to read
+        pair.add("warn", f"canary: {said}; only decode's counters speak for the transfer")
+        return
+    pair.check(ok, f"canary: {said}")
 
 
 def _counters(

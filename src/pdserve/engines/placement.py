@@ -23,6 +23,10 @@ from pdserve.errors import ConfigError
 _RESERVED_FLAGS = ("--model", "--host", "--port", "--kv-transfer-config")
 _GPU_MEMORY_FLAG = "--gpu-memory-utilization"
 _KV_ROLES: dict[Role, str] = {"prefill": "kv_producer", "decode": "kv_consumer"}  # NixlConnector's kv_role
+# Every instance reports usage.prompt_tokens_details.cached_tokens: on a decode, the prompt tokens it did
+# not compute itself, the per-request proof that the prompt's KV came over NIXL (docs/kv-integrity.md).
+# Every role, because with kv_both any instance may decode. The simulator takes the same flag.
+PROMPT_TOKENS_DETAILS_FLAG = "--enable-prompt-tokens-details"
 _VLLM_GPU_MEMORY_PERCENT = 90  # vLLM's default --gpu-memory-utilization, split between sharers
 
 Env = tuple[tuple[str, str], ...]
@@ -142,6 +146,8 @@ def plan_instances(
             args += [_GPU_MEMORY_FLAG, gpu_memory_share(slots[i].num_sharers)]
         kv_config = kv_transfer_config(role, topology.device, topology.kv_lease_s, is_both=topology.kv_both)
         args += ["--kv-transfer-config", kv_config]
+        if not _sets_flag(role_args, PROMPT_TOKENS_DETAILS_FLAG):
+            args.append(PROMPT_TOKENS_DETAILS_FLAG)
         args += role_args
         tracing_env: Env = ()
         if topology.otlp_traces_endpoint:
@@ -199,7 +205,10 @@ def plan_sim_instances(topology: Topology) -> tuple[InstanceSpec, ...]:
         )
         if topology.kv_lease_s is not None:
             args += ("--kv-lease-s", f"{topology.kv_lease_s:g}")
-        args += (*topology.vllm_args, *topology.role(role).args)
+        role_args = (*topology.vllm_args, *topology.role(role).args)
+        if not _sets_flag(role_args, PROMPT_TOKENS_DETAILS_FLAG):
+            args += (PROMPT_TOKENS_DETAILS_FLAG,)
+        args += role_args
         env = (("PYTHONUNBUFFERED", "1"),)
         specs.append(
             InstanceSpec(role, index, hosts[i], port, topology.first_side_channel_port + i, args, env)

@@ -35,12 +35,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", help="override the profile's model name")
     p.add_argument("--max-model-len", type=int, help="override the profile's max_model_len")
     p.add_argument("--kv-lease-s", type=float, help="override how long prefill holds un-pulled KV")
+    p.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="report usage.prompt_tokens_details.cached_tokens, as vLLM's flag of that name",
+    )
     faults = p.add_argument_group("faults (also settable at runtime: POST /sim/faults)")
     faults.add_argument("--fail-rate", type=float, default=0.0, help="share of requests answered 500")
     faults.add_argument("--hang-rate", type=float, default=0.0, help="share of requests never answered")
     faults.add_argument("--drop-rate", type=float, default=0.0, help="share of connections closed mid-answer")
     faults.add_argument("--token-delay-s", type=float, default=0.0, help="extra seconds per token")
     faults.add_argument("--pull-fail-rate", type=float, default=0.0, help="share of KV pulls that fail")
+    faults.add_argument(
+        "--logprob-noise",
+        type=float,
+        default=0.0,
+        help="add uniform noise of this size to every reported logprob, as bf16 kernels do",
+    )
     faults.add_argument("--fault-seed", type=int, default=0)
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     return p
@@ -81,11 +92,13 @@ def main(argv: list[str] | None = None) -> int:
             "served_model_name": args.served_model_name,
             "max_model_len": args.max_model_len,
             "kv_lease_s": args.kv_lease_s,
+            "prompt_tokens_details": args.enable_prompt_tokens_details or None,
         }
         profile = dataclasses.replace(profile, **{k: v for k, v in overrides.items() if v is not None})
         faults = FaultSpec(
             error_rate=args.fail_rate, hang_rate=args.hang_rate, drop_rate=args.drop_rate,
             token_delay_s=args.token_delay_s, pull_fail_rate=args.pull_fail_rate, seed=args.fault_seed,
+            logprob_noise=args.logprob_noise,
         )  # fmt: skip
     except ConfigError as exc:
         print(f"pdserve sim: {exc}", file=sys.stderr)

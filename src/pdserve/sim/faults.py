@@ -11,6 +11,7 @@ requests fail, so fault tests are deterministic.
 - ``token_delay_s``: every token waits this much longer (a slow or overloaded instance).
 - ``pull_fail_rate``: this instance's KV pulls fail, as a NIXL read error does; the decode request then
   fails like vLLM's (500, or 200 + an error event). The holder keeps the blocks until its lease runs out.
+- ``logprob_noise``: every reported logprob moves by a uniform draw of up to this size (bf16-style noise).
 - ``down``: every connection to the instance, ``/health`` included, is closed without an answer, as
   if the process were gone. ``/sim/*`` stays reachable so tests can bring it back.
 
@@ -41,9 +42,12 @@ class FaultSpec:
     pull_fail_rate: float = 0.0
     down: bool = False
     seed: int = 0
+    # Not a fault but run-to-run noise: every reported logprob is moved by up to this much, as bf16
+    # kernels whose reductions follow the batch's shape move them (the answer oracle must tolerate it).
+    logprob_noise: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in (*_RATES, "token_delay_s"):
+        for name in (*_RATES, "token_delay_s", "logprob_noise"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise ConfigError(f"fault {name} must be a number, got {value!r}")

@@ -40,7 +40,7 @@ from pdserve.errors import (
     SimRequestError,
 )
 from pdserve.protocol import Endpoint, error_body
-from pdserve.sim import render, tokenizer
+from pdserve.sim import logprobs, render, tokenizer
 from pdserve.sim.faults import RequestFault
 from pdserve.sim.replica import SimInstance
 from pdserve.sim.request import GenerationRequest, parse_request
@@ -164,7 +164,7 @@ class GenerationEndpoint:
             await asyncio.get_running_loop().create_future()  # until the client gives up
         sim_req = SimRequest(
             engine_id, req.prompt_token_ids, req.max_tokens, req.is_prefill, req.remote, req.seed,
-            req.cache_salt,
+            req.cache_salt, req.logprobs,
         )  # fmt: skip
         try:
             inst.engine.check_request(sim_req)
@@ -203,9 +203,11 @@ class GenerationEndpoint:
         stop = _Stop(req.stop) if req.stop else None
         piece_json = tokenizer.piece_json
         await out.start_stream()
-        num_tokens, last = 0, t0
+        num_tokens, last, cached = 0, t0, 0
         async with aclosing(inst.engine.generate(answer.sim_req)) as events:
             async for event in events:
+                if num_tokens == 0:
+                    cached = event.num_cached_tokens
                 if event.finish_reason == "error":  # the KV pull failed: vLLM's 200 + error event
                     await out.end(
                         fmt.role_chunk * (num_tokens == 0) + render.STREAM_INTERNAL_ERROR + sse.DONE
@@ -239,10 +241,38 @@ class GenerationEndpoint:
                         out.drop()
                         return "abort"
                     continue
-                tail = fmt.usage(len(req.prompt_token_ids), num_tokens) if req.include_usage else b""
+                tail = b""
+                if req.include_usage:
+                    tail = fmt.usage(len(req.prompt_token_ids), num_tokens, self._cached_tokens(req, cached))
                 await out.end(head + fmt.final(text_json, finish, stop_reason) + tail + sse.DONE)
                 return finish
         return "abort"  # the engine ended the stream without a finish reason (stopped)
+
+    def _cached_tokens(self, req: GenerationRequest, cached: int) -> int | None:
+        """vLLM's prompt_tokens_details.cached_tokens: only with --enable-prompt-tokens-details; a
+        ``remote_prefill_cached_tokens`` in the params replaces the instance's own count (vLLM's front end
+        reports prefill's hits for a decode handed them)."""
+        if not self._inst.profile.prompt_tokens_details:
+            return None
+        return cached if req.prefill_cached_tokens is None else req.prefill_cached_tokens
+
+    def _noisy(self, value: float) -> float:
+        noise = self._inst.faults.spec.logprob_noise
+        return min(0.0, value + self._rand.uniform(-noise, noise)) if noise else value
+
+    def _details(
+        self, req: GenerationRequest, token_ids: list[int], token_logprobs: list[float], cached: int
+    ) -> render.Details:
+        prompt_lps = None
+        if req.prompt_logprobs:
+            prompt_lps = tuple(
+                None if lp is None else self._noisy(lp)
+                for lp in logprobs.prompt_logprobs(req.prompt_token_ids)
+            )
+        return render.Details(
+            req.prompt_token_ids, tuple(token_ids), tuple(token_logprobs) if req.logprobs else None,
+            prompt_lps, req.return_token_ids, req.tokens_as_ids, self._cached_tokens(req, cached),
+        )  # fmt: skip
 
     def _release_unreported(self, event: TokenEvent, request_id: str) -> None:
         """A prefill that ends on a stop string gets no kv_transfer_params from vLLM (NixlConnector
@@ -257,6 +287,8 @@ class GenerationEndpoint:
         delay = inst.faults.spec.token_delay_s
         stop = _Stop(req.stop) if req.stop else None
         token_ids: list[int] = []
+        token_logprobs: list[float] = []
+        cached = 0
         final: TokenEvent | None = None
         finish, stop_reason, last = "abort", None, t0
         async with aclosing(inst.engine.generate(answer.sim_req)) as events:
@@ -269,7 +301,11 @@ class GenerationEndpoint:
                 now = time.perf_counter()
                 (metrics.itl if token_ids else metrics.ttft).observe(now - (last if token_ids else t0))
                 last = now
+                if not token_ids:
+                    cached = event.num_cached_tokens
                 token_ids.append(event.token_id)
+                if event.logprob is not None:
+                    token_logprobs.append(self._noisy(event.logprob))
                 if stop is not None:
                     stop_reason = stop.add(tokenizer.piece(event.token_id))[1]
                     if stop_reason is not None:
@@ -291,6 +327,7 @@ class GenerationEndpoint:
         body = render.whole_answer(
             req.endpoint, answer.response_id, int(time.time()), inst.model_name, inst.system_fingerprint, text,
             finish, stop_reason, len(req.prompt_token_ids), len(token_ids), kv_params,
+            self._details(req, token_ids, token_logprobs, cached),
         )  # fmt: skip
         if answer.drop_after >= 0:  # a whole answer is cut halfway through its body
             await out.partial(200, body, len(body) // 2)

@@ -57,6 +57,8 @@ class Profile:
     async_scheduling: bool = False
     kv_bytes_per_token: int = 1024  # KV size of one token, for vllm:nixl_bytes_transferred (tiny model, fp32)
     served_model_name: str = "sim-model"
+    # vLLM's --enable-prompt-tokens-details: usage reports prompt_tokens_details.cached_tokens
+    prompt_tokens_details: bool = False
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -8,11 +8,13 @@ head, the token's JSON text (``tokenizer.piece_json``, pre-encoded) and the chun
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any, Final
 
 import orjson
 
 from pdserve.protocol import Endpoint
+from pdserve.sim import tokenizer
 from pdserve.sim.types import HeldKV
 
 # vLLM's streamed error: Python's json.dumps spacing, unlike its other bodies.
@@ -50,14 +52,53 @@ def kv_transfer_params(held: HeldKV, engine_id: str, host: str, port: int, reque
     }
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
     return {
         "prompt_tokens": prompt_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "completion_tokens": completion_tokens,
-        "prompt_tokens_details": None,
+        "prompt_tokens_details": None if cached_tokens is None else {"cached_tokens": cached_tokens},
         "completion_tokens_details": None,
     }
+
+
+@dataclass(frozen=True)
+class Details:
+    """What a request asked to see beyond the text (vLLM's logprobs, token ids, cached tokens)."""
+
+    prompt_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...] | None = None  # each output token's, when asked for
+    prompt_logprobs: tuple[float | None, ...] | None = None
+    return_token_ids: bool = False
+    tokens_as_ids: bool = False
+    cached_tokens: int | None = None  # None: the instance does not report prompt_tokens_details
+
+    def name(self, token_id: int) -> str:
+        return f"token_id:{token_id}" if self.tokens_as_ids else tokenizer.piece(token_id)
+
+    def completion_logprobs(self) -> dict[str, Any] | None:
+        if self.logprobs is None:
+            return None
+        names = [self.name(t) for t in self.token_ids]
+        offsets = [0] * len(names)
+        return {"text_offset": offsets, "token_logprobs": list(self.logprobs), "tokens": names,
+                "top_logprobs": [{n: lp} for n, lp in zip(names, self.logprobs, strict=True)]}  # fmt: skip
+
+    def chat_logprobs(self) -> dict[str, Any] | None:
+        if self.logprobs is None:
+            return None
+        content = [{"token": self.name(t), "logprob": lp, "bytes": list(tokenizer.piece(t).encode()),
+                    "top_logprobs": []} for t, lp in zip(self.token_ids, self.logprobs, strict=True)]  # fmt: skip
+        return {"content": content, "refusal": None}
+
+    def prompt_logprob_list(self) -> list[dict[str, Any] | None] | None:
+        if self.prompt_logprobs is None:
+            return None
+        return [
+            None if lp is None else {str(t): {"logprob": lp, "rank": 1, "decoded_token": tokenizer.piece(t)}}
+            for t, lp in zip(self.prompt_token_ids, self.prompt_logprobs, strict=True)
+        ]
 
 
 def whole_answer(
@@ -72,6 +113,7 @@ def whole_answer(
     prompt_tokens: int,
     completion_tokens: int,
     kv_params: dict[str, Any] | None,
+    details: Details | None = None,
 ) -> bytes:
     if endpoint == "completions":
         choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
@@ -86,13 +128,26 @@ def whole_answer(
                   "stop_reason": stop_reason, "token_ids": None, "routed_experts": None}  # fmt: skip
         head = {"id": response_id, "object": "chat.completion", "created": created, "model": model}
         tail = {"prompt_logprobs": None, "prompt_token_ids": None, "prompt_text": None}
+    cached_tokens = None
+    if details is not None:
+        cached_tokens = details.cached_tokens
+        ids_at = choice if endpoint == "completions" else tail
+        if endpoint == "completions":
+            choice["logprobs"] = details.completion_logprobs()
+            choice["prompt_logprobs"] = details.prompt_logprob_list()
+        else:
+            choice["logprobs"] = details.chat_logprobs()
+            tail["prompt_logprobs"] = details.prompt_logprob_list()
+        if details.return_token_ids:
+            choice["token_ids"] = list(details.token_ids)
+            ids_at["prompt_token_ids"] = list(details.prompt_token_ids)
     return orjson.dumps(
         {
             **head,
             "choices": [choice],
             "service_tier": None,
             "system_fingerprint": fingerprint,
-            "usage": _usage(prompt_tokens, completion_tokens),
+            "usage": _usage(prompt_tokens, completion_tokens, cached_tokens),
             **tail,
             "kv_transfer_params": kv_params,
             "ec_transfer_params": None,
@@ -149,9 +204,12 @@ class StreamFormat:
             tail = b'},"logprobs":null,"finish_reason":' + reason + b',"token_ids":null}]'
         return self._head + text_json + tail + self._final_fp + b"}\n\n"
 
-    def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
-        usage = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
-                 "completion_tokens": completion_tokens}  # fmt: skip
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> bytes:
+        usage: dict[str, Any] = {"prompt_tokens": prompt_tokens,
+                                 "total_tokens": prompt_tokens + completion_tokens,
+                                 "completion_tokens": completion_tokens}  # fmt: skip
+        if cached_tokens is not None:
+            usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
         return (
             self._prefix + b',"choices":[],"usage":' + orjson.dumps(usage)
             + b',"system_fingerprint":' + orjson.dumps(self.fingerprint) + b"}\n\n"

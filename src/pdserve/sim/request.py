@@ -34,6 +34,11 @@ class GenerationRequest:
     is_prefill: bool  # kv_transfer_params.do_remote_decode: compute the prompt, hold its KV for decode
     remote: RemoteKV | None  # kv_transfer_params.do_remote_prefill: pull the prompt's KV first
     cache_salt: str | None = None
+    logprobs: bool = False  # completions' logprobs >= 0, chat's logprobs: true (the sampled token's only)
+    prompt_logprobs: bool = False  # prompt_logprobs >= 0 (the actual token's only)
+    return_token_ids: bool = False
+    tokens_as_ids: bool = False  # return_tokens_as_token_ids: logprob tokens named "token_id:N"
+    prefill_cached_tokens: int | None = None  # remote_prefill_cached_tokens: reported as decode's own
 
 
 _BOOL_WORDS: Final = {"true": True, "false": False, "yes": True, "no": False, "on": True, "off": False,
@@ -204,7 +209,7 @@ def _prompt_ids(endpoint: Endpoint, body: dict[str, Any]) -> tuple[tuple[int, ..
     )
 
 
-def _remote_kv(params: dict[str, Any], num_prompt_tokens: int) -> RemoteKV | None:
+def _remote_kv(params: dict[str, Any], prompt_ids: tuple[int, ...]) -> RemoteKV | None:
     """Decode's side of the handoff. Like vLLM, incomplete params mean a local prefill instead."""
     if any(params.get(k) is None for k in REQUIRED_DECODE_KEYS):
         return None
@@ -215,9 +220,10 @@ def _remote_kv(params: dict[str, Any], num_prompt_tokens: int) -> RemoteKV | Non
             engine_id=str(params["remote_engine_id"]),
             request_id=str(params["remote_request_id"]),
             block_ids=block_ids,
-            num_tokens=int(params.get("remote_num_tokens") or num_prompt_tokens),
+            num_tokens=int(params.get("remote_num_tokens") or len(prompt_ids)),
             host=str(params["remote_host"]),
             port=int(params["remote_port"]),
+            prompt_digest=hash(prompt_ids),
         )
     except (TypeError, ValueError):
         return None
@@ -293,7 +299,7 @@ def parse_request(
     params = body.get("kv_transfer_params")
     params = params if isinstance(params, dict) else {}
     is_prefill = bool(params.get("do_remote_decode"))
-    remote = _remote_kv(params, len(prompt_ids)) if params.get("do_remote_prefill") else None
+    remote = _remote_kv(params, prompt_ids) if params.get("do_remote_prefill") else None
     seed = body.get("seed")
     include_usage = isinstance(stream_options, dict) and bool(stream_options.get("include_usage"))
     return GenerationRequest(
@@ -307,4 +313,13 @@ def parse_request(
         is_prefill,
         remote,
         body.get("cache_salt"),
+        logprobs=bool(body.get("logprobs")) if endpoint == "chat" else body.get("logprobs") is not None,
+        prompt_logprobs=body.get("prompt_logprobs") is not None,
+        return_token_ids=bool(body.get("return_token_ids")),
+        tokens_as_ids=bool(body.get("return_tokens_as_token_ids")),
+        prefill_cached_tokens=_int_or_none(params.get("remote_prefill_cached_tokens")),
     )
+
+
+def _int_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None

@@ -9,8 +9,8 @@ table; when it cannot, the most recently admitted running request is preempted a
 PD roles: a ``hold_for_remote`` request finishes after its first token and leaves its blocks held under a
 lease for a remote decoder; a ``remote`` request gets blocks for its prompt, waits while the engine pulls
 the KV, then computes only what was not pulled (normally just the last prompt token). A pull of blocks
-the holder had already released fills them with someone else's KV: that request's output, and that of
-any later request that finds those blocks in the prefix cache, is then wrong, as vLLM's is.
+the holder had already released (or held for another prompt) fills them with someone else's KV: that
+request's output and logprobs, and those of later requests finding the blocks in the prefix cache, are wrong.
 """
 
 from __future__ import annotations
@@ -22,22 +22,15 @@ from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from pdserve.sim import logprobs
 from pdserve.sim.kvcache import KVCache
+from pdserve.sim.logprobs import FIRST_TOKEN_ID as FIRST_TOKEN_ID  # where callers have long found it
+from pdserve.sim.logprobs import output_token
 from pdserve.sim.profile import Profile
 from pdserve.sim.types import FinishReason, HeldKV, RemoteKV, SimRequest, SimRole, TokenEvent
 
-FIRST_TOKEN_ID = 100  # ids below are left for the HTTP layer's special tokens
 NO_TOKEN = -1  # token_id of an "error" event: the request ended without producing a token
-_MASK = (1 << 64) - 1
 _STALE_SALT = 0x5851F42D4C957F2D  # what a sequence computed from stale KV mixes into its prompt hash
-
-
-def output_token(seed: int, prompt_hash: int, index: int, vocab_size: int) -> int:
-    """The ``index``-th output token of a prompt: a splitmix64 mix, cheap and the same in every process."""
-    x = (prompt_hash ^ (seed * 0xD6E8FEB86659FD93) ^ (index * 0x9E3779B97F4A7C15)) & _MASK
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
-    return FIRST_TOKEN_ID + (x ^ (x >> 31)) % vocab_size
 
 
 class Status(enum.Enum):
@@ -60,6 +53,7 @@ class Sequence:
     is_pull_pending: bool = False  # a remote request not yet pulled (recomputed locally if preempted after)
     reads_stale_kv: bool = False  # some of its KV came from released blocks: its outputs are wrong
     arrived_at: float = 0.0  # when the scheduler was given it (engine clock)
+    context_digest: int = 0  # of every token so far, for logprobs (computed only when asked for)
 
     @property
     def request_id(self) -> str:
@@ -161,6 +155,7 @@ class Scheduler:
             hash(req.prompt_token_ids),
             is_pull_pending=req.remote is not None,
             arrived_at=now,
+            context_digest=logprobs.digest_of(tokens) if req.logprobs else 0,
         )
         self.kv.hash_blocks(tokens, seq.block_hashes, req.cache_salt)
         self._live[req.request_id] = seq
@@ -214,7 +209,9 @@ class Scheduler:
             self.kv.mark_stale(request_id, seq.num_computed_tokens, num_computed)
             self._read_stale(seq)
         self.prompt_tokens_remote += num_computed - seq.num_computed_tokens
-        seq.num_computed_tokens = seq.num_cached_tokens = num_computed
+        # vLLM reports every prompt token the connector loaded as cached, the recomputed last one too.
+        seq.num_computed_tokens = num_computed
+        seq.num_cached_tokens = max(num_computed, min(remote.num_tokens, seq.num_prompt_tokens))
         seq.is_pull_pending = False
         self.kv.cache_blocks(request_id, seq.block_hashes, num_computed)
         self._set_status(seq, Status.RUNNING)
@@ -331,6 +328,7 @@ class Scheduler:
         req = seq.request
         index = seq.num_output_tokens
         token = output_token(req.seed, seq.prompt_hash, index, self.vocab_size)
+        token_logprob, seq.context_digest = logprobs.step(seq.context_digest, token, req.logprobs)
         seq.token_ids.append(token)
         if len(seq.token_ids) % self.kv.block_size == 0:
             self.kv.hash_blocks(seq.token_ids, seq.block_hashes, seq.request.cache_salt)
@@ -342,14 +340,14 @@ class Scheduler:
             finish = "length"
             held = HeldKV(
                 tuple(self.kv.blocks(req.request_id)), seq.num_prompt_tokens, now + self.profile.kv_lease_s,
-                seq.num_cached_tokens,
+                seq.num_cached_tokens, prompt_digest=hash(req.prompt_token_ids),
             )  # fmt: skip
             self._finish(seq, keep_blocks=True)
             self.held[req.request_id] = held
         elif index + 1 >= req.max_tokens:
             finish = "length"
             self._finish(seq)
-        return req.request_id, TokenEvent(token, index, finish, num_cached, held)
+        return req.request_id, TokenEvent(token, index, finish, num_cached, held, token_logprob)
 
     # --- State changes -------------------------------------------------------------------------------
 
@@ -357,6 +355,7 @@ class Scheduler:
         if not seq.reads_stale_kv:
             seq.reads_stale_kv = True
             seq.prompt_hash ^= _STALE_SALT
+            seq.context_digest ^= logprobs.WRONG_KV
             self.num_stale_reads += 1
 
     def _set_status(self, seq: Sequence, status: Status) -> None:

@@ -83,6 +83,7 @@ def held_to_mapping(held: HeldKV) -> dict[str, Any]:
         "num_cached_tokens": held.num_cached_tokens,
         "expires_at": held.expires_at,
         "is_intact": held.is_intact,
+        "prompt_digest": held.prompt_digest,
     }
 
 
@@ -94,6 +95,7 @@ def held_from_mapping(data: Any) -> HeldKV:
             expires_at=float(data["expires_at"]),
             num_cached_tokens=int(data["num_cached_tokens"]),
             is_intact=bool(data.get("is_intact", True)),
+            prompt_digest=int(data.get("prompt_digest", 0)),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise KVPullError(f"malformed pull answer: {exc}") from exc
@@ -124,7 +126,9 @@ class PullSource:
         seconds = time.perf_counter() - start + self._profile.pull_seconds(len(remote.block_ids))
         self._metrics.nixl_xfer_time.observe(seconds)
         self._metrics.nixl_bytes.observe(float(remote.num_tokens * self._bytes_per_token))
-        return held.is_intact
+        # Blocks of another prompt read "successfully", as NIXL's do: decode computes on wrong KV.
+        is_theirs = held.prompt_digest in (0, remote.prompt_digest) or not remote.prompt_digest
+        return held.is_intact and is_theirs
 
     def heartbeat(self, engine_id: str, host: str, port: int, request_ids: tuple[str, ...]) -> None:
         holder = self._registry.holder(engine_id)

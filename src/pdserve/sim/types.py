@@ -22,6 +22,7 @@ class RemoteKV:
     num_tokens: int  # prompt tokens whose KV prefill holds
     host: str
     port: int  # where the holder can be asked to serve the pull (the sim's HTTP port)
+    prompt_digest: int = 0  # hash of decode's own prompt ids: KV held for another prompt is wrong KV
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class HeldKV:
     # False for a read of blocks the holder had already released (lease run out, or read before): like
     # vLLM's one-sided NIXL READ it "succeeds", but the blocks hold whatever was put there since.
     is_intact: bool = True
+    prompt_digest: int = 0  # hash of the prompt ids whose KV this is (0: unknown)
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,7 @@ class SimRequest:
     remote: RemoteKV | None = None  # decode side of PD (do_remote_prefill): pull this KV first
     seed: int = 0  # output tokens are a deterministic function of (seed, prompt, position)
     cache_salt: str | None = None  # hashed into the first block, as vLLM does: no prefix shared across salts
+    logprobs: bool = False  # report each output token's logprob (sim/logprobs.py)
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,7 @@ class TokenEvent:
     finish_reason: FinishReason | None = None  # set on the request's last event
     num_cached_tokens: int = 0  # on the first event: prompt tokens served from the prefix cache
     held: HeldKV | None = None  # on the last event of a hold_for_remote request
+    logprob: float | None = None  # the token's logprob, when the request asked for logprobs
 
 
 class KVSource(Protocol):
