@@ -1,6 +1,8 @@
 """Serving the proxy app: uvicorn on uvloop with httptools, access log and proxy headers off (the proxy is
-on every token's path), generation routes dispatched before Starlette (``ProxyApp``), and each
-connection's writes of one loop turn sent as one (``CorkedTransport``).
+on every token's path), generation routes dispatched before Starlette (``ProxyApp``), each connection's
+writes of one loop turn sent as one (``CorkedTransport``), and client connections held to deadlines and
+a cap (``_CorkedHttpToolsProtocol``): a connection that sends nothing, trickles its headers or its body,
+or idles between requests is closed, so that idle sockets cannot pile up until file descriptors run out.
 
 ``_CorkedHttpToolsProtocol`` subclasses a uvicorn class that is not its public API: pyproject.toml pins
 uvicorn's minor release, and tests/proxy/test_server.py names what changed if an upgrade breaks it."""
@@ -8,7 +10,9 @@ uvicorn's minor release, and tests/proxy/test_server.py names what changed if an
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
+import logging
 from typing import Any, cast
 
 import uvicorn
@@ -16,7 +20,11 @@ from starlette.applications import Starlette
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from pdserve.config import ProxyConfig
+from pdserve.configparts import AdmissionLimits
+from pdserve.protocol import error_body
 from pdserve.proxy.app import ProxyApp, create_app
+
+log = logging.getLogger("pdserve.proxy")
 
 
 class CorkedTransport:
@@ -60,24 +68,93 @@ class CorkedTransport:
         return getattr(self._transport, name)
 
 
+def _refusal(status: bytes, message: str, extra: bytes = b"") -> bytes:
+    """A whole HTTP answer that closes the connection, written before any app saw the request."""
+    body = error_body(message, "Request Timeout" if status.startswith(b"408") else "ServiceUnavailable",
+                      int(status[:3]))  # fmt: skip
+    return (b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\nconnection: close\r\n" + extra
+            + b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)  # fmt: skip
+
+
 class _CorkedHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's protocol with corked writes and client deadlines: one timer per connection, armed for the
+    headers (from connect, then from each request's first byte) and for the body, disarmed once the
+    request is in; between requests uvicorn's own keep-alive timer runs. A connection past
+    ``max_connections`` gets a 503 and is closed at once."""
+
+    def __init__(self, *args: Any, limits: AdmissionLimits | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._limits = limits or AdmissionLimits()
+        self._deadline: asyncio.TimerHandle | None = None
+        self._is_reading = False  # a request has begun and is not complete
+
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(cast(asyncio.Transport, CorkedTransport(transport, self.loop)))
+        limit = self._limits.max_connections
+        if len(self.connections) > limit:
+            message = f"pdserve has {limit} client connections open, its limit; retry later"
+            log.warning("client connection refused: %d open, the limit", limit)
+            self.transport.write(_refusal(b"503 Service Unavailable", message, b"retry-after: 1\r\n"))
+            self.transport.close()
+            return
+        self._arm(self._limits.header_timeout_s)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._is_reading = True
+        self._arm(self._limits.header_timeout_s)
+
+    def on_headers_complete(self) -> None:
+        super().on_headers_complete()
+        if self._is_reading:
+            self._arm(self._limits.body_timeout_s)
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._is_reading = False
+        self._disarm()
+
+    def _arm(self, seconds: float) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        self._deadline = self.loop.call_later(seconds, self._expired)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _expired(self) -> None:
+        """Too slow: a request that had begun is told so (408), unless an answer is being written."""
+        self._deadline = None
+        if self.transport.is_closing():
+            return
+        cycle = self.cycle
+        is_answering = cycle is not None and cycle.response_started and not cycle.response_complete
+        if self._is_reading and not is_answering:
+            self.transport.write(_refusal(b"408 Request Timeout", "request not received in time"))
+        self.transport.close()
 
 
 def make_server(config: ProxyConfig, log_level: str = "info", app: Starlette | None = None) -> uvicorn.Server:
+    # Each of several workers sharing the port holds its share of the connections (SO_REUSEPORT spreads them).
+    limits = config.worker_share().admission if config.workers > 1 else config.admission
     uv_config = uvicorn.Config(
         ProxyApp(app or create_app(config)),
         host=config.host,
         port=config.port,
         loop="uvloop",
-        http=_CorkedHttpToolsProtocol,
+        http=cast(Any, functools.partial(_CorkedHttpToolsProtocol, limits=limits)),
         access_log=False,
         # X-Forwarded-* rewriting of the client address: nothing in the proxy reads that address.
         proxy_headers=False,
         log_level=log_level,
         lifespan="on",
-        timeout_keep_alive=30,
+        timeout_keep_alive=limits.keep_alive_s,  # type: ignore[arg-type]
         # On shutdown (SIGTERM, Ctrl-C) uvicorn stops accepting, then waits this long for answers in
         # flight before it cancels them: a stream still running after 5 s ends cut short. Unset, it
         # would wait for every stream however long, and a stopping proxy would hang on a slow one.
