@@ -78,6 +78,8 @@ CASES: list[tuple[str, dict[str, Any]]] = [
     ("/v1/completions", {"stream_options": {"include_usage": True}}),
     ("/v1/chat/completions", {"stream_options": {"include_usage": True}, "stream": False}),
     ("/v1/completions", {"stream": "maybe"}),
+    ("/v1/completions", {"max_tokens": 4000}),
+    ("/v1/chat/completions", {"max_completion_tokens": 4000, "max_tokens": 5}),
     ("/v1/completions", {"max_tokens": [1, 2], "stream": 2}),
 ]
 
@@ -109,10 +111,10 @@ def test_the_proxy_refuses_as_vllm_does_without_calling_prefill(
 
 
 def test_a_refusal_after_prefill_gives_prefills_blocks_back_at_once(pair: Stack, model: str) -> None:
-    """min_tokens beyond what the context leaves after the prompt: only decode refuses it (vLLM clamps
-    max_tokens to the context first). Measured both ways: decode's 400 alone, then the proxy's release."""
+    """min_tokens beyond what the context leaves after the prompt (2048 here): only decode refuses it
+    (vLLM clamps max_tokens to the context first). Measured both ways: decode's 400 alone, then the proxy's release."""
     [prefill], [decode] = pair.urls("prefill"), pair.urls("decode")
-    client = {"model": model, "prompt": _prompt(400), "max_tokens": 4000, "min_tokens": 3000}
+    client = {"model": model, "prompt": _prompt(400), "max_tokens": 2048, "min_tokens": 2000}
     assert _kv_usage(prefill) == 0.0
 
     # decode's 400 alone: prefill keeps the blocks

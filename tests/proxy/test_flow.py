@@ -341,7 +341,7 @@ async def test_a_refusal_only_decode_sees_coming_releases_prefills_blocks(
     which frees them on prefill at once instead of when the lease runs out."""
     with pytest.raises(openai.BadRequestError) as caught:
         await client.completions.create(
-            model=MODEL, prompt="Hello", max_tokens=4000, stream=stream, extra_body={"min_tokens": 3000}
+            model=MODEL, prompt="Hello", max_tokens=2048, stream=stream, extra_body={"min_tokens": 2048}
         )
     assert "min_tokens must be less than or equal to max_tokens=" in caught.value.message
     [issued] = rig.prefill.issued_kv_params
@@ -350,7 +350,7 @@ async def test_a_refusal_only_decode_sees_coming_releases_prefills_blocks(
             break
         await asyncio.sleep(0.02)
     refused, release = rig.decode.generations()
-    assert refused.body is not None and refused.body["min_tokens"] == 3000
+    assert refused.body is not None and refused.body["min_tokens"] == 2048
     assert release.body is not None and "min_tokens" not in release.body
     assert (release.body["max_tokens"], release.body["stream"]) == (1, False)
     assert release.body["kv_transfer_params"] == issued

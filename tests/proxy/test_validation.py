@@ -39,7 +39,7 @@ def num_calls(s: System) -> int:
 # max_tokens=1, no stream and no min_tokens/stream_options, would take, and decode would refuse.
 REFUSED = [
     ("completions", {"max_tokens": "abc"}, "body.max_tokens", "1 validation error:\n  {'type': 'int_parsing', 'loc': 'body.max_tokens', 'msg': 'Input should be a valid integer, unable to parse string as an integer', 'input': 'abc'"),
-    ("completions", {"max_tokens": -1}, "max_tokens", "max_tokens must be at least 1, got -1."),
+    ("completions", {"max_tokens": -1}, "max_tokens", "max_tokens must be at least 1, got -1. (parameter=max_tokens, value=-1)"),
     ("completions", {"max_tokens": 0, "stream": True}, "max_tokens", "max_tokens must be at least 1, got 0."),
     ("completions", {"max_tokens": 1.5}, "body.max_tokens", "1 validation error:\n  {'type': 'int_from_float'"),
     ("completions", {"max_tokens": -1, "stream": True}, "max_tokens", "max_tokens must be at least 1, got -1."),
@@ -77,6 +77,27 @@ TAKEN = [
     {"stream": "yes"}, {"stream": 0}, {"stream": None}, {"stream_options": {}},
     {"stream_options": {"include_usage": True}, "stream": True}, {"min_tokens": 16},
 ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "fields", "message"),
+    [
+        ("completions", {"max_tokens": 2049}, "max_tokens=2049 cannot be greater than max_model_len=2048. Please request fewer output tokens. (parameter=max_tokens, value=2049)"),
+        ("chat", {"max_completion_tokens": 4000, "max_tokens": 5}, "max_completion_tokens=4000 cannot be greater than max_model_len=2048. Please request fewer output tokens. (parameter=max_completion_tokens, value=4000)"),
+    ],
+)  # fmt: skip
+async def test_max_tokens_beyond_decodes_context_is_refused_once_the_proxy_knows_it(
+    endpoint: Endpoint, fields: dict[str, Any], message: str
+) -> None:
+    s = system()
+    body = {**(CHAT if endpoint == "chat" else COMPLETION), **fields}
+    await ask(s, endpoint, body)
+    assert num_calls(s) == 2, "refused before the proxy knew decode's context length"
+    s = system()
+    s.flow.max_model_len = 2048
+    status, answer = await ask(s, endpoint, body)
+    assert (status, answer["error"]["message"]) == (400, message)
+    assert num_calls(s) == 0
 
 
 @pytest.mark.parametrize("fields", TAKEN)

@@ -121,6 +121,8 @@ class Flow:
         self._decoder = Decoder(config, LeaseGuard(state, state.ledger))
         self._releaser = Releaser(state, config.kv_lease_s)
         self._tracing = tracing
+        # decode's context length (its /v1/models), once known: max_tokens beyond it is refused up front
+        self.max_model_len: int | None = None
 
     async def serve(
         self,
@@ -138,7 +140,9 @@ class Flow:
         arrived_ns = time.time_ns() if arrived_ns is None else arrived_ns
         try:
             body = protocol.client_body(protocol.parse_body(raw))
-            check_before_prefill(endpoint, body)  # what decode alone would refuse, before prefill runs
+            check_before_prefill(
+                endpoint, body, self.max_model_len
+            )  # what decode alone would refuse, before prefill runs
         except BadRequest as exc:
             err_type = exc.error_type if isinstance(exc, FieldErrors) else "BadRequestError"
             await out.error(400, exc.message, err_type, exc.param)

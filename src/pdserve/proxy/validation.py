@@ -9,10 +9,10 @@ words (vLLM 0.32: pydantic's lax coercion of the request model, the "before" mod
 ``CompletionRequest``/``ChatCompletionRequest``, then ``SamplingParams._verify_args``). A value vLLM
 would take is never refused here: where its rule is not modelled, the request goes on as before.
 
-What is not checked: ``min_tokens`` above the output budget vLLM clamps ``max_tokens`` to (the context
-left after the prompt), which needs the prompt's length; decode refuses it, and the flow then frees
-prefill's blocks (``Flow`` counts it). ``max_tokens`` beyond the context is no refusal on vLLM 0.32: it
-is clamped to what the context leaves.
+``max_tokens`` beyond the model's context (``max_model_len``, as decode's /v1/models tells it) is
+refused too, once the proxy knows that length. What is not checked: ``min_tokens`` above the output
+budget vLLM clamps ``max_tokens`` to (the context left after the prompt), which needs the prompt's
+length; decode refuses it, and the flow then frees prefill's blocks (release.py).
 """
 
 from __future__ import annotations
@@ -27,8 +27,6 @@ from pdserve.protocol import Endpoint
 _TRUE: Final = frozenset({"1", "on", "t", "true", "y", "yes"})
 _FALSE: Final = frozenset({"0", "off", "f", "false", "n", "no"})
 _NOT_AN_INT: Final = object()
-# Where vLLM's answer points for each pydantic error (the pydantic its 0.32 release installs)
-_PYDANTIC_DOCS: Final = "https://errors.pydantic.dev/2.14/v/"
 
 
 class FieldErrors(BadRequest):
@@ -48,8 +46,7 @@ class _FieldErrors:
         where = ".".join(("body", *loc))
         self.param = self.param or where
         self.lines.append(
-            f"{{'type': '{kind}', 'loc': '{where}', 'msg': '{msg}', 'input': {_shown(value)},{ctx}"
-            f" 'url': '{_PYDANTIC_DOCS}{kind}'}}"
+            f"{{'type': '{kind}', 'loc': '{where}', 'msg': '{msg}', 'input': {_shown(value)}{ctx}}}"
         )
 
     def raise_any(self) -> None:
@@ -113,12 +110,20 @@ def _check_lax_bool(value: object, loc: tuple[str, ...], errors: _FieldErrors) -
     # floats and the rest: not modelled, decode decides
 
 
-def check_before_prefill(endpoint: Endpoint, body: dict[str, Any]) -> None:
+def _refusal(message: str, param: str | None = None, value: object = None) -> BadRequest:
+    """A ``VLLMValidationError`` as vLLM words it: its parameter and value follow the message."""
+    extras = [f"parameter={param}"] if param is not None else []
+    if value is not None:
+        extras.append(f"value={value}")
+    return BadRequest(f"{message} ({', '.join(extras)})" if extras else message, param)
+
+
+def check_before_prefill(endpoint: Endpoint, body: dict[str, Any], max_model_len: int | None = None) -> None:
     """Raise ``BadRequest`` (vLLM's message and ``param``) for what decode would refuse in the fields
     prefill's rewrite changes or drops. Cheap: a few dict lookups for an ordinary request."""
     # The model's "before" validator, on the raw values (Python truthiness, as vLLM tests them).
     if body.get("stream_options") and not body.get("stream"):
-        raise BadRequest("Stream options can only be defined when `stream=True`.", "stream_options")
+        raise _refusal("Stream options can only be defined when `stream=True`.", "stream_options")
     errors = _FieldErrors()
     limits: dict[str, object] = {}
     for name in ("max_tokens", "max_completion_tokens", "min_tokens"):
@@ -134,7 +139,7 @@ def check_before_prefill(endpoint: Endpoint, body: dict[str, Any]) -> None:
     if options is not None:
         if not isinstance(options, dict):
             msg = "Input should be a valid dictionary or instance of StreamOptions"
-            ctx = " 'ctx': {'class_name': 'StreamOptions'},"
+            ctx = ", 'ctx': {'class_name': 'StreamOptions'}"
             errors.add("model_type", ("stream_options",), msg, options, ctx)
         else:
             for key in ("include_usage", "continuous_usage_stats"):
@@ -143,21 +148,23 @@ def check_before_prefill(endpoint: Endpoint, body: dict[str, Any]) -> None:
     errors.raise_any()
     if any(v is _NOT_AN_INT for v in limits.values()):
         return  # a type error pydantic words differently than modelled here: decode decides
-    _check_sampling(endpoint, limits)
+    _check_sampling(endpoint, limits, max_model_len)
 
 
-def _check_sampling(endpoint: Endpoint, limits: dict[str, object]) -> None:
-    """``SamplingParams._verify_args`` on the output budget the client asked for. vLLM clamps that budget
-    to the context the prompt leaves, which only lowers it: what is refused here it refuses too."""
-    max_tokens = limits.get("max_tokens", 16 if endpoint == "completions" else None)
+def _check_sampling(endpoint: Endpoint, limits: dict[str, object], max_model_len: int | None) -> None:
+    """The renderer's check of the output budget against the context, then ``SamplingParams._verify_args``
+    on it. vLLM clamps the budget to the context the prompt leaves, which only lowers it: what is refused
+    here it refuses too."""
+    param, max_tokens = "max_tokens", limits.get("max_tokens", 16 if endpoint == "completions" else None)
     if endpoint == "chat" and limits.get("max_completion_tokens") is not None:
-        max_tokens = limits["max_completion_tokens"]
+        param, max_tokens = "max_completion_tokens", limits["max_completion_tokens"]
+    if max_model_len is not None and isinstance(max_tokens, int) and max_tokens > max_model_len:
+        raise _refusal(f"{param}={max_tokens} cannot be greater than max_model_len={max_model_len}. "
+                       "Please request fewer output tokens.", param, max_tokens)  # fmt: skip
     if isinstance(max_tokens, int) and max_tokens < 1:
-        raise BadRequest(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens")
+        raise _refusal(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens", max_tokens)
     min_tokens = limits.get("min_tokens", 0)
     if isinstance(min_tokens, int) and min_tokens < 0:
-        raise BadRequest(f"min_tokens must be greater than or equal to 0, got {min_tokens}.")
+        raise _refusal(f"min_tokens must be greater than or equal to 0, got {min_tokens}.")
     if isinstance(max_tokens, int) and isinstance(min_tokens, int) and min_tokens > max_tokens:
-        raise BadRequest(
-            f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}."
-        )
+        raise _refusal(f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}.")
