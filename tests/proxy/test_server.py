@@ -138,9 +138,9 @@ def test_a_real_uvicorn_corks_the_proxy_and_lets_the_simulator_drop_a_connection
 
 
 def test_httptools_protocol_still_has_what_the_client_deadlines_hook_into() -> None:
-    """_CorkedHttpToolsProtocol arms its deadline timer in these parser callbacks and reads the cycle's
-    state to decide whether a 408 may be written (proxy/server.py)."""
-    for name in ("on_message_begin", "on_headers_complete", "on_message_complete", "connection_lost"):
+    """_CorkedHttpToolsProtocol sets its deadlines in these parser callbacks, sweeps uvicorn's set of open
+    connections, and reads the cycle's state to decide whether a 408 may be written (proxy/server.py)."""
+    for name in ("on_message_begin", "on_headers_complete", "on_message_complete"):
         assert callable(getattr(HttpToolsProtocol, name, None)), (
             f"uvicorn's HttpToolsProtocol has no {name} now; proxy/server.py's client deadlines hook into it"
         )

@@ -35,7 +35,7 @@ class FieldErrors(BadRequest):
     error_type = "Bad Request"
 
 
-class _FieldErrors:
+class _ErrorList:
     """pydantic's errors as vLLM's handler words them: the count, then one line per error."""
 
     def __init__(self) -> None:
@@ -66,7 +66,7 @@ def _shown(value: object) -> str:
     return repr(text)
 
 
-def _lax_int(value: object, loc: str, errors: _FieldErrors) -> object:
+def _lax_int(value: object, loc: str, errors: _ErrorList) -> object:
     """``value`` as pydantic's lax ``int`` makes it, or ``_NOT_AN_INT`` with the error noted."""
     if isinstance(value, int):  # bool included: pydantic takes true as 1
         return int(value)
@@ -96,7 +96,7 @@ def _lax_int(value: object, loc: str, errors: _FieldErrors) -> object:
     return _NOT_AN_INT
 
 
-def _check_lax_bool(value: object, loc: tuple[str, ...], errors: _FieldErrors) -> None:
+def _check_lax_bool(value: object, loc: tuple[str, ...], errors: _ErrorList) -> None:
     if value is None or isinstance(value, bool):
         return
     if (isinstance(value, int) and value in (0, 1)) or (
@@ -118,21 +118,43 @@ def _refusal(message: str, param: str | None = None, value: object = None) -> Ba
     return BadRequest(f"{message} ({', '.join(extras)})" if extras else message, param)
 
 
+def _is_plain(endpoint: Endpoint, body: dict[str, Any], max_model_len: int | None) -> bool:
+    """The common request, which nothing below would coerce or refuse: decided in a few lookups."""
+    max_tokens, stream, options = body.get("max_tokens"), body.get("stream"), body.get("stream_options")
+    if type(max_tokens) is int:
+        if max_tokens < 1 or (max_model_len is not None and max_tokens > max_model_len):
+            return False
+    elif max_tokens is not None:
+        return False
+    elif endpoint == "completions" and "max_tokens" not in body and (max_model_len or 16) < 16:
+        return False  # the default of 16 beyond a tiny context
+    return (
+        (stream is None or type(stream) is bool)
+        and "min_tokens" not in body
+        and "max_completion_tokens" not in body
+        and (
+            options is None
+            or (stream is True and type(options) is dict and all(type(v) is bool for v in options.values()))
+        )
+    )
+
+
 def check_before_prefill(endpoint: Endpoint, body: dict[str, Any], max_model_len: int | None = None) -> None:
     """Raise ``BadRequest`` (vLLM's message and ``param``) for what decode would refuse in the fields
     prefill's rewrite changes or drops. Cheap: a few dict lookups for an ordinary request."""
+    if _is_plain(endpoint, body, max_model_len):
+        return
     # The model's "before" validator, on the raw values (Python truthiness, as vLLM tests them).
     if body.get("stream_options") and not body.get("stream"):
         raise _refusal("Stream options can only be defined when `stream=True`.", "stream_options")
-    errors = _FieldErrors()
+    # pydantic's field errors, in the request models' field order (the same in both)
+    errors = _ErrorList()
     limits: dict[str, object] = {}
-    for name in ("max_tokens", "max_completion_tokens", "min_tokens"):
+    # a completions request has no max_completion_tokens: vLLM ignores the field there
+    for name in ("max_tokens", "max_completion_tokens") if endpoint == "chat" else ("max_tokens",):
         if name in body:
             value = body[name]
-            if value is None and name != "min_tokens":
-                limits[name] = None
-            else:
-                limits[name] = _lax_int(value, name, errors)
+            limits[name] = None if value is None else _lax_int(value, name, errors)
     if "stream" in body:
         _check_lax_bool(body["stream"], ("stream",), errors)
     options = body.get("stream_options")
@@ -145,9 +167,9 @@ def check_before_prefill(endpoint: Endpoint, body: dict[str, Any], max_model_len
             for key in ("include_usage", "continuous_usage_stats"):
                 if key in options:
                     _check_lax_bool(options[key], ("stream_options", key), errors)
-    errors.raise_any()
-    if any(v is _NOT_AN_INT for v in limits.values()):
-        return  # a type error pydantic words differently than modelled here: decode decides
+    if "min_tokens" in body:  # not nullable
+        limits["min_tokens"] = _lax_int(body["min_tokens"], "min_tokens", errors)
+    errors.raise_any()  # so no value below is _NOT_AN_INT
     _check_sampling(endpoint, limits, max_model_len)
 
 
