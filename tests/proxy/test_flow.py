@@ -354,6 +354,7 @@ async def test_a_refusal_only_decode_sees_coming_releases_prefills_blocks(
     assert release.body is not None and "min_tokens" not in release.body
     assert (release.body["max_tokens"], release.body["stream"]) == (1, False)
     assert release.body["kv_transfer_params"] == issued
+    assert release.body["cache_salt"].startswith("pdserve-release-")  # what it pulls matches no one else
     async with http.get(rig.url + "/metrics") as resp:
         metrics = await resp.text()
     assert 'pdserve_kv_released_after_refusal_total{result="ok"}' in metrics

@@ -8,12 +8,17 @@ model) the refusing decode is sent the body prefill itself accepted (``prefill_b
 streamed) with prefill's params. Decode takes it as prefill did, pulls the blocks and computes one
 token; its notification to prefill frees them at once. The answer is dropped. It runs beside the
 client's request, which already has its answer, and is counted by result in ``Stats.released``.
+
+Under a fresh ``cache_salt``: had decode's refusal already freed the blocks on prefill (an engine that
+rejects the params tells prefill), the pull would read whatever is there now, and decode would keep
+those blocks in its prefix cache under the prompt's hashes; salted, they match no other request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 
 import orjson
 
@@ -40,7 +45,8 @@ class Releaser:
         task.add_done_callback(self._tasks.discard)
 
     async def _release(self, call: Call, decode: Instance, handoff: Handoff) -> None:
-        body = protocol.prefill_body(call.body)
+        salt = f"release-{uuid.uuid4().hex[:16]}"
+        body = protocol.prefill_body(protocol.with_fresh_cache_salt(call.body, salt))
         body["kv_transfer_params"] = handoff.params
         headers = {**call.headers, "X-Request-Id": f"{call.request_id}-release"}
         try:
