@@ -77,8 +77,23 @@ class AdmissionLimits:
     max_queued: int = 256  # requests waiting for a slot beyond max_concurrent; more get 429
     queue_timeout_s: float = 30.0  # a queued request waiting longer gets 503
     max_body_bytes: int = 32 * 1024 * 1024
+    # Client connections (proxy/server.py): a connection is closed when its request's headers take longer
+    # than header_timeout_s from its first byte (or from connect, for one that sends nothing), its body
+    # longer than body_timeout_s after them, or it idles between requests longer than keep_alive_s;
+    # one past max_connections open is answered 503 and closed. Each holds a file descriptor.
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
+    keep_alive_s: float = 30.0
+    max_connections: int = 4096
 
     def __post_init__(self) -> None:
+        check_positive(
+            "proxy.admission",
+            header_timeout_s=self.header_timeout_s,
+            body_timeout_s=self.body_timeout_s,
+            keep_alive_s=self.keep_alive_s,
+            max_connections=self.max_connections,
+        )
         if self.max_concurrent is not None and self.max_concurrent < 1:
             raise ConfigError(
                 f"proxy.admission.max_concurrent must be >= 1 or unset, got {self.max_concurrent}"
@@ -91,7 +106,10 @@ class AdmissionLimits:
         """What each of ``num_workers`` processes enforces: its share of the limits, rounded up."""
         concurrent = None if self.max_concurrent is None else -(-self.max_concurrent // num_workers)
         return dataclasses.replace(
-            self, max_concurrent=concurrent, max_queued=-(-self.max_queued // num_workers)
+            self,
+            max_concurrent=concurrent,
+            max_queued=-(-self.max_queued // num_workers),
+            max_connections=-(-self.max_connections // num_workers),
         )
 
 
@@ -126,6 +144,9 @@ class ApiKeys:
     client: str | None = None  # clients must send "Authorization: Bearer <client>" to /v1/*
     admin: str | None = None  # the admin API (/admin/*, /requests) needs this; None: admin off
     upstream: str | None = None  # sent to instances started with --api-key
+    # Client-facing errors name an instance by its pool name ("decode-1"); True: by its URL, as the
+    # proxy's log, /instances and /requests always do.
+    show_instance_urls: bool = False
 
 
 @dataclass(frozen=True)

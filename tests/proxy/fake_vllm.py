@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 MODEL = "tiny"
+MAX_MODEL_LEN = 2048
 
 Fault = Literal[
     "fail",  # 500 "Internal server error", as vLLM answers a failed KV pull (non-streamed)
@@ -130,7 +131,9 @@ class FakeVLLM:
     async def _models(self, request: Request) -> Response:
         self._record(request, None)
         model = {"id": self.model, "object": "model", "created": 0, "owned_by": "vllm", "root": self.model}
-        return JSONResponse({"object": "list", "data": [{**model, "parent": None, "max_model_len": 2048}]})
+        return JSONResponse(
+            {"object": "list", "data": [{**model, "parent": None, "max_model_len": MAX_MODEL_LEN}]}
+        )
 
     async def _generate(self, request: Request) -> Response:
         try:
@@ -155,6 +158,13 @@ class FakeVLLM:
         if not isinstance(num_tokens, int) or num_tokens < 1:
             message = f"max_tokens must be at least 1, got {num_tokens}."
             return error_response(400, message, "BadRequestError", "max_tokens")
+        # vLLM clamps the output budget to the context the prompt leaves (one word a token here), then
+        # checks min_tokens against it: a refusal the proxy cannot see coming without a tokenizer.
+        budget = min(num_tokens, MAX_MODEL_LEN - len(str(body.get("prompt") or body.get("messages")).split()))
+        min_tokens = body.get("min_tokens", 0)
+        if isinstance(min_tokens, int) and min_tokens > budget:
+            message = f"min_tokens must be less than or equal to max_tokens={budget}, got {min_tokens}."
+            return error_response(400, message, "BadRequestError")
         chat = request.url.path.endswith("/chat/completions")
         prompt = body.get("prompt")
         is_batch = isinstance(prompt, list) and not all(isinstance(t, int) for t in prompt)

@@ -119,7 +119,9 @@ async def test_overload_answers_429_with_retry_after(rig: Rig, http: aiohttp.Cli
 async def test_metrics_and_ledger_account_for_every_handoff(rig: Rig, http: aiohttp.ClientSession) -> None:
     with running_proxy([rig.prefill_url], [rig.decode_url], api_keys=ApiKeys(admin="admin-secret")) as url:
         assert (await post(http, url + "/v1/completions", COMPLETION))[0] == 200
-        assert (await post(http, url + "/v1/completions", {**COMPLETION, "max_tokens": -1}))[0] == 400
+        # Refused by decode alone (min_tokens beyond the context the prompt leaves), after a prefill
+        beyond_context = {**COMPLETION, "max_tokens": 2048, "min_tokens": 2048}
+        assert (await post(http, url + "/v1/completions", beyond_context))[0] == 400
         status, ledger = await call(http, "GET", url + "/admin/ledger", headers=ADMIN)
         _, metrics = await call(http, "GET", url + "/metrics")
     assert status == 200

@@ -196,6 +196,8 @@ async def test_prefill_gets_one_token_request_and_decode_gets_clients_own(
     rig: Rig, http: aiohttp.ClientSession, path: str, body: dict[str, Any], stream: bool
 ) -> None:
     client_body = {**body, "stream": stream}
+    if not stream:  # vLLM refuses stream_options without stream
+        client_body.pop("stream_options", None)
     status, _, _ = await post(http, rig.url + path, client_body)
     assert status == 200
 
@@ -324,17 +326,44 @@ async def test_invalid_json_is_rejected_without_calling_any_instance(
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-async def test_bad_max_tokens_gets_decodes_own_400(
+async def test_bad_max_tokens_gets_vllms_400_before_any_instance_is_called(
     rig: Rig, client: openai.AsyncOpenAI, stream: bool
 ) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         await client.completions.create(model=MODEL, prompt="Hello", max_tokens=-1, stream=stream)
     assert caught.value.param == "max_tokens"
     assert "max_tokens must be at least 1, got -1" in caught.value.message
-    # Prefill only ever sees max_tokens=1, so it succeeded; the rejection is decode's.
-    assert len(rig.prefill.issued_kv_params) == 1
-    [decode_seen] = rig.decode.generations()
-    assert decode_seen.body is not None and decode_seen.body["max_tokens"] == -1
+    # Prefill would have taken it (it only ever sees max_tokens=1) and pinned its KV for nothing.
+    assert rig.prefill.generations() == []
+    assert rig.decode.generations() == []
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_a_refusal_only_decode_sees_coming_releases_prefills_blocks(
+    rig: Rig, client: openai.AsyncOpenAI, http: aiohttp.ClientSession, stream: bool
+) -> None:
+    """min_tokens beyond the context the prompt leaves: only an engine that counts the prompt's tokens
+    refuses it, after prefill. Decode is then made to pull prefill's blocks (one token, answer dropped),
+    which frees them on prefill at once instead of when the lease runs out."""
+    with pytest.raises(openai.BadRequestError) as caught:
+        await client.completions.create(
+            model=MODEL, prompt="Hello", max_tokens=2048, stream=stream, extra_body={"min_tokens": 2048}
+        )
+    assert "min_tokens must be less than or equal to max_tokens=" in caught.value.message
+    [issued] = rig.prefill.issued_kv_params
+    for _ in range(100):
+        if len(rig.decode.generations()) == 2:
+            break
+        await asyncio.sleep(0.02)
+    refused, release = rig.decode.generations()
+    assert refused.body is not None and refused.body["min_tokens"] == 2048
+    assert release.body is not None and "min_tokens" not in release.body
+    assert (release.body["max_tokens"], release.body["stream"]) == (1, False)
+    assert release.body["kv_transfer_params"] == issued
+    assert release.body["cache_salt"].startswith("pdserve-release-")  # what it pulls matches no one else
+    async with http.get(rig.url + "/metrics") as resp:
+        metrics = await resp.text()
+    assert 'pdserve_kv_released_after_refusal_total{result="ok"}' in metrics
 
 
 async def test_unknown_model_is_rejected_by_prefill_and_decode_is_never_called(
@@ -359,7 +388,7 @@ async def test_hung_prefill_answers_504_naming_prefill_within_its_timeout(
     error = orjson.loads(body)["error"]
     assert error["code"] == 504
     assert "prefill" in error["message"]
-    assert rig.prefill_url in error["message"]
+    assert "prefill instance prefill-1" in error["message"] and rig.prefill_url not in error["message"]
     assert rig.decode.generations() == []
     # The proxy hung up on prefill, which makes vLLM abort the request and free its blocks.
     assert await waited(rig.prefill.wait_for_disconnect, "hung-prefill", 1.0)
@@ -377,7 +406,7 @@ async def test_unreachable_prefill_answers_502_naming_prefill_at_once(
     assert elapsed < TIMEOUTS.connect + 1
     error = orjson.loads(body)["error"]
     assert "prefill" in error["message"]
-    assert dead_url in error["message"]
+    assert "prefill-1" in error["message"] and dead_url not in error["message"]
     assert rig.decode.generations() == []
 
 
@@ -405,7 +434,7 @@ async def test_prefill_500_reaches_the_client_and_decode_is_never_called(
     status, error = await error_when_prefill_fails(rig, http, "fail")
     assert status == 500
     # vLLM's own message, prefixed with who failed: vLLM's 500 alone does not say which instance.
-    assert error["message"] == f"prefill instance {rig.prefill_url}: Internal server error"
+    assert error["message"] == "prefill instance prefill-1: Internal server error"
 
 
 async def test_client_hanging_up_during_prefill_aborts_prefill(rig: Rig, http: aiohttp.ClientSession) -> None:
@@ -433,7 +462,7 @@ async def test_unreachable_decode_answers_502_naming_decode(
     assert status == 502
     message = orjson.loads(body)["error"]["message"]
     assert "decode" in message
-    assert dead_url in message
+    assert "decode-1" in message and dead_url not in message
     assert len(rig.prefill.issued_kv_params) == 1
 
 
@@ -443,7 +472,7 @@ async def test_decode_500_reaches_the_client(rig: Rig, http: aiohttp.ClientSessi
     assert status == 500
     error = orjson.loads(body)["error"]
     assert error["type"] == "InternalServerError"
-    assert error["message"].startswith(f"decode instance {rig.decode_url}: ")
+    assert error["message"].startswith("decode instance decode-1: ")
 
 
 async def test_hung_decode_answers_504_naming_decode_within_its_timeout(
@@ -452,7 +481,7 @@ async def test_hung_decode_answers_504_naming_decode_within_its_timeout(
     status, body, elapsed = await answer_while_hung(rig, http, rig.decode, COMPLETION, "hung-decode")
     assert status == 504
     assert elapsed < TIMEOUTS.decode + 2
-    assert rig.decode_url in orjson.loads(body)["error"]["message"]
+    assert "decode-1" in orjson.loads(body)["error"]["message"]
     assert await waited(rig.decode.wait_for_disconnect, "hung-decode", 1.0)
 
 
@@ -463,7 +492,7 @@ async def test_decode_silent_before_first_token_answers_504(rig: Rig, http: aioh
     assert elapsed < TIMEOUTS.first_token + 2
     message = orjson.loads(raw)["error"]["message"]
     assert "decode" in message
-    assert rig.decode_url in message
+    assert "decode-1" in message and rig.decode_url not in message
     assert await waited(rig.decode.wait_for_disconnect, "no-first-token", 1.0)
 
 
@@ -474,7 +503,7 @@ async def test_decode_error_event_makes_the_client_raise(rig: Rig, client: opena
         async for _ in stream:
             pass
     # vLLM's own message, and which instance sent it.
-    assert f"decode instance {rig.decode_url}: KV transfer failed" in str(caught.value)
+    assert "decode instance decode-1: KV transfer failed" in str(caught.value)
 
 
 async def test_decode_dropping_the_stream_makes_the_client_raise(
@@ -488,7 +517,7 @@ async def test_decode_dropping_the_stream_makes_the_client_raise(
             texts.append(chunk.choices[0].text)
     assert "".join(texts) == rig.decode.text(2)  # what decode sent before it went away
     assert "decode" in caught.value.message
-    assert rig.decode_url in caught.value.message
+    assert "decode-1" in caught.value.message
 
 
 async def test_dropped_stream_ends_with_an_error_event_then_done(

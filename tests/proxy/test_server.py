@@ -135,3 +135,22 @@ def test_a_real_uvicorn_corks_the_proxy_and_lets_the_simulator_drop_a_connection
         f"a simulated dying process answered {dropped[:40]!r} instead of closing the connection: "
         f"sim/wire.py's Writer.drop found no send.__self__.transport under uvicorn {version('uvicorn')}"
     )
+
+
+def test_httptools_protocol_still_has_what_the_client_deadlines_hook_into() -> None:
+    """_CorkedHttpToolsProtocol sets its deadlines in these parser callbacks, sweeps uvicorn's set of open
+    connections, and reads the cycle's state to decide whether a 408 may be written (proxy/server.py)."""
+    for name in ("on_message_begin", "on_headers_complete", "on_message_complete"):
+        assert callable(getattr(HttpToolsProtocol, name, None)), (
+            f"uvicorn's HttpToolsProtocol has no {name} now; proxy/server.py's client deadlines hook into it"
+        )
+    init = inspect.getsource(HttpToolsProtocol.__init__)
+    assert "self.connections = " in init and "self.cycle" in init, (
+        "uvicorn's HttpToolsProtocol no longer keeps self.connections/self.cycle; proxy/server.py's "
+        "connection cap and 408 read them"
+    )
+    cycle_init = inspect.getsource(uvicorn_httptools.RequestResponseCycle.__init__)
+    assert "self.response_started" in cycle_init and "self.response_complete" in cycle_init, (
+        "uvicorn's RequestResponseCycle no longer has response_started/response_complete; proxy/server.py "
+        "reads them so that a 408 never interrupts an answer being written"
+    )

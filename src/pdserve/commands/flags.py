@@ -151,6 +151,16 @@ def add_admission(p: argparse.ArgumentParser) -> None:
                    help="seconds a queued request may wait (then 503)")  # fmt: skip
     g.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, metavar="BYTES",
                    help="a larger request body gets 413")  # fmt: skip
+    g.add_argument("--header-timeout", type=float, default=d.header_timeout_s, metavar="S",
+                   help="a client connection whose request headers take longer (from its first byte, or "
+                        "from connect) is closed (408 if it had begun)")  # fmt: skip
+    g.add_argument("--body-timeout", type=float, default=d.body_timeout_s, metavar="S",
+                   help="a request body still incomplete this long after its headers: the connection is closed")  # fmt: skip
+    g.add_argument("--keep-alive-timeout", type=float, default=d.keep_alive_s, metavar="S",
+                   help="an idle kept-alive client connection is closed after this long")  # fmt: skip
+    g.add_argument("--max-client-connections", type=int, default=d.max_connections, metavar="N",
+                   help="client connections open at most (each holds a file descriptor); one more is "
+                        "answered 503 and closed")  # fmt: skip
 
 
 def admission_from_args(a: argparse.Namespace) -> AdmissionLimits:
@@ -159,6 +169,10 @@ def admission_from_args(a: argparse.Namespace) -> AdmissionLimits:
         max_queued=a.max_queued,
         queue_timeout_s=a.queue_timeout,
         max_body_bytes=a.max_body_bytes,
+        header_timeout_s=a.header_timeout,
+        body_timeout_s=a.body_timeout,
+        keep_alive_s=a.keep_alive_timeout,
+        max_connections=a.max_client_connections,
     )
 
 
@@ -190,13 +204,21 @@ def health_from_args(a: argparse.Namespace) -> HealthChecks:
 def add_api_keys(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("API keys")
     g.add_argument("--api-key", help="clients must send Authorization: Bearer KEY")
-    g.add_argument("--admin-api-key", help="enables the admin API (/admin/...) with this key")
+    g.add_argument("--admin-api-key",
+                   help="enables the admin API (/admin/...) with this key, and puts /requests behind it")  # fmt: skip
     g.add_argument("--upstream-api-key", metavar="KEY",
                    help="sent to the instances as Authorization: Bearer KEY (vLLM's --api-key)")  # fmt: skip
+    g.add_argument("--show-instance-urls", action="store_true",
+                   help="client-facing errors name instances by URL, not by pool name (decode-1)")  # fmt: skip
 
 
 def api_keys_from_args(a: argparse.Namespace) -> ApiKeys:
-    return ApiKeys(client=a.api_key, admin=a.admin_api_key, upstream=a.upstream_api_key)
+    return ApiKeys(
+        client=a.api_key,
+        admin=a.admin_api_key,
+        upstream=a.upstream_api_key,
+        show_instance_urls=a.show_instance_urls,
+    )
 
 
 def add_topology(p: argparse.ArgumentParser) -> None:

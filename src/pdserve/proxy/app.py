@@ -14,11 +14,13 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import orjson
 from starlette.applications import Starlette
 from starlette.routing import Route
 
 from pdserve.asgi import ASGIApp, Receive, Scope, Send
 from pdserve.config import ProxyConfig, Role, lease_warnings
+from pdserve.errors import UpstreamError
 from pdserve.events import InstanceEvent, KVLogEvent
 from pdserve.proxy import routes
 from pdserve.proxy.admin import ADMIN_ROUTES
@@ -85,6 +87,7 @@ def create_app(
         checker = asyncio.create_task(ctx.health.run())
         discoverer = asyncio.create_task(discovery.run()) if discovery is not None else None  # k8s
         sharing = asyncio.create_task(fanout.run())
+        learning = asyncio.create_task(_learn_max_model_len(ctx))
         try:
             prefill, decode = state.pool("prefill").instances, state.pool("decode").instances
             await check_models_match(prefill, decode, config.models_timeout_s)
@@ -92,6 +95,7 @@ def create_app(
         finally:
             checker.cancel()
             sharing.cancel()
+            learning.cancel()
             if discoverer is not None:  # k8s discovery: stop before the instances close
                 discoverer.cancel()
                 await asyncio.gather(discoverer, return_exceptions=True)
@@ -141,6 +145,27 @@ class ProxyApp:
                 await endpoint(scope, receive, send)
                 return
         await self._app(scope, receive, send)
+
+
+async def _learn_max_model_len(ctx: Context) -> None:
+    """Hand the flow decode's context length (the smallest a decode tells in /v1/models), asking again
+    every health interval until one answers: until then max_tokens beyond it is left to decode."""
+    while True:
+        lengths = []
+        for instance in ctx.state.pool("decode").instances:
+            try:
+                reply = await instance.upstream.get("/v1/models", "models", ctx.config.models_timeout_s)
+                length = (
+                    orjson.loads(reply.body)["data"][0].get("max_model_len") if reply.status == 200 else None
+                )
+            except (UpstreamError, orjson.JSONDecodeError, KeyError, IndexError, TypeError, AttributeError):
+                continue
+            if isinstance(length, int) and not isinstance(length, bool) and length > 0:
+                lengths.append(length)
+        if lengths:
+            ctx.flow.max_model_len = min(lengths)
+            return
+        await asyncio.sleep(ctx.config.health.interval_s)
 
 
 def deliver(app: Starlette, event: InstanceEvent | KVLogEvent) -> None:

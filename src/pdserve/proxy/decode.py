@@ -164,7 +164,9 @@ class Decoder:
                 _close_handoff(slot, decode, 200)
             if is_error:
                 # vLLM's event says only what failed; the client also learns where (error path only).
-                chunk = protocol.with_error_event_origin(chunk, f"decode instance {decode.url}")
+                chunk = protocol.with_error_event_origin(
+                    chunk, f"decode instance {out.name_instances(decode.url)}"
+                )
                 if not out.has_error_event:
                     out.error_event_relayed("decode streamed an error event")
                     log.warning("request %s: decode %s streamed an error event", call.request_id, decode.url)

@@ -61,6 +61,10 @@ def render(state: ProxyState, admission: Admission) -> str:
     t.metric("pdserve_decode_prefix_cache_resets_total", "counter",
              "Decode prefix-cache resets after a late KV pull, by result (ok, refused, unavailable, failed).",
              (({"result": r}, n) for r, n in sorted(stats.purges.items())))  # fmt: skip
+    t.metric("pdserve_kv_released_after_refusal_total", "counter",
+             "Handoffs whose blocks decode was made to pull after it refused the client's request, by "
+             "result (ok, refused, failed): prefill frees them then, not when the lease runs out.",
+             (({"result": r}, n) for r, n in sorted(stats.releases.items())))  # fmt: skip
     t.metric("pdserve_requests_running", "gauge", "Requests holding an admission slot.",
              [({}, admission.num_running)])  # fmt: skip
     t.metric("pdserve_requests_queued", "gauge", "Requests waiting for an admission slot.",

@@ -75,11 +75,13 @@ from pdserve.proxy.otel import RequestTracing
 from pdserve.proxy.prefill import Prefiller
 from pdserve.proxy.prefix import should_skip_prefill
 from pdserve.proxy.record import Trace
+from pdserve.proxy.release import Releaser
 from pdserve.proxy.responder import Responder
 from pdserve.proxy.state import Outcome, ProxyState
 from pdserve.proxy.timeline import Timeline
 from pdserve.proxy.tokens import PromptTokenizer
 from pdserve.proxy.upstream import Reply
+from pdserve.proxy.validation import FieldErrors, check_before_prefill
 
 log = logging.getLogger("pdserve.proxy")
 
@@ -117,7 +119,10 @@ class Flow:
         self._chooser = Chooser(state, config)
         self._prefiller = Prefiller(state, config, self._chooser)
         self._decoder = Decoder(config, LeaseGuard(state, state.ledger))
+        self._releaser = Releaser(state, config.kv_lease_s)
         self._tracing = tracing
+        # decode's context length (its /v1/models), once known: max_tokens beyond it is refused up front
+        self.max_model_len: int | None = None
 
     async def serve(
         self,
@@ -135,8 +140,12 @@ class Flow:
         arrived_ns = time.time_ns() if arrived_ns is None else arrived_ns
         try:
             body = protocol.client_body(protocol.parse_body(raw))
+            check_before_prefill(
+                endpoint, body, self.max_model_len
+            )  # what decode alone would refuse, before prefill runs
         except BadRequest as exc:
-            await out.error(400, exc.message, "BadRequestError", exc.param)
+            err_type = exc.error_type if isinstance(exc, FieldErrors) else "BadRequestError"
+            await out.error(400, exc.message, err_type, exc.param)
             self._state.stats.finished(endpoint, Outcome.CLIENT_ERROR)
             return
         is_stream = body.get("stream") is True
@@ -219,8 +228,11 @@ class Flow:
             has_others = self._chooser.has_other("decode", [*retries.tried, decode])
             is_last = retries.num_failed + 1 >= self._config.retries.max_decode_attempts or not has_others
             call.trace.decode_url = decode.url
+            handoff = slot.handoff
             decoded = await self._decoder.attempt(call, decode, slot, is_last)
             if isinstance(decoded, Served):
+                if handoff is not None and 400 <= (call.trace.decode_status or 0) < 500:
+                    self._releaser.release(call, decode, handoff)  # decode refused: free prefill's KV
                 return
             if isinstance(decoded, DecodeFailed) and decoded.is_stale and not retries.num_stale:
                 self._once_more_on_a_fresh_connection(call, slot, decode, retries)

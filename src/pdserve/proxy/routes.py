@@ -1,13 +1,15 @@
 """The proxy's routes: the two generation endpoints (raw ASGI) and the read-only ones.
 
     POST /v1/completions, /v1/chat/completions   the PD flow (flow.py), behind the API key and admission
-    GET  /v1/models                              a decode instance's answer
+    GET  /v1/models                              a decode instance's answer, behind the API key
     GET  /health                                 200 when >= 1 prefill and >= 1 decode instance can serve
     GET  /instances                              each instance's role, URL, state, circuit, in-flight, load
     GET  /requests[?id=X]                        the last requests' walk-through (admin key if set)
     GET  /metrics                                the proxy's Prometheus metrics (metrics.py)
 
-Reads never act: /health and /instances report what the health checker last saw.
+Reads never act: /health and /instances report what the health checker last saw. What a client reads
+of an error names an instance by its pool name (``InstanceNames``), not its URL, unless the proxy is
+told to show URLs; a client's X-Request-Id is used only when ``usable_request_id`` takes it.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ from __future__ import annotations
 import hmac
 import itertools
 import logging
+import re
 import secrets
 import time
+from typing import Final
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -27,9 +31,46 @@ from pdserve.errors import BodyTooLarge, ClientGone, Overloaded, UpstreamError
 from pdserve.protocol import Endpoint
 from pdserve.proxy.context import Context, context
 from pdserve.proxy.exposition import render as render_metrics
-from pdserve.proxy.responder import Responder
+from pdserve.proxy.responder import Redact, Responder
+from pdserve.proxy.state import ProxyState
 
 log = logging.getLogger("pdserve.proxy")
+
+MAX_REQUEST_ID: Final = 128
+_REQUEST_ID = re.compile(rf"[A-Za-z0-9._:-]{{1,{MAX_REQUEST_ID}}}")
+REQUEST_ID_RULE: Final = f"1 to {MAX_REQUEST_ID} of A-Z a-z 0-9 . _ : -"
+
+
+def usable_request_id(given: str | None) -> tuple[str | None, str | None]:
+    """The client's X-Request-Id when it is one the proxy passes on (to vLLM, logs, /requests), else None
+    and why not: a request id is bounded in length and charset, so that no client puts 60 KB or
+    control characters into every instance's request and log."""
+    if given is None or _REQUEST_ID.fullmatch(given):
+        return given, None
+    return None, f"the X-Request-Id sent was not {REQUEST_ID_RULE}; this one replaces it"
+
+
+class InstanceNames:
+    """What clients read of an instance: its pool name ("decode-1": the first decode /instances lists),
+    found when an error is written (never on a token's path)."""
+
+    def __init__(self, state: ProxyState) -> None:
+        self._state = state
+
+    def __call__(self, text: str) -> str:
+        names = {
+            instance.url: f"{role}-{k}"
+            for role in ("prefill", "decode")
+            for k, instance in enumerate(self._state.pool(role).instances, 1)
+        }
+        for url in sorted(names, key=len, reverse=True):  # http://h:80 must not eat http://h:8000
+            if url in text:
+                text = text.replace(url, names[url])
+        return text
+
+
+def client_redact(ctx: Context) -> Redact | None:
+    return None if ctx.config.api_keys.show_instance_urls else InstanceNames(ctx.state)
 
 
 def error_response(status: int, message: str, err_type: str) -> Response:
@@ -63,14 +104,15 @@ class GenerationEndpoint:
         self._ctx = ctx
         self._endpoint = endpoint
         self._new_request_id = RequestIds()
+        self._redact = client_redact(ctx)
         config = ctx.config
         self._expected_auth = f"Bearer {config.api_keys.client}".encode() if config.api_keys.client else None
         self._upstream_auth = f"Bearer {config.api_keys.upstream}" if config.api_keys.upstream else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         arrived, arrived_ns = time.perf_counter(), time.time_ns()
-        request_id = header(scope, b"x-request-id") or self._new_request_id()
-        out = Responder(send, request_id)
+        request_id, replaced = usable_request_id(header(scope, b"x-request-id"))
+        out = Responder(send, request_id or self._new_request_id(), self._redact, replaced)
         auth = header(scope, b"authorization")
         if self._expected_auth is not None:
             if not hmac.compare_digest((auth or "").encode("latin-1"), self._expected_auth):
@@ -103,6 +145,11 @@ class GenerationEndpoint:
 
 async def models(request: Request) -> Response:
     ctx = context(request)
+    key = ctx.config.api_keys.client
+    if key is not None and not is_authorized(request, key):
+        return error_response(
+            401, "Invalid or missing API key (Authorization: Bearer ...)", "AuthenticationError"
+        )
     decode = ctx.state.pool("decode")
     timeout = ctx.config.models_timeout_s
     errors = []
@@ -114,7 +161,8 @@ async def models(request: Request) -> Response:
             continue
         return Response(reply.body, status_code=reply.status, media_type=reply.content_type)
     message = "no decode instance answered /v1/models: " + "; ".join(errors)
-    return error_response(502, message, "upstream_unavailable")
+    redact = client_redact(ctx)
+    return error_response(502, redact(message) if redact else message, "upstream_unavailable")
 
 
 async def health(request: Request) -> JSONResponse:

@@ -1,6 +1,8 @@
 """Serving the proxy app: uvicorn on uvloop with httptools, access log and proxy headers off (the proxy is
-on every token's path), generation routes dispatched before Starlette (``ProxyApp``), and each
-connection's writes of one loop turn sent as one (``CorkedTransport``).
+on every token's path), generation routes dispatched before Starlette (``ProxyApp``), each connection's
+writes of one loop turn sent as one (``CorkedTransport``), and client connections held to deadlines and
+a cap (``_CorkedHttpToolsProtocol``): a connection that sends nothing, trickles its headers or its body,
+or idles between requests is closed, so that idle sockets cannot pile up until file descriptors run out.
 
 ``_CorkedHttpToolsProtocol`` subclasses a uvicorn class that is not its public API: pyproject.toml pins
 uvicorn's minor release, and tests/proxy/test_server.py names what changed if an upgrade breaks it."""
@@ -8,7 +10,9 @@ uvicorn's minor release, and tests/proxy/test_server.py names what changed if an
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
+import logging
 from typing import Any, cast
 
 import uvicorn
@@ -16,7 +20,11 @@ from starlette.applications import Starlette
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from pdserve.config import ProxyConfig
+from pdserve.configparts import AdmissionLimits
+from pdserve.protocol import error_body
 from pdserve.proxy.app import ProxyApp, create_app
+
+log = logging.getLogger("pdserve.proxy")
 
 
 class CorkedTransport:
@@ -60,24 +68,110 @@ class CorkedTransport:
         return getattr(self._transport, name)
 
 
+def _refusal(status: bytes, message: str, extra: bytes = b"") -> bytes:
+    """A whole HTTP answer that closes the connection, written before any app saw the request."""
+    body = error_body(message, "Request Timeout" if status.startswith(b"408") else "ServiceUnavailable",
+                      int(status[:3]))  # fmt: skip
+    return (b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\nconnection: close\r\n" + extra
+            + b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)  # fmt: skip
+
+
+class ClientDeadlines:
+    """When each client connection of one server must have sent what it owes, checked by one sweep.
+
+    A request writes its connection's deadline (a float: no timer per request, which on uvloop cost
+    about 5 µs to arm and cancel, twice a request); one timer per server sweeps the open connections
+    every quarter of the shorter timeout (at most every second) while any is open, so a connection is
+    closed at most that much late."""
+
+    def __init__(self, limits: AdmissionLimits) -> None:
+        self.limits = limits
+        self._interval = min(1.0, max(0.05, min(limits.header_timeout_s, limits.body_timeout_s) / 4))
+        self._connections: set[Any] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+
+    def watch(self, loop: asyncio.AbstractEventLoop, connections: set[Any]) -> None:
+        """A connection opened on ``loop``; ``connections``: the server's open ones (uvicorn's set)."""
+        self._connections = connections
+        if self._timer is None:
+            self._timer = loop.call_later(self._interval, self._sweep, loop)
+
+    def _sweep(self, loop: asyncio.AbstractEventLoop) -> None:
+        now = loop.time()
+        connections = self._connections or set()
+        for connection in [c for c in connections if isinstance(c, _CorkedHttpToolsProtocol)]:
+            if connection.deadline is not None and connection.deadline <= now:
+                connection.expired()
+        self._timer = loop.call_later(self._interval, self._sweep, loop) if connections else None
+
+
 class _CorkedHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's protocol with corked writes and client deadlines: a deadline for the headers (from
+    connect, then from each request's first byte) and one for the body, cleared once the request is in
+    (``ClientDeadlines`` enforces them); between requests uvicorn's own keep-alive timer runs. A
+    connection past ``max_connections`` gets a 503 and is closed at once."""
+
+    def __init__(self, *args: Any, deadlines: ClientDeadlines | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._deadlines = deadlines or ClientDeadlines(AdmissionLimits())
+        self._limits = self._deadlines.limits
+        self.deadline: float | None = None  # loop time by which the request under way must be in
+        self._is_reading = False  # a request has begun and is not complete
+
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(cast(asyncio.Transport, CorkedTransport(transport, self.loop)))
+        limit = self._limits.max_connections
+        if len(self.connections) > limit:
+            message = f"pdserve has {limit} client connections open, its limit; retry later"
+            log.warning("client connection refused: %d open, the limit", limit)
+            self.transport.write(_refusal(b"503 Service Unavailable", message, b"retry-after: 1\r\n"))
+            self.transport.close()
+            return
+        self.deadline = self.loop.time() + self._limits.header_timeout_s
+        self._deadlines.watch(self.loop, self.connections)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._is_reading = True
+        self.deadline = self.loop.time() + self._limits.header_timeout_s
+
+    def on_headers_complete(self) -> None:
+        super().on_headers_complete()
+        if self._is_reading:
+            self.deadline = self.loop.time() + self._limits.body_timeout_s
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._is_reading = False
+        self.deadline = None
+
+    def expired(self) -> None:
+        """Too slow: a request that had begun is told so (408), unless an answer is being written."""
+        self.deadline = None
+        if self.transport.is_closing():
+            return
+        cycle = self.cycle
+        is_answering = cycle is not None and cycle.response_started and not cycle.response_complete
+        if self._is_reading and not is_answering:
+            self.transport.write(_refusal(b"408 Request Timeout", "request not received in time"))
+        self.transport.close()
 
 
 def make_server(config: ProxyConfig, log_level: str = "info", app: Starlette | None = None) -> uvicorn.Server:
+    # Each of several workers sharing the port holds its share of the connections (SO_REUSEPORT spreads them).
+    limits = config.worker_share().admission if config.workers > 1 else config.admission
     uv_config = uvicorn.Config(
         ProxyApp(app or create_app(config)),
         host=config.host,
         port=config.port,
         loop="uvloop",
-        http=_CorkedHttpToolsProtocol,
+        http=cast(Any, functools.partial(_CorkedHttpToolsProtocol, deadlines=ClientDeadlines(limits))),
         access_log=False,
         # X-Forwarded-* rewriting of the client address: nothing in the proxy reads that address.
         proxy_headers=False,
         log_level=log_level,
         lifespan="on",
-        timeout_keep_alive=30,
+        timeout_keep_alive=limits.keep_alive_s,  # type: ignore[arg-type]
         # On shutdown (SIGTERM, Ctrl-C) uvicorn stops accepting, then waits this long for answers in
         # flight before it cancels them: a stream still running after 5 s ends cut short. Unset, it
         # would wait for every stream however long, and a stopping proxy would hang on a slow one.

@@ -78,6 +78,7 @@ class Stats:
         self.retries: Counter[str] = Counter()  # phase → attempts retried on another instance
         self.panics: Counter[str] = Counter()  # role → requests sent to an out-of-service instance
         self.purges: Counter[str] = Counter()  # result → decode prefix-cache resets after a late pull
+        self.releases: Counter[str] = Counter()  # result → prefill blocks released after decode refused
         self.timings = Timings()
 
     def finished(self, endpoint: Endpoint, outcome: Outcome) -> None:
@@ -91,6 +92,9 @@ class Stats:
 
     def purged(self, result: str) -> None:
         self.purges[result] += 1
+
+    def released(self, result: str) -> None:
+        self.releases[result] += 1
 
     def timed(self, timeline: Timeline) -> None:
         phases = self.timings.phases
