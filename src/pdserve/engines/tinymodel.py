@@ -9,8 +9,6 @@ Weights are float32; serve with ``--dtype float32`` (vLLM CPU would otherwise do
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -223,24 +221,12 @@ def build(outdir: Path) -> None:
         tokenizer.eos_token_id,
         tokenizer.pad_token_id,
     )
-    # Build next to OUTDIR (same filesystem) and rename at the end: a reader never sees half a model.
-    outdir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = outdir.parent / f".{outdir.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        tokenizer.save_pretrained(tmp)
-        model.save_pretrained(tmp)
-        (tmp / "pdserve_model.json").write_text(
-            json.dumps({"name": "pdserve-tiny", "seed": SEED, "dtype": "float32"}, indent=2) + "\n"
-        )
-        try:
-            tmp.rename(outdir)
-        except OSError:
-            # Someone else finished first: their build is byte-identical, keep it.
-            if not (outdir / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    # Into OUTDIR, a fresh directory: pdserve renames it into the cache once complete (engines/model.py).
+    tokenizer.save_pretrained(outdir)
+    model.save_pretrained(outdir)
+    (outdir / "pdserve_model.json").write_text(
+        json.dumps({"name": "pdserve-tiny", "seed": SEED, "dtype": "float32"}, indent=2) + "\n"
+    )
 
 
 def main(argv: list[str]) -> int:
