@@ -7,6 +7,7 @@ token counts from a different tokenizer) are not compared.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import urllib.error
@@ -29,7 +30,9 @@ MODEL = "pdserve-tiny"
 @pytest.fixture(scope="module")
 def sim_urls() -> Iterator[dict[str, str]]:
     specs = [SimInstanceSpec("prefill"), SimInstanceSpec("decode")]
-    with sim_in_thread(specs, load_profile("tiny-cpu")) as cluster:
+    # As pdserve starts vLLM: with --enable-prompt-tokens-details (engines/placement.py).
+    profile = dataclasses.replace(load_profile("tiny-cpu"), prompt_tokens_details=True)
+    with sim_in_thread(specs, profile) as cluster:
         urls = dict(zip(("prefill", "decode"), cluster.urls, strict=True))
         yield urls
 

@@ -57,7 +57,7 @@ def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None
         "prompt_tokens": prompt_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "completion_tokens": completion_tokens,
-        "prompt_tokens_details": None if cached_tokens is None else {"cached_tokens": cached_tokens},
+        "prompt_tokens_details": None if cached_tokens is None else _details(cached_tokens),
         "completion_tokens_details": None,
     }
 
@@ -209,8 +209,13 @@ class StreamFormat:
                                  "total_tokens": prompt_tokens + completion_tokens,
                                  "completion_tokens": completion_tokens}  # fmt: skip
         if cached_tokens is not None:
-            usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+            usage["prompt_tokens_details"] = _details(cached_tokens)
         return (
             self._prefix + b',"choices":[],"usage":' + orjson.dumps(usage)
             + b',"system_fingerprint":' + orjson.dumps(self.fingerprint) + b"}\n\n"
         )  # fmt: skip
+
+
+def _details(cached_tokens: int) -> dict[str, Any]:
+    """vLLM's PromptTokenUsageInfo as it serialises it: every field, the unmodelled ones null."""
+    return {"cached_tokens": cached_tokens, "created_cache_tokens": None, "multimodal_tokens": None}
