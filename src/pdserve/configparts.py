@@ -144,7 +144,7 @@ class ApiKeys:
     client: str | None = None  # clients must send "Authorization: Bearer <client>" to /v1/*
     admin: str | None = None  # the admin API (/admin/*, /requests) needs this; None: admin off
     upstream: str | None = None  # sent to instances started with --api-key
-    # Client-facing errors name an instance by its pool name ("decode-1"); True: by its URL, as the
+    # Client-facing errors name an instance by its pool name ("decode-0"); True: by its URL, as the
     # proxy's log, /instances and /requests always do.
     show_instance_urls: bool = False
 

@@ -44,7 +44,7 @@ async def test_models_answers_502_when_no_decode_answers(
     with running_proxy([rig.prefill_url], [dead_url]) as url:
         status, body = await get_json(http, url + "/v1/models")
     assert status == 502
-    assert "decode-1" in body["error"]["message"] and dead_url not in body["error"]["message"]
+    assert "decode-0" in body["error"]["message"] and dead_url not in body["error"]["message"]
 
 
 async def test_health_is_200_when_prefill_and_decode_answer(rig: Rig, http: aiohttp.ClientSession) -> None:

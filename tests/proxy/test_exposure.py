@@ -61,8 +61,8 @@ async def test_a_client_reads_instances_by_pool_name_and_operators_by_url(
         _, models = await get(http, url + "/v1/models")
         _, requests = await get(http, url + "/requests")
     assert status == 502
-    assert b"decode-1" in body and dead_url.encode() not in body
-    assert b"decode-1" in models and dead_url.encode() not in models
+    assert b"decode-0" in body and dead_url.encode() not in body
+    assert b"decode-0" in models and dead_url.encode() not in models
     assert dead_url.encode() in requests  # the operator's view keeps the URL
 
 

@@ -388,7 +388,7 @@ async def test_hung_prefill_answers_504_naming_prefill_within_its_timeout(
     error = orjson.loads(body)["error"]
     assert error["code"] == 504
     assert "prefill" in error["message"]
-    assert "prefill instance prefill-1" in error["message"] and rig.prefill_url not in error["message"]
+    assert "prefill instance prefill-0" in error["message"] and rig.prefill_url not in error["message"]
     assert rig.decode.generations() == []
     # The proxy hung up on prefill, which makes vLLM abort the request and free its blocks.
     assert await waited(rig.prefill.wait_for_disconnect, "hung-prefill", 1.0)
@@ -406,7 +406,7 @@ async def test_unreachable_prefill_answers_502_naming_prefill_at_once(
     assert elapsed < TIMEOUTS.connect + 1
     error = orjson.loads(body)["error"]
     assert "prefill" in error["message"]
-    assert "prefill-1" in error["message"] and dead_url not in error["message"]
+    assert "prefill-0" in error["message"] and dead_url not in error["message"]
     assert rig.decode.generations() == []
 
 
@@ -434,7 +434,7 @@ async def test_prefill_500_reaches_the_client_and_decode_is_never_called(
     status, error = await error_when_prefill_fails(rig, http, "fail")
     assert status == 500
     # vLLM's own message, prefixed with who failed: vLLM's 500 alone does not say which instance.
-    assert error["message"] == "prefill instance prefill-1: Internal server error"
+    assert error["message"] == "prefill instance prefill-0: Internal server error"
 
 
 async def test_client_hanging_up_during_prefill_aborts_prefill(rig: Rig, http: aiohttp.ClientSession) -> None:
@@ -462,7 +462,7 @@ async def test_unreachable_decode_answers_502_naming_decode(
     assert status == 502
     message = orjson.loads(body)["error"]["message"]
     assert "decode" in message
-    assert "decode-1" in message and dead_url not in message
+    assert "decode-0" in message and dead_url not in message
     assert len(rig.prefill.issued_kv_params) == 1
 
 
@@ -472,7 +472,7 @@ async def test_decode_500_reaches_the_client(rig: Rig, http: aiohttp.ClientSessi
     assert status == 500
     error = orjson.loads(body)["error"]
     assert error["type"] == "InternalServerError"
-    assert error["message"].startswith("decode instance decode-1: ")
+    assert error["message"].startswith("decode instance decode-0: ")
 
 
 async def test_hung_decode_answers_504_naming_decode_within_its_timeout(
@@ -481,7 +481,7 @@ async def test_hung_decode_answers_504_naming_decode_within_its_timeout(
     status, body, elapsed = await answer_while_hung(rig, http, rig.decode, COMPLETION, "hung-decode")
     assert status == 504
     assert elapsed < TIMEOUTS.decode + 2
-    assert "decode-1" in orjson.loads(body)["error"]["message"]
+    assert "decode-0" in orjson.loads(body)["error"]["message"]
     assert await waited(rig.decode.wait_for_disconnect, "hung-decode", 1.0)
 
 
@@ -492,7 +492,7 @@ async def test_decode_silent_before_first_token_answers_504(rig: Rig, http: aioh
     assert elapsed < TIMEOUTS.first_token + 2
     message = orjson.loads(raw)["error"]["message"]
     assert "decode" in message
-    assert "decode-1" in message and rig.decode_url not in message
+    assert "decode-0" in message and rig.decode_url not in message
     assert await waited(rig.decode.wait_for_disconnect, "no-first-token", 1.0)
 
 
@@ -503,7 +503,7 @@ async def test_decode_error_event_makes_the_client_raise(rig: Rig, client: opena
         async for _ in stream:
             pass
     # vLLM's own message, and which instance sent it.
-    assert "decode instance decode-1: KV transfer failed" in str(caught.value)
+    assert "decode instance decode-0: KV transfer failed" in str(caught.value)
 
 
 async def test_decode_dropping_the_stream_makes_the_client_raise(
@@ -517,7 +517,7 @@ async def test_decode_dropping_the_stream_makes_the_client_raise(
             texts.append(chunk.choices[0].text)
     assert "".join(texts) == rig.decode.text(2)  # what decode sent before it went away
     assert "decode" in caught.value.message
-    assert "decode-1" in caught.value.message
+    assert "decode-0" in caught.value.message
 
 
 async def test_dropped_stream_ends_with_an_error_event_then_done(

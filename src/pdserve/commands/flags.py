@@ -209,7 +209,7 @@ def add_api_keys(p: argparse.ArgumentParser) -> None:
     g.add_argument("--upstream-api-key", metavar="KEY",
                    help="sent to the instances as Authorization: Bearer KEY (vLLM's --api-key)")  # fmt: skip
     g.add_argument("--show-instance-urls", action="store_true",
-                   help="client-facing errors name instances by URL, not by pool name (decode-1)")  # fmt: skip
+                   help="client-facing errors name instances by URL, not by pool name (decode-0)")  # fmt: skip
 
 
 def api_keys_from_args(a: argparse.Namespace) -> ApiKeys:

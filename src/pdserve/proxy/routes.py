@@ -51,7 +51,7 @@ def usable_request_id(given: str | None) -> tuple[str | None, str | None]:
 
 
 class InstanceNames:
-    """What clients read of an instance: its pool name ("decode-1": the first decode /instances lists),
+    """What clients read of an instance: its pool name ("decode-0": the first decode /instances lists, as `pdserve up` and its logs name it),
     found when an error is written (never on a token's path)."""
 
     def __init__(self, state: ProxyState) -> None:
@@ -61,7 +61,7 @@ class InstanceNames:
         names = {
             instance.url: f"{role}-{k}"
             for role in ("prefill", "decode")
-            for k, instance in enumerate(self._state.pool(role).instances, 1)
+            for k, instance in enumerate(self._state.pool(role).instances)
         }
         for url in sorted(names, key=len, reverse=True):  # http://h:80 must not eat http://h:8000
             if url in text:

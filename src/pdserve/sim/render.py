@@ -52,12 +52,14 @@ def kv_transfer_params(held: HeldKV, engine_id: str, host: str, port: int, reque
     }
 
 
-def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
+def _usage(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None, chat: bool = False
+) -> dict[str, Any]:
     return {
         "prompt_tokens": prompt_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "completion_tokens": completion_tokens,
-        "prompt_tokens_details": None if cached_tokens is None else _details(cached_tokens),
+        "prompt_tokens_details": None if cached_tokens is None else _details(prompt_tokens, cached_tokens, chat),
         "completion_tokens_details": None,
     }
 
@@ -147,7 +149,7 @@ def whole_answer(
             "choices": [choice],
             "service_tier": None,
             "system_fingerprint": fingerprint,
-            "usage": _usage(prompt_tokens, completion_tokens, cached_tokens),
+            "usage": _usage(prompt_tokens, completion_tokens, cached_tokens, chat=endpoint != "completions"),
             **tail,
             "kv_transfer_params": kv_params,
             "ec_transfer_params": None,
@@ -209,13 +211,18 @@ class StreamFormat:
                                  "total_tokens": prompt_tokens + completion_tokens,
                                  "completion_tokens": completion_tokens}  # fmt: skip
         if cached_tokens is not None:
-            usage["prompt_tokens_details"] = _details(cached_tokens)
+            # vLLM writes a stream's usage chunk without its null fields.
+            details = _details(prompt_tokens, cached_tokens, chat=self._object != "text_completion")
+            usage["prompt_tokens_details"] = {k: v for k, v in details.items() if v is not None}
         return (
             self._prefix + b',"choices":[],"usage":' + orjson.dumps(usage)
             + b',"system_fingerprint":' + orjson.dumps(self.fingerprint) + b"}\n\n"
         )  # fmt: skip
 
 
-def _details(cached_tokens: int) -> dict[str, Any]:
-    """vLLM's PromptTokenUsageInfo as it serialises it: every field, the unmodelled ones null."""
-    return {"cached_tokens": cached_tokens, "created_cache_tokens": None, "multimodal_tokens": None}
+def _details(prompt_tokens: int, cached_tokens: int, chat: bool) -> dict[str, Any]:
+    """vLLM's PromptTokenUsageInfo as it serialises it: every field. Only its chat endpoint reports
+    ``created_cache_tokens`` (the prompt tokens this request computed into the prefix cache; vLLM counts
+    whole blocks, the simulator every computed token); multimodal tokens are not modelled."""
+    created = max(0, prompt_tokens - cached_tokens) if chat else None
+    return {"cached_tokens": cached_tokens, "created_cache_tokens": created, "multimodal_tokens": None}
