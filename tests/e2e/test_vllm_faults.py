@@ -315,12 +315,14 @@ def test_decode_killed_mid_stream_ends_the_stream_with_an_error_and_up_restarts_
     load = kill.load()
     with load:
         stream = kill.quick_client.completions.create(
-            model=model_name, prompt=_prompt("midstream", 16), max_tokens=1500, temperature=0, stream=True
+            model=model_name, prompt=_prompt("midstream", 16), max_tokens=1500, temperature=0, stream=True,
+            logprobs=20,
         )
         received = 0
         killed_at = 0.0
-        # Killed as soon as the client holds a token: the tiny model writes 1,500 tokens in a few seconds,
-        # and a client starved of CPU that read its tenth token only then would find the stream complete.
+        # Killed as soon as the client holds a token. The tiny model writes 1,500 tokens in a few seconds, and
+        # loopback sockets buffer megabytes: a client starved of CPU could find the whole stream waiting at
+        # its first read. Twenty logprobs a token make the stream slower to write and too big to buffer.
         try:
             for chunk in stream:
                 received += sum(1 for c in chunk.choices if c.text)
