@@ -17,6 +17,7 @@ from pdserve.addresses import check_addresses, reachable
 from pdserve.configparts import (
     AdmissionLimits,
     ApiKeys,
+    ElasticPool,
     HealthChecks,
     K8sDiscovery,
     Retries,
@@ -79,6 +80,7 @@ class ProxySettings:
 
     timeouts: Timeouts = field(default_factory=Timeouts)
     routing: Routing = field(default_factory=Routing)
+    elastic_pool: ElasticPool = field(default_factory=ElasticPool)
     retries: Retries = field(default_factory=Retries)
     admission: AdmissionLimits = field(default_factory=AdmissionLimits)
     health: HealthChecks = field(default_factory=HealthChecks)
@@ -110,6 +112,7 @@ class ProxySettings:
         port: int,
         discovery: K8sDiscovery | None = None,
         colocated: bool = False,
+        elastic: bool = False,
     ) -> ProxyConfig:
         """The whole config of a proxy with these settings, listening at ``host:port`` in front of
         these instances (and the pods ``discovery`` finds)."""
@@ -117,7 +120,7 @@ class ProxySettings:
         # and a setting added later is carried without a list here to keep in step.
         settings = {f.name: getattr(self, f.name) for f in dataclasses.fields(ProxySettings)}
         return ProxyConfig(
-            prefill_urls, decode_urls, host, port, discovery or K8sDiscovery(), colocated, **settings
+            prefill_urls, decode_urls, host, port, discovery or K8sDiscovery(), colocated, elastic, **settings
         )
 
 
@@ -133,12 +136,24 @@ class ProxyConfig(ProxySettings):
     # No split at all: each request is served whole by one instance of the decode pool. The colocated
     # baseline that `pdserve bench --compare` measures disaggregation against, through the same proxy.
     colocated: bool = False
+    # Instances of any role (``decode_urls``; ``--instance URL``): per request the proxy decides whether
+    # to split and which instance prefills and which decodes (proxy/elastic.py, ``elastic_pool``).
+    elastic: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
         # With discovery a role's pool may start empty: its pods join once they are Ready.
         discovery = self.discovery
-        if not self.prefill_urls and not self.colocated and discovery.prefill_selector is None:
+        if self.elastic and (self.colocated or self.prefill_urls or discovery.prefill_selector is not None):
+            raise ConfigError(
+                "an elastic pool has instances of any role: give them as --instance only (not with "
+                "--prefill or --colocated)"
+            )
+        if (
+            not self.prefill_urls
+            and not (self.colocated or self.elastic)
+            and discovery.prefill_selector is None
+        ):
             raise ConfigError(
                 "proxy needs at least one prefill instance (--prefill URL or --k8s-prefill-selector)"
             )
@@ -146,7 +161,8 @@ class ProxyConfig(ProxySettings):
             raise ConfigError("a colocated proxy splits nothing: give its instances as --decode only")
         if not self.decode_urls and discovery.decode_selector is None:
             raise ConfigError(
-                "proxy needs at least one decode instance (--decode URL or --k8s-decode-selector)"
+                "proxy needs at least one decode instance (--decode URL or --k8s-decode-selector), or "
+                "instances of any role (--instance URL)"
             )
         object.__setattr__(self, "prefill_urls", tuple(normalize_url(u) for u in self.prefill_urls))
         object.__setattr__(self, "decode_urls", tuple(normalize_url(u) for u in self.decode_urls))

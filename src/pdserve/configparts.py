@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final
 from urllib.parse import urlsplit
 
+from pdserve.costmodel import Costs, Slo
 from pdserve.errors import ConfigError
 from pdserve.labels import is_label_key, label_selector
 
@@ -44,6 +45,26 @@ class Routing:
         check_positive("proxy.routing", prefix_block_size=self.prefix_block_size)
         if self.skip_prefill_below_tokens < 0:
             raise ConfigError("proxy.routing.skip_prefill_below_tokens must be >= 0")
+
+
+@dataclass(frozen=True)
+class ElasticPool:
+    """How an elastic pool (instances of any role: ProxyConfig.elastic) decides, per request, whether to
+    split and where (proxy/elastic.py): the layout the cost model ranks best for the recent traffic
+    against ``slo`` (no TTFT/TPOT SLO: the lowest latency), re-ranked every ``replan_s`` over the last
+    ``window_s`` of arrivals."""
+
+    costs: Costs | None = None  # the engines' step costs (a sim profile's); None: the router measures
+    slo: Slo = field(default_factory=Slo)
+    window_s: float = 10.0
+    replan_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        check_positive("proxy.elastic", window_s=self.window_s, replan_s=self.replan_s)
+        if (self.slo.ttft_ms is None) != (self.slo.tpot_ms is None):
+            raise ConfigError(
+                "proxy.elastic.slo: give both ttft and tpot (--slo ttft:MS tpot:MS), or neither"
+            )
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from typing import Any
 
 import yaml
 
+from pdserve.costmodel import Costs
 from pdserve.errors import ConfigError
 
 PROFILES_DIR = Path(__file__).with_name("profiles")
@@ -111,6 +112,10 @@ class Profile:
         if not bytes_per_s > 0:
             raise ConfigError(f"profile {self.name!r}: KV bandwidth must be > 0 bytes/s, got {bytes_per_s}")
         return dataclasses.replace(self, kv_pull_per_block_s=self.block_bytes / bytes_per_s)
+
+    def costs(self) -> Costs:
+        """What the cost model (plan, the elastic router) reads of this profile."""
+        return Costs(**{f.name: getattr(self, f.name) for f in dataclasses.fields(Costs)})
 
     def to_mapping(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -1,0 +1,268 @@
+"""The elastic pool's router: per request, whole on one instance, or prefill on A and decode on B.
+
+Every instance of an elastic pool can take any role (vLLM decides per request from its
+``kv_transfer_params``), so the split is the proxy's choice, made again as the traffic moves:
+
+- every ``replan_s`` the recent arrivals (rate, prompt and output lengths over ``window_s``) go to the
+  cost model (costmodel.py, the one `pdserve plan` uses), which ranks every layout of the pool's N
+  instances: N colocated, 1P(N-1)D … (N-1)P1D. The best (most slack against the SLO, or the lowest
+  latency without one) becomes the pool's layout; a close second does not displace it (hysteresis), so
+  the layout moves with the load, not with noise.
+- the layout gives instances roles, softly: an instance leaving the decode side is the one decoding the
+  least, one leaving the prefill side the one with the least prefill work waiting, and nothing restarts.
+  Requests already running finish where they are.
+- each request then goes, under a colocated layout, whole to the least-loaded instance; under a split
+  one, its prefill to the prefill-side instance with the least prompt work in flight and its decode to
+  the decode-side instance with the fewest requests, except that a prompt cheaper to compute than a
+  decode step stays whole on that decode (a split would cost more than it saves).
+- an instance out of service leaves both sides; with one instance left everything is whole there.
+
+Pure: no HTTP, no clock but the one given; the proxy's flow and the simulated cluster
+(bench/simcluster.py) both drive it, so the benchmark measures the code that serves.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Generic, Literal
+
+from pdserve.configparts import ElasticPool
+from pdserve.costmodel import Layout, Load, rank_layouts
+from pdserve.proxy.routing import C, load_score
+
+Side = Literal["prefill", "decode"]
+
+_HYSTERESIS = 1.05  # a new layout must have this much more slack than the current one to replace it
+_DEFAULT_OUTPUT_LEN = 128  # a request that does not say its max_tokens
+_UNPLANNED_SPLIT_TOKENS = 512  # no step costs known: prompts this long are split, shorter ones whole
+
+
+@dataclass(frozen=True)
+class Placement(Generic[C]):
+    """Where one request goes: ``prefill`` None means whole on ``decode``."""
+
+    prefill: C | None
+    decode: C
+    layout: str  # the pool's layout when it was placed ("5P3D", "8 colocated")
+    reason: str  # why, in words, for /requests and the trace
+
+    @property
+    def is_split(self) -> bool:
+        return self.prefill is not None
+
+
+@dataclass(frozen=True)
+class _Arrival:
+    at: float
+    input_len: int
+    output_len: int
+
+
+class ElasticRouter:
+    """The one owner of the pool's layout, its instances' sides and the work the router has put on each;
+    the flow tells it when a request's prefill ends (``prefilled``) and when the request ends (``done``)."""
+
+    def __init__(self, settings: ElasticPool, clock: Callable[[], float] = time.monotonic) -> None:
+        self._settings = settings
+        self._clock = clock
+        self._arrivals: deque[_Arrival] = deque()
+        self._first_arrival: float | None = None
+        self._layout: Layout | None = None
+        self._planned_at = -float("inf")
+        self._sides: dict[str, Side] = {}
+        self._prefill_tokens: dict[str, int] = {}  # prompt tokens being prefilled there for a split
+        self._requests: dict[str, int] = {}  # requests decoding (or served whole) there
+        self.decisions = {"whole": 0, "split": 0}
+
+    # --- what the flow calls ----------------------------------------------------------------------
+
+    def place(self, members: Sequence[C], prompt_tokens: int, max_tokens: int | None) -> Placement[C]:
+        """Where a request of ``prompt_tokens`` uncached tokens asking ``max_tokens`` goes, among the
+        instances in service (``members``, at least one)."""
+        if not members:
+            raise LookupError("no instance to place a request on")
+        now = self._clock()
+        output_len = max(2, max_tokens if max_tokens is not None else _DEFAULT_OUTPUT_LEN)
+        self._arrivals.append(_Arrival(now, prompt_tokens, output_len))
+        if self._first_arrival is None:
+            self._first_arrival = now
+        while self._arrivals and self._arrivals[0].at < now - self._settings.window_s:
+            self._arrivals.popleft()
+        if now - self._planned_at >= self._settings.replan_s:
+            self._replan(len(members), now)
+        self._assign_sides(members)
+        placement = self._choose(members, prompt_tokens)
+        self._begin(placement, prompt_tokens)
+        return placement
+
+    def prefilled(self, placement: Placement[C], prompt_tokens: int) -> None:
+        """The request's prefill ended (its KV is held for decode, or it failed)."""
+        if placement.prefill is not None:
+            url = placement.prefill.url
+            self._prefill_tokens[url] = max(0, self._prefill_tokens.get(url, 0) - prompt_tokens)
+
+    def done(self, placement: Placement[C]) -> None:
+        """The request ended, whatever the outcome."""
+        url = placement.decode.url
+        self._requests[url] = max(0, self._requests.get(url, 0) - 1)
+
+    def forget(self, url: str) -> None:
+        """The instance left the pool: its side and counts go with it."""
+        for table in (self._sides, self._prefill_tokens, self._requests):
+            table.pop(url, None)
+
+    # --- what the routes read ---------------------------------------------------------------------
+
+    @property
+    def layout(self) -> str:
+        return self._layout.describe() if self._layout is not None else "not planned yet"
+
+    def side(self, url: str) -> Side | None:
+        return self._sides.get(url)
+
+    def describe(self) -> dict[str, object]:
+        load = self._load()
+        return {
+            "layout": self.layout,
+            "load": None
+            if load is None
+            else {
+                "rate": round(load.rate, 2),
+                "input_len": load.input_len,
+                "output_len": load.output_len,
+            },  # fmt: skip
+            "predicted_ttft_ms": None if self._layout is None else _ms(self._layout.ttft_s),
+            "predicted_tpot_ms": None if self._layout is None else _ms(self._layout.tpot_s),
+            "sides": dict(self._sides),
+            "decisions": dict(self.decisions),
+        }
+
+    # --- deciding ---------------------------------------------------------------------------------
+
+    def _load(self) -> Load | None:
+        if not self._arrivals or self._first_arrival is None:
+            return None
+        now = self._clock()
+        span = min(self._settings.window_s, max(now - self._first_arrival, self._settings.replan_s))
+        n = len(self._arrivals)
+        input_len = max(1, round(sum(a.input_len for a in self._arrivals) / n))
+        output_len = max(2, round(sum(a.output_len for a in self._arrivals) / n))
+        return Load(n / span, input_len, output_len)
+
+    def _replan(self, num_instances: int, now: float) -> None:
+        self._planned_at = now
+        costs, load = self._settings.costs, self._load()
+        if costs is None or load is None or num_instances < 2:
+            self._layout = None
+            return
+        slo = self._settings.slo if self._settings.slo.ttft_ms is not None else None
+        ranked = rank_layouts(costs, num_instances, load, slo)
+        best = ranked[0]
+        current = next(
+            (
+                lay
+                for lay in ranked
+                if self._layout is not None and lay.num_prefill == self._layout.num_prefill
+            ),
+            None,
+        )
+        if current is not None and not _clearly_better(best, current):
+            best = current
+        self._layout = best
+
+    def _assign_sides(self, members: Sequence[C]) -> None:
+        """Give the members the layout's sides, moving as few as possible."""
+        urls = [m.url for m in members]
+        for url in list(self._sides):
+            if url not in urls:
+                del self._sides[url]
+        want_prefill = self._layout.num_prefill if self._layout is not None else 0
+        want_prefill = min(want_prefill, len(urls) - 1)
+        for url in urls:
+            self._sides.setdefault(url, "decode")
+        prefills = [u for u in urls if self._sides[u] == "prefill"]
+        decodes = [u for u in urls if self._sides[u] == "decode"]
+        while len(prefills) < want_prefill:
+            url = min(decodes, key=lambda u: self._requests.get(u, 0))
+            decodes.remove(url)
+            prefills.append(url)
+            self._sides[url] = "prefill"
+        while len(prefills) > want_prefill:
+            url = min(prefills, key=lambda u: self._prefill_tokens.get(u, 0))
+            prefills.remove(url)
+            self._sides[url] = "decode"
+
+    def _choose(self, members: Sequence[C], prompt_tokens: int) -> Placement[C]:
+        layout = self.layout
+        prefill_side = [m for m in members if self._sides.get(m.url) == "prefill"]
+        decode_side = [m for m in members if self._sides.get(m.url) == "decode"]
+        if self._layout is None and self._settings.costs is None and len(members) > 1:
+            # No step costs to plan with: split long prompts over the two least-loaded instances.
+            if prompt_tokens >= _UNPLANNED_SPLIT_TOKENS:
+                decode = self._least_requests(members)
+                prefill = self._least_prefill([m for m in members if m is not decode])
+                return Placement(prefill, decode, "unplanned", f"{prompt_tokens} prompt tokens >= "
+                                 f"{_UNPLANNED_SPLIT_TOKENS}: split (no step costs known)")  # fmt: skip
+            return Placement(None, self._least_requests(members), "unplanned",
+                             f"{prompt_tokens} prompt tokens < {_UNPLANNED_SPLIT_TOKENS}: whole")  # fmt: skip
+        if not prefill_side or not decode_side:
+            why = f"{layout}: whole" if self._layout is not None else "one instance in service: whole"
+            return Placement(None, self._least_requests(members), layout, why)
+        decode = self._least_requests(decode_side)
+        costs = self._settings.costs
+        if costs is not None and prompt_tokens * costs.prefill_per_token_s < costs.step_base_s:
+            return Placement(None, decode, layout, f"{layout}: {prompt_tokens} prompt tokens cost less than a "
+                             "decode step: whole on a decode")  # fmt: skip
+        prefill = self._least_prefill(prefill_side)
+        return Placement(prefill, decode, layout, self._why_split(layout))
+
+    def _why_split(self, layout: str) -> str:
+        assert self._layout is not None
+        load = self._load()
+        rate = f"{load.rate:.1f} req/s of {load.input_len} in / {load.output_len} out" if load else "no load"
+        return (
+            f"{layout} for {rate}: predicted TTFT {_ms(self._layout.ttft_s)} ms, "
+            f"TPOT {_ms(self._layout.tpot_s)} ms"
+        )
+
+    def _least_requests(self, members: Sequence[C]) -> C:
+        return min(members, key=lambda m: (self._requests.get(m.url, 0), load_score(m)))
+
+    def _least_prefill(self, members: Sequence[C]) -> C:
+        return min(members, key=lambda m: (self._prefill_tokens.get(m.url, 0), load_score(m)))
+
+    def _begin(self, placement: Placement[C], prompt_tokens: int) -> None:
+        decode = placement.decode.url
+        self._requests[decode] = self._requests.get(decode, 0) + 1
+        if placement.prefill is not None:
+            url = placement.prefill.url
+            self._prefill_tokens[url] = self._prefill_tokens.get(url, 0) + prompt_tokens
+            self.decisions["split"] += 1
+        else:
+            self.decisions["whole"] += 1
+
+
+def _describe_load(load: Load) -> dict[str, object]:
+    return {"rate": round(load.rate, 2), "input_len": load.input_len, "output_len": load.output_len}
+
+
+def _clearly_better(new: Layout, current: Layout) -> bool:
+    """Whether ``new`` (ranked first) should displace ``current``: by a margin, so noise in the load
+    estimate does not flip the pool back and forth."""
+    if new.num_prefill == current.num_prefill:
+        return False
+    if new.capacity is not None and current.capacity is not None:
+        if new.meets_slo != current.meets_slo:
+            return new.meets_slo
+        if not new.meets_slo:
+            return new.capacity > current.capacity * _HYSTERESIS
+    if current.slack > 0:
+        return new.slack > current.slack * _HYSTERESIS
+    return new.slack > current.slack / _HYSTERESIS  # both negative (no SLO: minus the latency)
+
+
+def _ms(seconds: float) -> float | None:
+    return None if seconds != seconds or seconds == float("inf") else round(seconds * 1000, 1)
