@@ -127,13 +127,7 @@ class ElasticRouter:
         load = self._load()
         return {
             "layout": self.layout,
-            "load": None
-            if load is None
-            else {
-                "rate": round(load.rate, 2),
-                "input_len": load.input_len,
-                "output_len": load.output_len,
-            },  # fmt: skip
+            "load": None if load is None else _describe_load(load),
             "predicted_ttft_ms": None if self._layout is None else _ms(self._layout.ttft_s),
             "predicted_tpot_ms": None if self._layout is None else _ms(self._layout.tpot_s),
             "sides": dict(self._sides),
