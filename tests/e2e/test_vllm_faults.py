@@ -315,7 +315,11 @@ def test_decode_killed_mid_stream_ends_the_stream_with_an_error_and_up_restarts_
     load = kill.load()
     with load:
         stream = kill.quick_client.completions.create(
-            model=model_name, prompt=_prompt("midstream", 16), max_tokens=1500, temperature=0, stream=True,
+            model=model_name,
+            prompt=_prompt("midstream", 16),
+            max_tokens=1500,
+            temperature=0,
+            stream=True,
             logprobs=20,
         )
         received = 0

@@ -59,7 +59,9 @@ def _usage(
         "prompt_tokens": prompt_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "completion_tokens": completion_tokens,
-        "prompt_tokens_details": None if cached_tokens is None else _details(prompt_tokens, cached_tokens, chat),
+        "prompt_tokens_details": None
+        if cached_tokens is None
+        else _details(prompt_tokens, cached_tokens, chat),
         "completion_tokens_details": None,
     }
 
