@@ -79,7 +79,9 @@ class Retries:
     max_prefill_attempts: int = 2  # tries on distinct prefill instances before giving up
     max_decode_attempts: int = 2  # tries on distinct decode instances before the first token
     first_backoff_s: float = 0.05  # the pause before the first retry; it doubles with each (backoff)
-    fallback_to_local_prefill: bool = False  # prefill exhausted → decode computes the prompt itself
+    # Prefill exhausted (every attempt failed, or none in service) → decode computes the prompt itself:
+    # slower, but an answer, while a decode can serve. Off: the client gets prefill's error.
+    fallback_to_local_prefill: bool = True
 
     def __post_init__(self) -> None:
         check_positive(

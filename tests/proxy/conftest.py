@@ -15,6 +15,8 @@ import pytest
 from fake_vllm import FakeVLLM
 from proxy_rig import CLIENT_TIMEOUT, Rig, running_proxy, serve_fake
 
+from pdserve.configparts import Retries
+
 
 @pytest.fixture(scope="session")
 def _session_rig() -> Iterator[Rig]:
@@ -22,7 +24,8 @@ def _session_rig() -> Iterator[Rig]:
     with (
         serve_fake(prefill) as prefill_url,
         serve_fake(decode) as decode_url,
-        running_proxy([prefill_url], [decode_url]) as url,
+        # Prefill's failures reach the client here: the tests of that path need decode not to step in.
+        running_proxy([prefill_url], [decode_url], retries=Retries(fallback_to_local_prefill=False)) as url,
     ):
         yield Rig(url, prefill, decode, prefill_url, decode_url)
 

@@ -46,7 +46,7 @@ from sim_matrix import (
     wait_until,
 )
 
-from pdserve.configparts import ApiKeys
+from pdserve.configparts import ApiKeys, Retries
 from pdserve.protocol import Endpoint
 
 T = TIMEOUTS
@@ -76,6 +76,7 @@ class Case:
     retried: str | None = None  # every request's walk-through must show a retry of this phase
     # Streamed error events must come within this of the event before them (slow tokens).
     max_error_gap_s: float | None = None
+    config: dict[str, Any] = dataclasses.field(default_factory=dict)  # the proxies' own settings
 
 
 OK_QUICK = Expect("ok", QUICK_S)
@@ -96,6 +97,16 @@ def _both_fail(role: str, expect: Expect, **fault: Any) -> Case:
     return Case(_on_both(role, **fault), expect, expect)
 
 
+# Prefill's errors reach the client only when decode may not compute prompts itself.
+NO_FALLBACK = {"retries": Retries(fallback_to_local_prefill=False)}
+
+
+def _no_prefill_left(expect: Expect, **fault: Any) -> Case:
+    """The fault on both prefills: decode computes the prompt itself (the default), so every request
+    is answered, after the prefill attempts that failed."""
+    return Case(_on_both("prefill", **fault), expect, expect, retried="prefill")
+
+
 def _both_decodes_fail(status: int, **fault: Any) -> Case:
     """The fault on both decode instances, met at once: a streamed request ends with an SSE error event,
     a whole one with ``status`` naming decode."""
@@ -109,16 +120,28 @@ def _both_decodes_fail(status: int, **fault: Any) -> Case:
 CASES = [
     pytest.param(_one("prefill", error_rate=1), id="one-prefill-answers-500-others-answer"),
     pytest.param(
-        _both_fail("prefill", Expect("error", QUICK_S, 500, "prefill"), error_rate=1),
-        id="every-prefill-answers-500-client-gets-500-naming-prefill",
+        _no_prefill_left(OK_QUICK, error_rate=1), id="every-prefill-answers-500-decode-computes-the-prompt"
+    ),
+    pytest.param(
+        dataclasses.replace(
+            _both_fail("prefill", Expect("error", QUICK_S, 500, "prefill"), error_rate=1), config=NO_FALLBACK
+        ),
+        id="every-prefill-answers-500-no-fallback-client-gets-500-naming-prefill",
     ),
     pytest.param(
         _one("prefill", Expect("ok", T.prefill), hang_rate=1),
         id="one-prefill-hangs-answered-by-the-other-after-the-prefill-timeout",
     ),
     pytest.param(
-        _both_fail("prefill", Expect("error", 2 * T.prefill, 504, "prefill"), hang_rate=1),
-        id="every-prefill-hangs-client-gets-504-naming-prefill",
+        _no_prefill_left(Expect("ok", 2 * T.prefill), hang_rate=1),
+        id="every-prefill-hangs-decode-computes-after-the-timeouts",
+    ),
+    pytest.param(
+        dataclasses.replace(
+            _both_fail("prefill", Expect("error", 2 * T.prefill, 504, "prefill"), hang_rate=1),
+            config=NO_FALLBACK,
+        ),
+        id="every-prefill-hangs-no-fallback-client-gets-504-naming-prefill",
     ),
     # The answer is cut off after prefill computed the KV: those blocks stay held until the lease ends.
     pytest.param(_one("prefill", drop_rate=1), id="one-prefill-dies-mid-answer-others-answer"),
@@ -152,9 +175,12 @@ CASES = [
         id="tokens-slower-than-the-idle-timeout-end-with-an-error-not-a-stall",
     ),
     pytest.param(_one("prefill", down=True), id="one-prefill-down-routed-around"),
+    pytest.param(_no_prefill_left(OK_QUICK, down=True), id="every-prefill-down-decode-computes-the-prompt"),
     pytest.param(
-        _both_fail("prefill", Expect("error", QUICK_S, 502, "prefill"), down=True),
-        id="every-prefill-down-client-gets-502-naming-prefill",
+        dataclasses.replace(
+            _both_fail("prefill", Expect("error", QUICK_S, 502, "prefill"), down=True), config=NO_FALLBACK
+        ),
+        id="every-prefill-down-no-fallback-client-gets-502-naming-prefill",
     ),
     pytest.param(_one("decode", down=True), id="one-decode-down-routed-around"),
 ]
@@ -232,7 +258,7 @@ async def test_every_request_ends_in_time_whole_or_with_a_clear_error(
     # One fresh proxy per request: round robin then sends each first to instance 0, where the
     # single-instance faults are, so every mode meets the fault (and a retry goes to instance 1).
     with ExitStack() as proxies:
-        urls = [proxies.enter_context(_proxy(sims)) for _ in COMBOS]
+        urls = [proxies.enter_context(_proxy(sims, **case.config)) for _ in COMBOS]
         await asyncio.gather(*(proxy_ready(http, url) for url in urls))
         for name, fault in case.faults.items():
             await set_faults(http, _instance(sims, name), **fault)

@@ -16,6 +16,7 @@ from fake_vllm import MODEL, FakeVLLM
 from proxy_rig import TIMEOUTS, Rig, running_proxy, serve_fake
 
 from pdserve import protocol
+from pdserve.configparts import Retries
 from pdserve.protocol import PREFILL_KV_PARAMS
 
 COMPLETION: dict[str, Any] = {"model": MODEL, "prompt": "Hello there", "max_tokens": 5}
@@ -400,7 +401,7 @@ async def test_hung_prefill_answers_504_naming_prefill_within_its_timeout(
 async def test_unreachable_prefill_answers_502_naming_prefill_at_once(
     rig: Rig, http: aiohttp.ClientSession, dead_url: str
 ) -> None:
-    with running_proxy([dead_url], [rig.decode_url]) as url:
+    with running_proxy([dead_url], [rig.decode_url], retries=Retries(fallback_to_local_prefill=False)) as url:
         status, body, elapsed = await timed_post(http, url + "/v1/completions", COMPLETION)
     assert status == 502
     assert elapsed < TIMEOUTS.connect + 1

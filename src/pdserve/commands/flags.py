@@ -126,8 +126,10 @@ def add_retries(p: argparse.ArgumentParser) -> None:
                    help="tries on distinct decode instances before the first token")  # fmt: skip
     g.add_argument("--retry-backoff", type=float, default=d.first_backoff_s, metavar="S",
                    help="seconds before the first retry of a phase; doubling after, at most 1 s")  # fmt: skip
-    g.add_argument("--fallback-to-local-prefill", action="store_true",
-                   help="when every prefill attempt fails, let decode compute the prompt itself")  # fmt: skip
+    g.add_argument("--fallback-to-local-prefill", action=argparse.BooleanOptionalAction,
+                   default=d.fallback_to_local_prefill,
+                   help="when every prefill attempt fails or none is in service, decode computes the prompt "
+                        "itself (--no-fallback-to-local-prefill: the client gets prefill's error)")  # fmt: skip
 
 
 def retries_from_args(a: argparse.Namespace) -> Retries:

@@ -44,6 +44,17 @@ class Chooser:
     def prefill(self, tried: Sequence[Instance], prompt: Prompt | None) -> Instance:
         return self._pick("prefill", self._candidates("prefill", tried), prompt).instance
 
+    def stand_in(self, tried: Sequence[Instance], unavailable: NoInstanceAvailable) -> Instance:
+        """No decode can take the request (``unavailable`` says why): a prefill instance in service
+        serves it whole, as any vLLM instance can. None either: ``unavailable``, naming both roles."""
+        candidates = self._state.pool("prefill").available(exclude=tried)
+        if not candidates:
+            raise NoInstanceAvailable(
+                "decode", f"{unavailable.detail}; and no prefill instance can serve it whole"
+            )
+        self._state.stats.stood_in()
+        return self._pick("prefill", candidates, None).instance
+
     def members(self) -> list[Instance]:
         """The instances an elastic pool's router may place a request on: those in service, or panic
         mode's one when none is."""

@@ -66,6 +66,8 @@ def render(state: ProxyState, admission: Admission) -> str:
              "Handoffs whose blocks decode was made to pull after it refused the client's request, by "
              "result (ok, refused, failed): prefill frees them then, not when the lease runs out.",
              (({"result": r}, n) for r, n in sorted(stats.releases.items())))  # fmt: skip
+    t.metric("pdserve_stand_ins_total", "counter", "Requests a prefill instance served whole because no decode "
+             "instance was in service.", [({}, stats.num_stand_ins)])  # fmt: skip
     t.metric("pdserve_requests_running", "gauge", "Requests holding an admission slot.",
              [({}, admission.num_running)])  # fmt: skip
     t.metric("pdserve_requests_queued", "gauge", "Requests waiting for an admission slot.",

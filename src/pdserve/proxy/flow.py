@@ -12,7 +12,10 @@ rejections (4xx, 5xx) reach the client with vLLM's status and body.
 
 Retries, before the client has received a byte:
 - prefill fails (connect, timeout, 5xx, no params) → another prefill instance, with backoff; when all
-  attempts fail, decode computes the prompt itself if ``fallback_to_local_prefill`` is on.
+  attempts fail or none is in service, decode computes the prompt itself (``fallback_to_local_prefill``,
+  on by default).
+- no decode in service (all restarting, unhealthy past panic mode, draining) → a prefill instance serves
+  the request whole (``Chooser.stand_in``): a 503 only when no instance of either role can take it.
 - decode fails before its first byte → another decode instance. Prefill's params are reused only when
   the failed decode never received them (connect error) and are younger than half the lease: a decode
   that did receive them may have pulled the blocks, which prefill then frees, and a second pull of
@@ -50,6 +53,7 @@ from pdserve.blocks import block_hashes
 from pdserve.config import ProxyConfig
 from pdserve.errors import (
     BadRequest,
+    NoInstanceAvailable,
     UpstreamError,
     UpstreamUnavailable,
 )
@@ -224,7 +228,12 @@ class Flow:
             elif placed is not None:
                 decode, local_reason = self._elastic_retry(call, slot, retries, local_reason)
             else:
-                decode, num_cached = self._chooser.decode(retries.tried, call.prompt)
+                try:
+                    decode, num_cached = self._chooser.decode(retries.tried, call.prompt)
+                except NoInstanceAvailable as exc:
+                    decode, num_cached = self._chooser.stand_in(retries.tried, exc), 0
+                    slot.abandon("no decode in service: served whole by a prefill", "decode_failed")
+                    local_reason = f"no decode instance in service ({exc.detail}): served whole by prefill"
                 if retries.is_first and local_reason is None:
                     local_reason = self._skip_reason(call.prompt, num_cached)
             # Prefill, when the request is split and no handoff is in play (the last decode attempt may

@@ -80,6 +80,7 @@ class Stats:
         self.panics: Counter[str] = Counter()  # role → requests sent to an out-of-service instance
         self.purges: Counter[str] = Counter()  # result → decode prefix-cache resets after a late pull
         self.releases: Counter[str] = Counter()  # result → prefill blocks released after decode refused
+        self.num_stand_ins = 0  # requests a prefill instance served whole: no decode was in service
         self.timings = Timings()
 
     def finished(self, endpoint: Endpoint, outcome: Outcome) -> None:
@@ -93,6 +94,9 @@ class Stats:
 
     def purged(self, result: str) -> None:
         self.purges[result] += 1
+
+    def stood_in(self) -> None:
+        self.num_stand_ins += 1
 
     def released(self, result: str) -> None:
         self.releases[result] += 1
