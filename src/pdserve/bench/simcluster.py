@@ -18,7 +18,7 @@ import random
 from dataclasses import dataclass
 
 from pdserve.bench.load import percentile
-from pdserve.bench.workload import Slo
+from pdserve.costmodel import Slo
 from pdserve.errors import ConfigError
 from pdserve.sim.engine import SimEngine, VirtualClock
 from pdserve.sim.profile import Profile

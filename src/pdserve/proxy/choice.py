@@ -44,6 +44,11 @@ class Chooser:
     def prefill(self, tried: Sequence[Instance], prompt: Prompt | None) -> Instance:
         return self._pick("prefill", self._candidates("prefill", tried), prompt).instance
 
+    def members(self) -> list[Instance]:
+        """The instances an elastic pool's router may place a request on: those in service, or panic
+        mode's one when none is."""
+        return self._candidates("decode", ())
+
     def _pick(self, role: Role, candidates: Sequence[Instance], prompt: Prompt | None) -> Pick[Instance]:
         return self._state.policy(role).pick(candidates, prompt.hashes if prompt is not None else None)
 

@@ -72,6 +72,7 @@ from pdserve.proxy.guard import LeaseGuard
 from pdserve.proxy.instance import Instance
 from pdserve.proxy.ledger import Handoff
 from pdserve.proxy.otel import RequestTracing
+from pdserve.proxy.placing import Placed, place
 from pdserve.proxy.prefill import Prefiller
 from pdserve.proxy.prefix import should_skip_prefill
 from pdserve.proxy.record import Trace
@@ -191,28 +192,55 @@ class Flow:
                 self._tracing.finish(span, timeline, arrived_ns, attributes, trace.error)
 
     async def _serve(self, call: Call, slot: HandoffSlot) -> None:
-        """The attempts, in order, until the client has its answer; an ``UpstreamError`` says why not."""
+        """The attempts, in order, until the client has its answer; an ``UpstreamError`` says why not.
+        In an elastic pool the router places the request first and hears when it ends."""
         local_reason = (
             "colocated: no split" if self._config.colocated else protocol.needs_local_prefill(call.body)
         )
+        router = self._state.elastic
+        if router is None:
+            await self._attempts(call, slot, local_reason, None)
+            return
+        placed, local_reason = place(router, self._chooser.members(), call, local_reason)
+        try:
+            await self._attempts(call, slot, local_reason, placed)
+        finally:
+            router.done(placed.placement)
+
+    async def _attempts(
+        self, call: Call, slot: HandoffSlot, local_reason: str | None, placed: Placed | None
+    ) -> None:
         retries = _Retries()
         while True:
             # Decode is picked first: what it caches decides whether prefill is worth a hop. After a
-            # stale connection it is the same one again (``_once_more_on_a_fresh_connection``).
-            if retries.again is None:
+            # stale connection it is the same one again (``_once_more_on_a_fresh_connection``). In an
+            # elastic pool the router's pick takes the first attempt, and a retry is served whole by
+            # the chooser's pick: the instance that prefilled may be the only one left, and it cannot
+            # pull from itself.
+            if retries.again is not None:
+                decode, retries.again = retries.again, None
+            elif placed is not None and retries.is_first:
+                decode = placed.placement.decode
+            elif placed is not None:
+                decode, local_reason = self._elastic_retry(call, slot, retries, local_reason)
+            else:
                 decode, num_cached = self._chooser.decode(retries.tried, call.prompt)
                 if retries.is_first and local_reason is None:
                     local_reason = self._skip_reason(call.prompt, num_cached)
-            else:
-                decode, retries.again = retries.again, None
             # Prefill, when the request is split and no handoff is in play (the last decode attempt may
             # have left its handoff for this one: ``_before_retry``).
             if local_reason is None and slot.handoff is None:
-                prefilled = await self._prefiller.attempts(call)
+                if placed is not None:
+                    first = placed.placement.prefill if retries.is_first else None
+                    prefilled = await self._prefiller.attempts(call, first, avoid=decode)
+                    placed.prefilled()
+                else:
+                    prefilled = await self._prefiller.attempts(call)
                 if isinstance(prefilled, Relayed):
                     return
                 if isinstance(prefilled, PrefillFailed):
-                    if not self._config.retries.fallback_to_local_prefill:
+                    # An elastic pool's decode can always compute the prompt itself.
+                    if not (self._config.retries.fallback_to_local_prefill or placed is not None):
                         await self._give_up("prefill", prefilled.url, prefilled.failure, call)
                         return
                     local_reason = (
@@ -241,6 +269,22 @@ class Flow:
                 return
             else:
                 call = await self._before_retry(call, slot, decode, decoded, retries, has_others)
+
+    def _elastic_retry(
+        self, call: Call, slot: HandoffSlot, retries: _Retries, local_reason: str | None
+    ) -> tuple[Instance, str | None]:
+        """An elastic pool's decode retry: another instance, and the handoff still in play (one the
+        failed decode never read) goes there if that is not the instance holding the KV; otherwise the
+        retry is served whole (the holder cannot pull from itself; the lease frees its blocks)."""
+        handoff = slot.handoff
+        holder = self._state.find(handoff.prefill_url) if handoff is not None else None
+        if holder is not None and self._chooser.has_other("decode", [*retries.tried, holder]):
+            decode, _ = self._chooser.decode([*retries.tried, holder], call.prompt)
+            return decode, local_reason
+        decode, _ = self._chooser.decode(retries.tried, call.prompt)
+        if handoff is not None:
+            slot.abandon("elastic pool: the retry is served whole", "decode_failed")
+        return decode, local_reason or "elastic pool: a retry is served whole"
 
     def _once_more_on_a_fresh_connection(
         self, call: Call, slot: HandoffSlot, decode: Instance, retries: _Retries
@@ -303,7 +347,11 @@ class Flow:
     def _prompt(self, body: dict[str, Any]) -> Prompt | None:
         """The prompt's tokens and block hashes, when a policy or the skip rule needs them."""
         state = self._state
-        wants = state.policy("prefill").wants_prompt or state.policy("decode").wants_prompt
+        wants = (
+            state.policy("prefill").wants_prompt
+            or state.policy("decode").wants_prompt
+            or state.elastic is not None
+        )
         if self._tokenizer is None or not (wants or self._config.routing.skip_prefill_below_tokens):
             return None
         ids = self._tokenizer.token_ids(body)
