@@ -82,9 +82,6 @@ def test_every_instance_takes_any_role_as_a_kv_consumer_without_vllms_kv_both(po
         log = (pool.run_dir / f"{spec.name}.log").read_text()
         assert "kv_role='kv_consumer'" in log or '"kv_role":"kv_consumer"' in log
         assert "kv_role='kv_both' with NixlConnector is deprecated" not in log
-    listing = httpclient.get(f"{pool.proxy_url}/instances", 10).json()
-    assert sorted(i["url"] for i in listing) == sorted(pool.urls("elastic"))
-    assert all(i["side"] in ("prefill", "decode") for i in listing), listing
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
@@ -113,3 +110,10 @@ def test_the_router_splits_long_prompts_and_keeps_short_ones_whole_each_answer_a
             assert placement["prefill_url"] is None and moved.successful == 0, record
         decisions.append(placement["split"])
     assert decisions == [True, False]  # long split, short whole
+
+
+def test_the_proxy_lists_each_instance_once_with_the_side_the_router_gave_it(pool: Stack) -> None:
+    # After the requests above: the router gives the instances their sides as it places the first one.
+    listing = httpclient.get(f"{pool.proxy_url}/instances", 10).json()
+    assert sorted(i["url"] for i in listing) == sorted(pool.urls("elastic"))
+    assert all(i["role"] == "any" and i["side"] in ("prefill", "decode") for i in listing), listing
