@@ -175,7 +175,8 @@ class ProxyConfig(ProxySettings):
         """What each of ``workers`` processes enforces: its share of the admission limits, rounded up."""
         if self.workers == 1:
             return self
-        return dataclasses.replace(self, admission=self.admission.share(self.workers))
+        elastic = dataclasses.replace(self.elastic_pool, traffic_share=1 / self.workers)
+        return dataclasses.replace(self, admission=self.admission.share(self.workers), elastic_pool=elastic)
 
     @property
     def models_timeout_s(self) -> float:
