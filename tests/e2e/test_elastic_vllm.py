@@ -116,4 +116,4 @@ def test_the_proxy_lists_each_instance_once_with_the_side_the_router_gave_it(poo
     # After the requests above: the router gives the instances their sides as it places the first one.
     listing = httpclient.get(f"{pool.proxy_url}/instances", 10).json()
     assert sorted(i["url"] for i in listing) == sorted(pool.urls("elastic"))
-    assert all(i["role"] == "any" and i["side"] in ("prefill", "decode") for i in listing), listing
+    assert all(i["role"] == "elastic" and i["side"] in ("prefill", "decode") for i in listing), listing

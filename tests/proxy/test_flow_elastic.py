@@ -98,7 +98,7 @@ async def test_instances_show_their_side(pool: tuple[str, ...], proxy: str) -> N
         async with http.get(f"{proxy}/instances") as resp:
             instances = await resp.json()
     assert sorted(i["url"] for i in instances) == sorted(pool)  # each once, though it serves both roles
-    assert {i["role"] for i in instances} == {"any"}
+    assert {i["role"] for i in instances} == {"elastic"}
     assert all(i["side"] in ("prefill", "decode") for i in instances)
 
 
@@ -172,4 +172,4 @@ async def test_metrics_count_placements_and_show_the_layout(pool: tuple[str, ...
     assert 'pdserve_elastic_placements_total{placement="whole"} 1' in text
     assert 'pdserve_elastic_layout_info{layout="unplanned"}' not in text  # no costs: not planned yet
     assert text.count("pdserve_elastic_instance_side{") == len(pool)
-    assert f'pdserve_instance_in_flight{{role="any",url="{pool[0]}"}}' in text
+    assert f'pdserve_instance_in_flight{{role="elastic",url="{pool[0]}"}}' in text

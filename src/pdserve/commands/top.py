@@ -41,7 +41,7 @@ class InstanceRow:
     circuit: str  # closed, open, half_open
     num_in_flight: int
     error: str | None = None  # the last failure the proxy saw
-    side: str | None = None  # an elastic pool's instance (role "any"): the side the router gives it now
+    side: str | None = None  # an elastic pool's instance (role "elastic"): the side the router gives it now
 
     @classmethod
     def of(cls, entry: Mapping[str, Any]) -> InstanceRow:
@@ -51,7 +51,7 @@ class InstanceRow:
 
     @property
     def label(self) -> str:
-        """The ROLE cell: an elastic instance shows the side it leans to now (any/prefill)."""
+        """The ROLE cell: an elastic instance shows the side it leans to now (elastic/prefill)."""
         return f"{self.role}/{self.side}" if self.side else self.role
 
 
@@ -227,7 +227,7 @@ class _Figures:
     num_expired: float | None = None
 
     def shows(self, role: str, name: str) -> bool:
-        return role in ("all", "any") or _ONLY_ON.get(name, role) == role
+        return role in ("all", "elastic") or _ONLY_ON.get(name, role) == role
 
     def cells(self, role: str) -> list[str]:
         """``role`` "all": the totals row, blank where nothing was summed."""

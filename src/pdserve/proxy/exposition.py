@@ -78,7 +78,7 @@ def render(state: ProxyState, admission: Admission) -> str:
     now = time.monotonic()
 
     def role(i: Instance) -> str:
-        return "any" if state.elastic is not None else i.role  # an elastic pool's instances take either
+        return "elastic" if state.elastic is not None else i.role  # an elastic pool's take either role
 
     def per_instance(value: Callable[[Instance], float]) -> list[tuple[Mapping[str, str], float]]:
         return [({"role": role(i), "url": i.url}, float(value(i))) for i in instances]

@@ -163,7 +163,7 @@ class ProxyState:
         if self.elastic is None:
             return [i.describe() for i in self.instances]
         router = self.elastic
-        return [{**i.describe(), "role": "any", "side": router.side(i.url)} for i in self.instances]
+        return [{**i.describe(), "role": "elastic", "side": router.side(i.url)} for i in self.instances]
 
     @property
     def traces(self) -> Sequence[Trace]:
