@@ -82,6 +82,9 @@ class Retries:
     # Prefill exhausted (every attempt failed, or none in service) → decode computes the prompt itself:
     # slower, but an answer, while a decode can serve. Off: the client gets prefill's error.
     fallback_to_local_prefill: bool = True
+    # No decode can serve (none in service, or the only one failed before the client's first byte) → a
+    # prefill instance serves the request whole. Off: the client gets decode's error.
+    prefill_stands_in: bool = True
 
     def __post_init__(self) -> None:
         check_positive(

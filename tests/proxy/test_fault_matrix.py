@@ -26,7 +26,7 @@ from typing import Any, Literal
 import aiohttp
 import orjson
 import pytest
-from proxy_rig import NO_BREAKER, TIMEOUTS, running_proxy
+from proxy_rig import NO_BREAKER, STRICT, TIMEOUTS, running_proxy
 from sim_matrix import (
     LEASE_S,
     PATHS,
@@ -46,7 +46,7 @@ from sim_matrix import (
     wait_until,
 )
 
-from pdserve.configparts import ApiKeys, Retries
+from pdserve.configparts import ApiKeys
 from pdserve.protocol import Endpoint
 
 T = TIMEOUTS
@@ -97,8 +97,9 @@ def _both_fail(role: str, expect: Expect, **fault: Any) -> Case:
     return Case(_on_both(role, **fault), expect, expect)
 
 
-# Prefill's errors reach the client only when decode may not compute prompts itself.
-NO_FALLBACK = {"retries": Retries(fallback_to_local_prefill=False)}
+# A role's errors reach the client only when the other role may not step in (decode computing the
+# prompt, a prefill serving the request whole).
+NO_FALLBACK = STRICT_CONFIG = {"retries": STRICT}
 
 
 def _no_prefill_left(expect: Expect, **fault: Any) -> Case:
@@ -114,7 +115,14 @@ def _both_decodes_fail(status: int, **fault: Any) -> Case:
         _on_both("decode", **fault),
         Expect("stream_error", QUICK_S),
         Expect("error", QUICK_S, status, "decode"),
+        config=STRICT_CONFIG,
     )
+
+
+def _prefill_stands_in(**fault: Any) -> Case:
+    """The fault on both decode instances, met at once: a stream that has begun ends with an SSE error
+    event; a whole request, which has no byte yet, is served whole by a prefill instead (the default)."""
+    return Case(_on_both("decode", **fault), Expect("stream_error", QUICK_S), OK_QUICK)
 
 
 CASES = [
@@ -159,11 +167,17 @@ CASES = [
     ),
     pytest.param(
         _both_decodes_fail(502, drop_rate=1),
-        id="every-decode-dies-mid-answer-streams-end-with-an-error-event",
+        id="every-decode-dies-mid-answer-strict-streams-end-with-an-error-event",
+    ),
+    pytest.param(
+        _prefill_stands_in(drop_rate=1), id="every-decode-dies-mid-answer-a-prefill-serves-whole-requests"
     ),
     pytest.param(_one("decode", pull_fail_rate=1), id="one-decode-cannot-pull-kv-others-answer"),
     pytest.param(
-        _both_decodes_fail(500, pull_fail_rate=1), id="no-decode-can-pull-kv-client-gets-vllms-error"
+        _both_decodes_fail(500, pull_fail_rate=1), id="no-decode-can-pull-kv-strict-client-gets-vllms-error"
+    ),
+    pytest.param(
+        _prefill_stands_in(pull_fail_rate=1), id="no-decode-can-pull-kv-a-prefill-serves-whole-requests"
     ),
     pytest.param(
         Case(
@@ -171,8 +185,18 @@ CASES = [
             Expect("stream_error", T.first_token + T.idle),
             Expect("error", 2 * T.decode, 504, "decode"),
             max_error_gap_s=T.idle,
+            config=STRICT_CONFIG,
         ),
-        id="tokens-slower-than-the-idle-timeout-end-with-an-error-not-a-stall",
+        id="tokens-slower-than-the-idle-timeout-strict-end-with-an-error-not-a-stall",
+    ),
+    pytest.param(
+        Case(
+            _on_both("decode", token_delay_s=T.idle + 0.4),
+            Expect("stream_error", T.first_token + T.idle),
+            Expect("ok", 2 * T.decode),
+            max_error_gap_s=T.idle,
+        ),
+        id="tokens-slower-than-the-idle-timeout-streams-end-with-an-error-whole-ones-from-a-prefill",
     ),
     pytest.param(_one("prefill", down=True), id="one-prefill-down-routed-around"),
     pytest.param(_no_prefill_left(OK_QUICK, down=True), id="every-prefill-down-decode-computes-the-prompt"),

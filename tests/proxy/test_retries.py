@@ -34,7 +34,7 @@ class Pools:
 
 
 # Prefill's failures reach the client in this module unless a test turns decode's fallback on.
-NO_BACKOFF = Retries(first_backoff_s=0.0, fallback_to_local_prefill=False)
+NO_BACKOFF = Retries(first_backoff_s=0.0, fallback_to_local_prefill=False, prefill_stands_in=False)
 
 
 @pytest.fixture(scope="module")
@@ -174,7 +174,7 @@ async def test_with_every_circuit_open_the_likeliest_instance_is_still_tried_pan
 async def test_with_every_instance_draining_the_answer_is_a_503_with_retry_after(
     pools: Pools, http: aiohttp.ClientSession
 ) -> None:
-    with pools.proxy(api_keys=ApiKeys(admin="k")) as url:
+    with pools.proxy(api_keys=ApiKeys(admin="k"), retries=Retries(first_backoff_s=0.0)) as url:
         for instance_url in (*pools.decode.urls, *pools.prefill.urls):
             async with http.post(url + "/admin/instances/drain", json={"url": instance_url},
                                  headers={"Authorization": "Bearer k"}) as resp:  # fmt: skip
@@ -190,7 +190,7 @@ async def test_with_every_instance_draining_the_answer_is_a_503_with_retry_after
 async def test_with_every_decode_draining_a_prefill_serves_the_request_whole(
     pools: Pools, http: aiohttp.ClientSession
 ) -> None:
-    with pools.proxy(api_keys=ApiKeys(admin="k")) as url:
+    with pools.proxy(api_keys=ApiKeys(admin="k"), retries=Retries(first_backoff_s=0.0)) as url:
         for instance_url in pools.decode.urls:
             async with http.post(url + "/admin/instances/drain", json={"url": instance_url},
                                  headers={"Authorization": "Bearer k"}) as resp:  # fmt: skip

@@ -169,6 +169,10 @@ def add_retries(p: argparse.ArgumentParser) -> None:
                    default=d.fallback_to_local_prefill,
                    help="when every prefill attempt fails or none is in service, decode computes the prompt "
                         "itself (--no-fallback-to-local-prefill: the client gets prefill's error)")  # fmt: skip
+    g.add_argument("--prefill-stands-in", action=argparse.BooleanOptionalAction, default=d.prefill_stands_in,
+                   help="when no decode can serve (none in service, or the only one failed before the first "
+                        "byte), a prefill instance serves the request whole (--no-prefill-stands-in: the "
+                        "client gets decode's error)")  # fmt: skip
 
 
 def retries_from_args(a: argparse.Namespace) -> Retries:
@@ -177,6 +181,7 @@ def retries_from_args(a: argparse.Namespace) -> Retries:
         max_decode_attempts=a.max_decode_attempts,
         first_backoff_s=a.retry_backoff,
         fallback_to_local_prefill=a.fallback_to_local_prefill,
+        prefill_stands_in=a.prefill_stands_in,
     )
 
 

@@ -31,6 +31,7 @@ _LAGGING_SHARE = 1 / 3
 class Chooser:
     def __init__(self, state: ProxyState, config: ProxyConfig) -> None:
         self._state = state
+        self._config = config
         self._lagging_s = config.kv_lease_s * _LAGGING_SHARE
 
     def decode(self, tried: Sequence[Instance], prompt: Prompt | None) -> tuple[Instance, int]:
@@ -48,6 +49,8 @@ class Chooser:
         """No decode can take the request (``unavailable`` says why): a prefill instance in service
         serves it whole, as any vLLM instance can. None either: ``unavailable``, naming both roles."""
         candidates = self._state.pool("prefill").available(exclude=tried)
+        if not self._config.retries.prefill_stands_in:
+            raise unavailable
         if not candidates:
             raise NoInstanceAvailable(
                 "decode", f"{unavailable.detail}; and no prefill instance can serve it whole"

@@ -45,7 +45,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 from pdserve import protocol
@@ -83,6 +83,7 @@ from pdserve.proxy.record import Trace
 from pdserve.proxy.release import Releaser
 from pdserve.proxy.responder import Responder
 from pdserve.proxy.state import Outcome, ProxyState
+from pdserve.proxy.survivors import DecodeTries, elastic_retry, stand_in
 from pdserve.proxy.timeline import Timeline
 from pdserve.proxy.tokens import PromptTokenizer
 from pdserve.proxy.upstream import Reply
@@ -92,21 +93,6 @@ log = logging.getLogger("pdserve.proxy")
 
 
 _MAX_LEASE_RETRIES = 2
-
-
-@dataclass
-class _Retries:
-    """What the decode attempts of one request so far leave to the next one."""
-
-    tried: list[Instance] = field(default_factory=list)  # decodes that failed or were given up on
-    num_failed: int = 0  # decode attempts that failed
-    num_lease: int = 0  # answers the lease guard withheld
-    num_stale: int = 0  # decode attempts lost to a kept-alive connection the instance had closed
-    again: Instance | None = None  # the decode the next attempt goes to, instead of the chooser's pick
-
-    @property
-    def is_first(self) -> bool:
-        return not self.tried and self.num_failed == self.num_lease == self.num_stale == 0
 
 
 class Flow:
@@ -214,7 +200,7 @@ class Flow:
     async def _attempts(
         self, call: Call, slot: HandoffSlot, local_reason: str | None, placed: Placed | None
     ) -> None:
-        retries = _Retries()
+        retries = DecodeTries()
         while True:
             # Decode is picked first: what it caches decides whether prefill is worth a hop. After a
             # stale connection it is the same one again (``_once_more_on_a_fresh_connection``). In an
@@ -226,7 +212,9 @@ class Flow:
             elif placed is not None and retries.is_first:
                 decode = placed.placement.decode
             elif placed is not None:
-                decode, local_reason = self._elastic_retry(call, slot, retries, local_reason)
+                decode, local_reason = elastic_retry(
+                    self._state, self._chooser, call, slot, retries, local_reason
+                )
             else:
                 try:
                     decode, num_cached = self._chooser.decode(retries.tried, call.prompt)
@@ -274,29 +262,22 @@ class Flow:
             if isinstance(decoded, DecodeFailed) and decoded.is_stale and not retries.num_stale:
                 self._once_more_on_a_fresh_connection(call, slot, decode, retries)
             elif isinstance(decoded, DecodeFailed) and is_last:
-                await self._give_up("decode", decode.url, decoded.failure, call)
-                return
+                stood_in = (
+                    None
+                    if has_others or placed is not None
+                    else stand_in(self._state, self._chooser, slot, decode, retries, self._config.retries)
+                )
+                if stood_in is None:
+                    await self._give_up("decode", decode.url, decoded.failure, call)
+                    return
+                failed = f"decode {decode.url} failed ({describe(decoded.failure)})"
+                local_reason = f"{failed}: served whole by prefill"
+                call.trace.retries.append(f"{failed}; a prefill stands in")
             else:
                 call = await self._before_retry(call, slot, decode, decoded, retries, has_others)
 
-    def _elastic_retry(
-        self, call: Call, slot: HandoffSlot, retries: _Retries, local_reason: str | None
-    ) -> tuple[Instance, str | None]:
-        """An elastic pool's decode retry: another instance, and the handoff still in play (one the
-        failed decode never read) goes there if that is not the instance holding the KV; otherwise the
-        retry is served whole (the holder cannot pull from itself; the lease frees its blocks)."""
-        handoff = slot.handoff
-        holder = self._state.find(handoff.prefill_url) if handoff is not None else None
-        if holder is not None and self._chooser.has_other("decode", [*retries.tried, holder]):
-            decode, _ = self._chooser.decode([*retries.tried, holder], call.prompt)
-            return decode, local_reason
-        decode, _ = self._chooser.decode(retries.tried, call.prompt)
-        if handoff is not None:
-            slot.abandon("elastic pool: the retry is served whole", "decode_failed")
-        return decode, local_reason or "elastic pool: a retry is served whole"
-
     def _once_more_on_a_fresh_connection(
-        self, call: Call, slot: HandoffSlot, decode: Instance, retries: _Retries
+        self, call: Call, slot: HandoffSlot, decode: Instance, retries: DecodeTries
     ) -> None:
         """A kept-alive connection to ``decode`` closed before it answered anything: most likely decode
         had closed it while idle and never read the request, so the next attempt goes to the same
@@ -317,7 +298,7 @@ class Flow:
 
     async def _before_retry(
         self, call: Call, slot: HandoffSlot, decode: Instance, decoded: DecodeFailed | LeaseSuspect,
-        retries: _Retries, has_others: bool,
+        retries: DecodeTries, has_others: bool,
     ) -> Call:  # fmt: skip
         """Ready the next decode attempt after ``decode`` did not serve: which decodes it avoids, whether
         the handoff in play may be reused (left in ``slot``) or a fresh prefill is needed, and the
