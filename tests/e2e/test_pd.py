@@ -139,6 +139,7 @@ def test_frozen_prefill_ends_request_with_clear_error_then_recovers(
             decode_urls=tuple(stack.urls("decode")),
             port=18010,
             timeouts=Timeouts(connect=2, prefill=3),
+            retries=STRICT,  # prefill's failure reaches the client: no decode computing the prompt
         )
     )
     quick.start()

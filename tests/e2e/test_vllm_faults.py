@@ -131,16 +131,14 @@ class _Load:
 
     def __init__(self, client: openai.OpenAI, decode_alone: openai.OpenAI, model: str, num: int = 2) -> None:
         self._client, self._model = client, model
-        self._prompt = _prompt("load")
+        self.prompt = _prompt("load")
         self.expected = self._ask(decode_alone)
         self.outcomes: list[str | openai.APIError] = []
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(num)]
 
     def _ask(self, client: openai.OpenAI) -> str:
-        answer = client.completions.create(
-            model=self._model, prompt=self._prompt, max_tokens=8, temperature=0
-        )
+        answer = client.completions.create(model=self._model, prompt=self.prompt, max_tokens=8, temperature=0)
         return answer.choices[0].text
 
     def _run(self) -> None:
@@ -223,7 +221,7 @@ def test_client_leaving_between_phases_gets_its_kv_back_on_prefill_within_the_le
 
 
 def _kill_during_a_request(
-    quick_client: openai.OpenAI, model_name: str, pgid: int, spec: InstanceSpec, expected: str
+    quick_client: openai.OpenAI, model_name: str, pgid: int, spec: InstanceSpec, prompt: str, expected: str
 ) -> float:
     """SIGKILL the (stopped) prefill while a request waits on it: decode computes the prompt itself, and
     the request completes soon after the kill with the single-instance answer. Returns the kill's time."""
@@ -232,7 +230,7 @@ def _kill_during_a_request(
     def request() -> None:
         try:
             answer = quick_client.completions.create(
-                model=model_name, prompt=_prompt("killed"), max_tokens=4, temperature=0
+                model=model_name, prompt=prompt, max_tokens=8, temperature=0
             )
             outcome["text"] = answer.choices[0].text
         except openai.APIError as exc:
@@ -293,18 +291,15 @@ def test_prefill_killed_mid_request_leaves_every_request_to_decode_until_up_rest
     once prefill is back the transfers resume."""
     stack, client, decode_alone, model_name = kill.stack, kill.client, kill.decode_alone, kill.model_name
     spec, pgid = kill.victim("prefill")
-    expected = (
-        decode_alone.completions.create(
-            model=model_name, prompt=_prompt("killed"), max_tokens=4, temperature=0
-        )
-        .choices[0]
-        .text
-    )
     load = kill.load()
     with load:
         time.sleep(2.0)  # the load is under way
         os.killpg(pgid, signal.SIGSTOP)  # the request is certainly inside prefill when the kill comes
-        killed_at = _kill_during_a_request(kill.quick_client, model_name, pgid, spec, expected)
+        # The load's prompt: its single-instance answer is known to hold while other requests share the
+        # batch (a fresh prompt's greedy text may tip on a near-tie of the random tiny model's logits).
+        killed_at = _kill_during_a_request(
+            kill.quick_client, model_name, pgid, spec, load.prompt, load.expected
+        )
         _restarted_by_the_supervisor(stack, spec, killed_at)
         if stack.topology.device == "cuda":
             # Decode kept the dead prefill's KV buffers mapped (cuda_ipc), which held prefill's GPU memory
