@@ -55,8 +55,8 @@ def cmd_up(a: argparse.Namespace) -> int:
     stack_ = Stack(topology, proxy=flags.proxy_settings_from_args(a, topology), proxy_log_level=a.log_level)
     with stack_ as stack:
         doctor_lines: list[str] = []
-        # The doctor checks prefill→decode pairs; an elastic pool's pairs are the proxy's choice, per request.
-        if a.doctor and not topology.is_elastic:
+        # An elastic pool's instances are checked as a ring: each prefills for the next (doctor/run.py).
+        if a.doctor:
             # Brief: one canary per pair, so a link that makes the split cost more than it saves is
             # said at start-up, not found by users later (`pdserve doctor` says more). It runs before
             # "pdserve is up" and the URLs: a client started on that line meets no canary traffic.

@@ -102,7 +102,12 @@ def test_up_names_the_pools_instances_and_their_logs_alike(pool: Pool) -> None:
     assert f"proxy    {pool.url}" in pool.output
     for name in pool.instances:
         assert (pool.run_dir / f"{name}.log").is_file()
-    assert "doctor" not in pool.output  # `up`'s doctor checks prefill→decode pairs; a pool has none
+    # `up`'s doctor checks the pool as a ring: each instance prefills for the next, once.
+    urls = sorted(
+        line.split()[1] for line in pool.output.splitlines() if line.strip().startswith("elastic  http")
+    )
+    for a, b in zip(urls, [*urls[1:], urls[0]], strict=True):
+        assert f"doctor {a} → {b}: KV" in pool.output, pool.output
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
