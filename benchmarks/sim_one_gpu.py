@@ -7,6 +7,8 @@ Both engines of each arm run on one simulated GPU (sim/device.py: turns of ``--t
 first served): the fitted 2.4 ms, the 8 ms of the earlier model, and 0.5 ms, which is close to an even
 share of the GPU (processor sharing). Two workloads, 2,000 fresh random tokens in and 128 out:
 
+  gpu_share  benchmarks/gpu_share.py's synced phase replayed: 5 ms decode steps 0.37 ms apart beside 178 ms
+             prefill steps 2 ms apart (measured on the H200: 12.18 and 312 ms)
   load step  gpu_run.py's closed loop (16 streams, 32 requests), printed beside the H200's one-GPU run
   Poisson    open loop at each of ``--rates`` (bench/simcluster.py's workload), goodput (requests/s
              meeting both) per SLO given as TTFT ms:TPOT ms
@@ -21,6 +23,7 @@ import asyncio
 import itertools
 import math
 import random
+import statistics
 import sys
 from typing import Any
 
@@ -75,6 +78,23 @@ async def simulate(profile: Profile, load: ClusterLoad, turn_s: float) -> Cluste
     return ClusterRun(load, tuple(timings), duration)
 
 
+async def gpu_share(turn_s: float, seconds: float = 3.0) -> tuple[float, float]:
+    """The median decode step and prefill step (s) of gpu_share.py's "both, decode synced" phase."""
+    clock = VirtualClock()
+    device = SharedDevice(clock, turn_s)
+    steps: dict[float, list[float]] = {0.005: [], 0.178: []}
+
+    async def loop(work: float, gap: float) -> None:
+        while clock.now() < seconds:
+            start = clock.now()
+            await device.run(work)
+            steps[work].append(clock.now() - start)
+            await clock.sleep(gap)
+
+    await asyncio.gather(loop(0.005, 0.00037), loop(0.178, 0.002))
+    return statistics.median(steps[0.005]), statistics.median(steps[0.178])
+
+
 def load_step(profile: Profile, turns: list[float], seed: int) -> None:
     measured, workload, _, _ = load_measured("one-gpu")
     args = (
@@ -93,6 +113,10 @@ def load_step(profile: Profile, turns: list[float], seed: int) -> None:
               f"{real['itl_median_ms']:8.2f} {real['itl_p90_ms']:8.2f} {itl_mean:9.2f} "
               f"{real['duration_s']:6.2f}")  # fmt: skip
     for turn in turns:
+        decode, prefill = asyncio.run(gpu_share(turn))
+        print(
+            f"{1e3 * turn:7.1f}ms  gpu_share: decode step {1e3 * decode:.2f} ms, prefill step {1e3 * prefill:.0f}"
+        )
         for name, arm in ARMS.items():
             assert arm in LAYOUTS
             r = asyncio.run(closed_loop(profile, arm, *args, seed=seed, one_gpu=True, turn_s=turn))
