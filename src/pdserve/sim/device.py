@@ -1,18 +1,36 @@
 """One GPU that several simulated engines share, as two vLLM processes share a GPU in the article's demo.
 
-Without MPS a GPU runs one process's kernels at a time. While another process has work queued, the one on
-the GPU keeps it for at most a time slice; a process whose queue runs dry hands it over at once. The model
-takes vLLM's queue to run dry at each step's end (the CPU reads the sampled tokens before the next step
-goes out; the H200's ITL below fits that, benchmarks/gpu_share.py is there to measure it), so SharedDevice
-gives each step turns of at most ``turn_s`` of device time, first come first served: a step shorter than a
-turn runs whole, and the other engine's waiting step goes next; a longer one runs in turns, alternating
-with the other engine's steps.
+Without MPS a GPU runs one process's kernels at a time and time-slices between processes that both have
+work queued; a process whose queue runs dry hands the GPU over at once. SharedDevice gives each step
+turns of at most ``turn_s`` of device time, first come first served, and takes a step's end to empty its
+engine's queue (the next step asks anew, behind any step already waiting): a step shorter than a turn
+runs whole; a longer one runs in turns, alternating with the other engine's waiting steps.
 
-Against the H200 (BENCHMARKS.md "CUDA graphs on one and two H200s"): 1P1D on one GPU, where a prefill step of
-6,400 tokens (150 ms alone) meets decode steps of 5.6 ms, decode's ITL was 6.3 ms at p50 and 13.5 at p90:
-most steps ran whole, and one in three waited for a prefill turn of about 8 ms. Processor sharing (every
-overlapped step at half speed) gets the same mean but a p50 of 11 ms; turns of 8 ms give 6.1 and 13.9.
-Two colocated instances, whose steps are shorter than a turn, alternate step by step either way.
+Two measurements on one H200 (BENCHMARKS.md "The GPU's own share: two processes on one H200"):
+
+- benchmarks/gpu_share.py (torch only, benchmarks/data/h200-2026-12-04-gpu-share.json): a decode-like
+  CUDA graph of 5.0 ms beside back-to-back 178 ms GEMM steps. Decode synced each step: every step took
+  12.2 ms (p10-p90 12.14-12.22), prefill's 312; decode queued two deep: steps of 10.1 and 12.7 ms in
+  turn (mean 11.2), prefill's 340. No decode step beside a prefill kept its speed. Slices of about 2 ms
+  (decode's process) and 2.5 ms (prefill's) explain both phases: queued, 10.0 / 12.5 ms; synced, the
+  prefill slice under way less decode's 0.4 ms gap, then 5 ms of decode with two prefill slices between,
+  12.1 ms. Turns of 8 ms fit the synced phase (7.6 + 5 ms) but not the queued one, where every other step
+  would run clear in 5 ms.
+- vLLM 0.26 with CUDA graphs, 1P1D on one H200, the load step (benchmarks/data/h200-2026-12-04-one-gpu.json):
+  decode's ITL p50 6.3 ms, p90 13.5, mean 8.9. Most steps kept their speed because prefill was idle
+  while they ran (the closed loop's prefills come in bursts), not because the GPU favoured them; a step
+  beside a prefill took about 13 ms, as above.
+
+One turn for every step, fitted to both: TURN_S = 2.4 ms. The 5 ms step beside gpu_share's prefill then
+takes 11.8 ms and the prefill step 301 ms (measured 12.2 and 312: switching contexts costs the GPU about
+3 %, which the model leaves out); the load step's 1P1D gives ITL p50 6.14 / p90 13.05 / mean 9.25 ms and
+TTFT mean 640 ms (vLLM: 6.30 / 13.55 / 8.88 and 635). Left out: the measured slices differ by half a
+millisecond between the two processes (the device does not know which engine is which), and vLLM's async
+scheduling may keep decode's next step queued rather than emptying its queue each step, which in
+gpu_share shortened an overlapped step by a millisecond. A step's count of turns moves in jumps with the
+turn (a 5.6 ms decode step takes three turns from 1.87 to 2.8 ms), and the load step's ITL p50 sits on the
+edge between steps that ran clear and steps that waited: turns of 2.0-2.3 ms put it on the upper mode
+(10.6-11.7 ms) at an unchanged mean. Two colocated instances read the same at any turn from 0.5 to 8 ms.
 
 An engine without a device (the default) has a GPU of its own.
 """
@@ -24,9 +42,9 @@ import asyncio
 from pdserve.errors import ConfigError
 from pdserve.sim.clock import Clock
 
-# Fitted on one H200 with vLLM 0.26 (see above): decode's ITL p90 less its p50 there. Not the driver's
-# documented slice, which NVIDIA does not publish for data-centre GPUs.
-TURN_S = 0.008
+# Fitted to gpu_share's steps and vLLM's ITL on one H200 (see above). Not the driver's documented slice,
+# which NVIDIA does not publish for data-centre GPUs.
+TURN_S = 0.0024
 _DONE_S = 1e-9  # work left below this is float noise of the subtractions, not work
 
 
