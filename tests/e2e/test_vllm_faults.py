@@ -147,7 +147,9 @@ class _Load:
                 self.outcomes.append(self._ask(self._client))
             except openai.APIError as exc:
                 self.outcomes.append(exc)
-            self._stop.wait(0.3)  # two cores: the instance restarting needs them
+            # Two cores: the instance restarting needs them, and the survivor now answers every request
+            # (it computes the prompts itself) rather than refusing it at once.
+            self._stop.wait(1.0)
 
     def __enter__(self) -> _Load:
         for thread in self._threads:
