@@ -105,7 +105,7 @@ async def test_a_pod_that_stops_being_ready_leaves_and_comes_back(
         await cluster.set_ready("prefill-0", False)  # e.g. its readiness probe failing
         await eventually(http, proxy, lambda s: prefill_url not in s, "the prefill pod taken out")
         status, body = await complete(http, proxy)
-        assert status == 503 and "prefill" in body["error"]["message"]
+        assert status == 200, body  # no prefill in service: decode computes the prompt itself
 
         await cluster.set_ready("prefill-0", True)
         await eventually(http, proxy, lambda s: s.get(prefill_url, {}).get("state") == "serving", "it back")
