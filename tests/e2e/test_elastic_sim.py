@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import openai
 import pytest
+from greedy import greedy_text
 
 from pdserve import httpclient
 from pdserve.commands.verify import wait_for_transfers
@@ -65,27 +65,12 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
             proc.kill()
 
 
-def _client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
-
-
 def _prompt(words: int) -> str:
     return f"elastic {uuid.uuid4().hex[:8]}: " + " ".join(["the tide came in over the flats"] * (words // 7))
 
 
 def _ask(url: str, kind: str, prompt: str, stream: bool, request_id: str | None = None) -> str:
-    client = _client(url).with_options(default_headers={"X-Request-Id": request_id} if request_id else {})
-    common: dict[str, Any] = {"model": MODEL, "max_tokens": 8, "temperature": 0.0}
-    if kind == "completions":
-        if stream:
-            chunks = client.completions.create(prompt=prompt, stream=True, **common)
-            return "".join(c.choices[0].text for c in chunks if c.choices)
-        return str(client.completions.create(prompt=prompt, **common).choices[0].text)
-    messages: Any = [{"role": "user", "content": prompt}]
-    if stream:
-        parts = client.chat.completions.create(messages=messages, stream=True, **common)
-        return "".join(c.choices[0].delta.content or "" for c in parts if c.choices)
-    return client.chat.completions.create(messages=messages, **common).choices[0].message.content or ""
+    return greedy_text(url, MODEL, kind, prompt, stream, request_id)
 
 
 def _placement(pool: Pool, request_id: str) -> dict[str, Any]:

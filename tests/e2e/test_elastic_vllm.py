@@ -16,8 +16,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import openai
 import pytest
+from greedy import greedy_text
 
 from conftest import E2E_TOPOLOGY
 from pdserve import httpclient
@@ -51,21 +51,7 @@ def model(pool: Stack) -> str:
 
 
 def _ask(url: str, model: str, kind: str, prompt: str, stream: bool, request_id: str | None = None) -> str:
-    headers = {"X-Request-Id": request_id} if request_id else {}
-    client = openai.OpenAI(
-        base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120, default_headers=headers
-    )
-    common: dict[str, Any] = {"model": model, "max_tokens": 12, "temperature": 0.0}
-    if kind == "completions":
-        if stream:
-            chunks = client.completions.create(prompt=prompt, stream=True, **common)
-            return "".join(c.choices[0].text for c in chunks if c.choices)
-        return str(client.completions.create(prompt=prompt, **common).choices[0].text)
-    messages: Any = [{"role": "user", "content": prompt}]
-    if stream:
-        parts = client.chat.completions.create(messages=messages, stream=True, **common)
-        return "".join(c.choices[0].delta.content or "" for c in parts if c.choices)
-    return client.chat.completions.create(messages=messages, **common).choices[0].message.content or ""
+    return greedy_text(url, model, kind, prompt, stream, request_id, max_tokens=12)
 
 
 def _record(pool: Stack, request_id: str) -> dict[str, Any]:

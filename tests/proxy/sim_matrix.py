@@ -21,7 +21,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import aiohttp
 import orjson
@@ -43,6 +43,11 @@ PATHS: dict[Endpoint, str] = {"completions": "/v1/completions", "chat": "/v1/cha
 NO_FAULTS = FaultSpec().to_mapping()
 
 Kind = Literal["ok", "error", "stream_error", "truncated", "hang"]
+T = TypeVar("T")
+# Every request mode a matrix case sends: both endpoints, streamed and whole.
+COMBOS: tuple[tuple[Endpoint, bool], ...] = tuple(
+    (e, s) for e in ("completions", "chat") for s in (True, False)
+)
 
 
 @dataclass(frozen=True)
@@ -86,6 +91,31 @@ async def restart(http: aiohttp.ClientSession, url: str, down_s: float) -> str:
 
 async def clear_faults(http: aiohttp.ClientSession, urls: Sequence[str]) -> None:
     await asyncio.gather(*(set_faults(http, url, **NO_FAULTS) for url in urls))
+
+
+async def under_faults(
+    http: aiohttp.ClientSession,
+    proxies: Sequence[str],
+    faults: dict[str, dict[str, Any]],
+    instances: Sequence[str],
+    ask_one: Callable[[str, Endpoint, bool], Awaitable[T]],
+) -> list[T]:
+    """One request of each of ``COMBOS``, each through its own proxy, while ``faults`` (instance URL →
+    fault fields) are set; the faults of every instance are cleared afterwards."""
+    await asyncio.gather(*(proxy_ready(http, url) for url in proxies))
+    for url, fault in faults.items():
+        await set_faults(http, url, **fault)
+    try:
+        return list(
+            await asyncio.gather(
+                *(
+                    ask_one(url, endpoint, stream)
+                    for url, (endpoint, stream) in zip(proxies, COMBOS, strict=True)
+                )
+            )
+        )
+    finally:
+        await clear_faults(http, instances)
 
 
 async def engine_stats(http: aiohttp.ClientSession, url: str) -> dict[str, float]:

@@ -28,6 +28,7 @@ import orjson
 import pytest
 from proxy_rig import NO_BREAKER, STRICT, TIMEOUTS, running_proxy
 from sim_matrix import (
+    COMBOS,
     LEASE_S,
     PATHS,
     Answer,
@@ -43,6 +44,7 @@ from sim_matrix import (
     settled,
     sim_pd,
     total,
+    under_faults,
     wait_until,
 )
 
@@ -55,7 +57,6 @@ QUICK_S = 0.5  # a fault answered at once (a 500, a closed connection), retries 
 MAX_TOKENS = 8
 ADMIN_KEY = "matrix-admin"
 HEALTH_NOTICE_S = 10.0  # the proxy's health checks (every 2 s, 5 s timeout) find a down instance by then
-ENDPOINTS: tuple[Endpoint, ...] = ("completions", "chat")
 
 
 @dataclass(frozen=True)
@@ -265,9 +266,6 @@ def _record(case_id: str, answer: Answer) -> None:
     )
 
 
-COMBOS: tuple[tuple[Endpoint, bool], ...] = tuple((e, s) for e in ENDPOINTS for s in (True, False))
-
-
 def _proxy(sims: SimPD, **config: Any) -> AbstractContextManager[str]:
     return running_proxy(
         sims.prefill, sims.decode, kv_lease_s=LEASE_S, api_keys=ApiKeys(admin=ADMIN_KEY), **config
@@ -283,18 +281,12 @@ async def test_every_request_ends_in_time_whole_or_with_a_clear_error(
     # single-instance faults are, so every mode meets the fault (and a retry goes to instance 1).
     with ExitStack() as proxies:
         urls = [proxies.enter_context(_proxy(sims, **case.config)) for _ in COMBOS]
-        await asyncio.gather(*(proxy_ready(http, url) for url in urls))
-        for name, fault in case.faults.items():
-            await set_faults(http, _instance(sims, name), **fault)
-        try:
-            answers = await asyncio.gather(
-                *(
-                    _ask_and_check(http, url, case, endpoint, stream)
-                    for url, (endpoint, stream) in zip(urls, COMBOS, strict=True)
-                )
-            )
-        finally:
-            await clear_faults(http, sims.urls)
+        faults = {_instance(sims, name): fault for name, fault in case.faults.items()}
+
+        async def one(url: str, endpoint: Endpoint, stream: bool) -> tuple[Answer, list[str]]:
+            return await _ask_and_check(http, url, case, endpoint, stream)
+
+        answers = await under_faults(http, urls, faults, sims.urls, one)
     ended = time.monotonic()
     problems = []
     for answer, answer_problems in answers:

@@ -22,15 +22,14 @@ import aiohttp
 import pytest
 from proxy_rig import TIMEOUTS, running_proxy
 from sim_matrix import (
+    COMBOS,
     LEASE_S,
     PROFILE,
     SimPD,
     ask,
-    clear_faults,
     proxy_json,
-    proxy_ready,
-    set_faults,
     settled,
+    under_faults,
 )
 
 from pdserve.configparts import ApiKeys
@@ -43,9 +42,6 @@ QUICK_S = 0.5
 MAX_TOKENS = 8
 ADMIN_KEY = "matrix-admin"
 LONG = "river " * 600  # the router's estimate: ~900 tokens, split (>= 512 with no step costs known)
-COMBOS: tuple[tuple[Endpoint, bool], ...] = tuple(
-    (e, s) for e in ("completions", "chat") for s in (True, False)
-)
 
 
 @dataclass(frozen=True)
@@ -103,18 +99,12 @@ async def test_every_request_is_served_while_an_instance_can_serve_it(
             )
             for _ in COMBOS
         ]
-        await asyncio.gather(*(proxy_ready(http, url) for url in urls))
-        for index, fault in case.faults.items():
-            await set_faults(http, pool.decode[index], **fault)
-        try:
-            problems = await asyncio.gather(
-                *(
-                    _ask(http, url, case, endpoint, stream)
-                    for url, (endpoint, stream) in zip(urls, COMBOS, strict=True)
-                )
-            )
-        finally:
-            await clear_faults(http, pool.decode)
+        faults = {pool.decode[index]: fault for index, fault in case.faults.items()}
+
+        async def one(url: str, endpoint: Endpoint, stream: bool) -> list[str]:
+            return await _ask(http, url, case, endpoint, stream)
+
+        problems = await under_faults(http, urls, faults, pool.decode, one)
     ended = time.monotonic()
     assert not [p for ps in problems for p in ps], "\n".join(p for ps in problems for p in ps)
     await settled(http, pool, LEASE_S + SLACK_S - (time.monotonic() - ended))

@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from pdserve.config import INSTANCE_ROLES, ROLES, ProxySettings, Role, Timeouts, Topology, proxy_default
 from pdserve.configparts import AdmissionLimits, ApiKeys, ElasticPool, HealthChecks, Retries, Routing
 from pdserve.costmodel import Costs, Slo
 from pdserve.proxy.policies import POLICIES
 from pdserve.topologyfile import load_topology, resource_pairs
+
+T = TypeVar("T")
 
 
 def add_proxy_settings(p: argparse.ArgumentParser) -> None:
@@ -176,13 +179,8 @@ def add_retries(p: argparse.ArgumentParser) -> None:
 
 
 def retries_from_args(a: argparse.Namespace) -> Retries:
-    return Retries(
-        max_prefill_attempts=a.max_prefill_attempts,
-        max_decode_attempts=a.max_decode_attempts,
-        first_backoff_s=a.retry_backoff,
-        fallback_to_local_prefill=a.fallback_to_local_prefill,
-        prefill_stands_in=a.prefill_stands_in,
-    )
+    return _part(Retries, a, first_backoff_s="retry_backoff", max_prefill_attempts="", max_decode_attempts="",
+                 fallback_to_local_prefill="", prefill_stands_in="")  # fmt: skip
 
 
 def add_admission(p: argparse.ArgumentParser) -> None:
@@ -210,16 +208,9 @@ def add_admission(p: argparse.ArgumentParser) -> None:
 
 
 def admission_from_args(a: argparse.Namespace) -> AdmissionLimits:
-    return AdmissionLimits(
-        max_concurrent=a.max_concurrent,
-        max_queued=a.max_queued,
-        queue_timeout_s=a.queue_timeout,
-        max_body_bytes=a.max_body_bytes,
-        header_timeout_s=a.header_timeout,
-        body_timeout_s=a.body_timeout,
-        keep_alive_s=a.keep_alive_timeout,
-        max_connections=a.max_client_connections,
-    )
+    return _part(AdmissionLimits, a, max_concurrent="", max_queued="", queue_timeout_s="queue_timeout",
+                 max_body_bytes="", header_timeout_s="header_timeout", body_timeout_s="body_timeout",
+                 keep_alive_s="keep_alive_timeout", max_connections="max_client_connections")  # fmt: skip
 
 
 def add_health(p: argparse.ArgumentParser) -> None:
@@ -238,13 +229,8 @@ def add_health(p: argparse.ArgumentParser) -> None:
 
 
 def health_from_args(a: argparse.Namespace) -> HealthChecks:
-    return HealthChecks(
-        interval_s=a.health_interval,
-        timeout_s=a.health_timeout,
-        unhealthy_after_checks=a.unhealthy_after_checks,
-        breaker_threshold=a.breaker_threshold,
-        breaker_cooldown_s=a.breaker_cooldown,
-    )
+    return _part(HealthChecks, a, interval_s="health_interval", timeout_s="health_timeout",
+                 unhealthy_after_checks="", breaker_threshold="", breaker_cooldown_s="breaker_cooldown")  # fmt: skip
 
 
 def add_api_keys(p: argparse.ArgumentParser) -> None:
@@ -259,12 +245,14 @@ def add_api_keys(p: argparse.ArgumentParser) -> None:
 
 
 def api_keys_from_args(a: argparse.Namespace) -> ApiKeys:
-    return ApiKeys(
-        client=a.api_key,
-        admin=a.admin_api_key,
-        upstream=a.upstream_api_key,
-        show_instance_urls=a.show_instance_urls,
-    )
+    return _part(ApiKeys, a, client="api_key", admin="admin_api_key", upstream="upstream_api_key",
+                 show_instance_urls="")  # fmt: skip
+
+
+def _part(cls: Callable[..., T], a: argparse.Namespace, **dests: str) -> T:
+    """A config part from the parsed flags: each field from the flag's ``dest`` named beside it ("": the
+    field's own name)."""
+    return cls(**{field: getattr(a, dest or field) for field, dest in dests.items()})
 
 
 def add_topology(p: argparse.ArgumentParser) -> None:

@@ -16,6 +16,7 @@ benchmarks of the proxy rather than of the engine.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -88,34 +89,38 @@ class Profile:
             + self.decode_per_ctx_token_s * decode_ctx_tokens
         )
 
+    # The pull and link arithmetic is the cost model's (costmodel.Costs): one definition for both.
     @property
     def lone_request_overhead_s(self) -> float:
         """What a request alone spends before the scheduler sees it (no burst to wait behind)."""
-        return self.request_overhead_s + self.frontend_per_request_s
+        return self.costs().lone_request_overhead_s
 
     def pull_seconds(self, num_blocks: int) -> float:
-        return self.kv_pull_base_s + self.kv_pull_per_block_s * num_blocks
+        return self.costs().pull_seconds(num_blocks)
 
     @property
     def block_bytes(self) -> int:
         """KV bytes of one full block: what one block of a pull moves."""
-        return self.block_size * self.kv_bytes_per_token
+        return self.costs().block_bytes
 
     @property
     def kv_bandwidth_bytes_per_s(self) -> float:
         """The link bandwidth the pull model implies (inf when pulls cost nothing per block)."""
-        return self.block_bytes / self.kv_pull_per_block_s if self.kv_pull_per_block_s > 0 else float("inf")
+        return self.costs().kv_bandwidth_bytes_per_s
 
     def with_kv_bandwidth(self, bytes_per_s: float) -> Profile:
         """This profile with pulls over a link of ``bytes_per_s`` (the per-block cost derived from it):
         the knob for a slow link (TCP loopback, a congested NIC) or a fast one (NVLink)."""
-        if not bytes_per_s > 0:
-            raise ConfigError(f"profile {self.name!r}: KV bandwidth must be > 0 bytes/s, got {bytes_per_s}")
-        return dataclasses.replace(self, kv_pull_per_block_s=self.block_bytes / bytes_per_s)
+        per_block = self.costs().with_kv_bandwidth(bytes_per_s).kv_pull_per_block_s
+        return dataclasses.replace(self, kv_pull_per_block_s=per_block)
+
+    @functools.cached_property
+    def _costs(self) -> Costs:
+        return Costs(**{f.name: getattr(self, f.name) for f in dataclasses.fields(Costs)})
 
     def costs(self) -> Costs:
-        """What the cost model (plan, the elastic router) reads of this profile."""
-        return Costs(**{f.name: getattr(self, f.name) for f in dataclasses.fields(Costs)})
+        """What the cost model (plan, the elastic router) reads of this profile (built once)."""
+        return self._costs
 
     def to_mapping(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
