@@ -5,8 +5,8 @@ Every instance of an elastic pool can take any role (vLLM decides per request fr
 
 - every ``replan_s`` the recent arrivals (rate, prompt and output lengths over ``window_s``) go to the
   cost model (costmodel.py, the one `pdserve plan` uses), which ranks every layout of the pool's N
-  instances: N colocated, 1P(N-1)D … (N-1)P1D. The best (most slack against the SLO, or the lowest
-  latency without one) becomes the pool's layout; a close second does not displace it (hysteresis), so
+  instances: N colocated, 1P(N-1)D … (N-1)P1D. The best (the most capacity among those that meet the
+  SLO, or the lowest latency without one) becomes the pool's layout; a close second does not displace it (hysteresis), so
   the layout moves with the load, not with noise.
 - the layout gives instances roles, softly: an instance leaving the decode side is the one decoding the
   least, one leaving the prefill side the one with the least prefill work waiting, and nothing restarts.
@@ -35,7 +35,7 @@ from pdserve.proxy.routing import C, load_score
 
 Side = Literal["prefill", "decode"]
 
-_HYSTERESIS = 1.05  # a new layout must have this much more slack than the current one to replace it
+_HYSTERESIS = 1.05  # the capacity (or slack) a new layout needs over the current one to displace it
 _DEFAULT_OUTPUT_LEN = 128  # a request that does not say its max_tokens
 _UNPLANNED_SPLIT_TOKENS = 512  # no step costs known: prompts this long are split, shorter ones whole
 
@@ -251,8 +251,7 @@ def _clearly_better(new: Layout, current: Layout) -> bool:
     if new.capacity is not None and current.capacity is not None:
         if new.meets_slo != current.meets_slo:
             return new.meets_slo
-        if not new.meets_slo:
-            return new.capacity > current.capacity * _HYSTERESIS
+        return new.capacity > current.capacity * _HYSTERESIS
     if current.slack > 0:
         return new.slack > current.slack * _HYSTERESIS
     return new.slack > current.slack / _HYSTERESIS  # both negative (no SLO: minus the latency)
