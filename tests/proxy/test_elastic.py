@@ -138,3 +138,17 @@ def test_an_instance_that_leaves_is_forgotten_and_never_chosen() -> None:
     # One instance left: everything whole there.
     alone = r.place(rest[:1], 2000, 128)
     assert not alone.is_split and alone.decode is rest[0]
+
+
+def test_a_whole_request_goes_where_its_prompt_is_computed_soonest_not_where_fewest_requests_are() -> None:
+    r, clock = router()
+    members = pool()
+    drive(r, clock, members, 40, 12, 300, 1000)
+    assert r.layout == "8 colocated"
+    first = r.place(members, 2000, 128)
+    r.done(first)  # its instance now has the fewest requests, but is still computing that prompt
+    clock.t += 0.001
+    second = r.place(members, 2000, 128)
+    assert second.decode is not first.decode
+    clock.t += 1.0  # both prompts computed long since: the first instance is as good as any again
+    assert r.place([second.decode, first.decode], 2000, 128).decode is first.decode

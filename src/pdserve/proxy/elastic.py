@@ -75,6 +75,9 @@ class ElasticRouter:
         self._sides: dict[str, Side] = {}
         self._prefill_tokens: dict[str, int] = {}  # prompt tokens being prefilled there for a split
         self._requests: dict[str, int] = {}  # requests decoding (or served whole) there
+        # When the prompts sent there whole should be computed, by the step costs: a whole request's
+        # first token is the flow's to see, not the router's, so its prefill is estimated instead.
+        self._prompts_until: dict[str, float] = {}
         self.decisions = {"whole": 0, "split": 0}
 
     # --- what the flow calls ----------------------------------------------------------------------
@@ -111,7 +114,7 @@ class ElasticRouter:
 
     def forget(self, url: str) -> None:
         """The instance left the pool: its side and counts go with it."""
-        for table in (self._sides, self._prefill_tokens, self._requests):
+        for table in (self._sides, self._prefill_tokens, self._requests, self._prompts_until):
             table.pop(url, None)
 
     # --- what the routes read ---------------------------------------------------------------------
@@ -204,7 +207,7 @@ class ElasticRouter:
                              f"{prompt_tokens} prompt tokens < {_UNPLANNED_SPLIT_TOKENS}: whole")  # fmt: skip
         if not prefill_side or not decode_side:
             why = f"{layout}: whole" if self._layout is not None else "one instance in service: whole"
-            return Placement(None, self._least_requests(members), layout, why)
+            return Placement(None, self._least_prompt_backlog(members), layout, why)
         decode = self._least_requests(decode_side)
         costs = self._settings.costs
         if costs is not None and prompt_tokens * costs.prefill_per_token_s < costs.step_base_s:
@@ -225,6 +228,17 @@ class ElasticRouter:
     def _least_requests(self, members: Sequence[C]) -> C:
         return min(members, key=lambda m: (self._requests.get(m.url, 0), load_score(m)))
 
+    def _least_prompt_backlog(self, members: Sequence[C]) -> C:
+        """Where a whole request's prompt is computed soonest. Its TTFT is the prompts queued ahead of it
+        there; decodes cost it a few ms a step. The fewest requests would send it, every time a
+        decode finishes, to an instance still computing a long prompt (colocated at 90 req/s of 2,000
+        tokens: TTFT p90 264 ms against round robin's 82)."""
+        if self._settings.costs is None:
+            return self._least_requests(members)
+        now = self._clock()
+        return min(members, key=lambda m: (max(now, self._prompts_until.get(m.url, now)),
+                                           self._requests.get(m.url, 0), load_score(m)))  # fmt: skip
+
     def _least_prefill(self, members: Sequence[C]) -> C:
         return min(members, key=lambda m: (self._prefill_tokens.get(m.url, 0), load_score(m)))
 
@@ -237,6 +251,14 @@ class ElasticRouter:
             self.decisions["split"] += 1
         else:
             self.decisions["whole"] += 1
+            costs = self._settings.costs
+            if costs is not None:
+                steps = -(-prompt_tokens // costs.max_num_batched_tokens)
+                now = self._clock()
+                start = max(now, self._prompts_until.get(decode, now))
+                self._prompts_until[decode] = (
+                    start + steps * costs.step_base_s + costs.prefill_per_token_s * prompt_tokens
+                )
 
 
 def _describe_load(load: Load) -> dict[str, object]:
