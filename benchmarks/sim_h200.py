@@ -35,7 +35,7 @@ from typing import Any
 
 from _common import add_numbers, script_parser
 from pdserve.bench.simcluster import ClusterLoad, _Pulls, run, serve
-from pdserve.bench.workload import Slo
+from pdserve.costmodel import Slo
 from pdserve.sim.device import SharedDevice
 from pdserve.sim.engine import SimEngine, VirtualClock
 from pdserve.sim.profile import Profile, load_profile

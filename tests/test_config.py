@@ -250,3 +250,45 @@ def test_start_up_warns_of_a_kv_lease_a_stalled_decode_outlasts() -> None:
 def test_retries_back_off_doubling_to_at_most_a_second() -> None:
     retries = Retries(first_backoff_s=0.3)
     assert [retries.backoff(n) for n in (1, 2, 3, 4)] == [0.3, 0.6, 1.0, 1.0]
+
+
+# --- an elastic pool ----------------------------------------------------------------------------------
+
+
+def test_an_elastic_topology_is_one_role_of_n_instances_instead_of_prefill_and_decode() -> None:
+    topology = Topology(elastic=RoleSpec(count=3, args=("--max-num-seqs", "8")))
+    assert topology.is_elastic and not Topology().is_elastic
+    assert topology.roles() == (("elastic", RoleSpec(count=3, args=("--max-num-seqs", "8"))),)
+    assert topology.num_instances == 3
+    assert topology.instance_hosts == ("127.0.0.1",) * 3
+    assert topology.role("elastic").count == 3 and Topology().role("elastic") == RoleSpec()
+
+
+@pytest.mark.parametrize(
+    ("values", "match"),
+    [
+        ({"elastic": RoleSpec(count=0)}, r"topology.elastic needs >= 1 instance, got 0"),
+        ({"elastic": RoleSpec(count=3), "prefill": RoleSpec(count=2)}, "elastic replaces prefill and decode"),
+        (
+            {"elastic": RoleSpec(count=3), "decode": RoleSpec(args=("--x",))},
+            "set elastic, or prefill and decode",
+        ),
+        ({"elastic": RoleSpec(count=2), "kv_both": True}, "kv_both is for a prefill/decode topology"),
+        ({"elastic": RoleSpec(count=2, hosts=("10.0.0.2",))}, "elastic"),  # one address for two instances
+        (
+            {"elastic": RoleSpec(resources=(("gpu_node", 1.0),))},
+            r"topology.elastic.resources .* need topology.ray",
+        ),
+    ],
+)
+def test_a_wrong_elastic_topology_is_refused_naming_what_to_change(
+    values: dict[str, object], match: str
+) -> None:
+    with pytest.raises(ConfigError, match=match):
+        Topology(**values)  # type: ignore[arg-type]
+
+
+def test_an_elastic_pool_reads_a_ports_range_of_its_own_size() -> None:
+    with pytest.raises(ConfigError, match="ports overlap"):
+        Topology(elastic=RoleSpec(count=3), first_port=5598, first_side_channel_port=5600)
+    Topology(elastic=RoleSpec(count=3), first_port=5597, first_side_channel_port=5600)

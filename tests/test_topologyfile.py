@@ -106,3 +106,27 @@ def test_a_role_key_may_also_be_written_flat() -> None:
     )
     assert topology.prefill == RoleSpec(count=2, hosts=("10.0.0.2", "10.0.0.3"))
     assert topology.decode.hosts == ("10.0.0.4",)
+
+
+def test_an_elastic_pool_is_written_as_one_role_of_count_args_hosts() -> None:
+    topology = topology_from_mapping(
+        {"elastic": {"count": 3, "args": ["--max-num-seqs", 8]}, "model": "tiny"}
+    )
+    assert topology.elastic == RoleSpec(count=3, args=("--max-num-seqs", "8"))
+    assert [name for name, _ in topology.roles()] == ["elastic"]
+    flat = topology_from_mapping({"num_elastic": 2, "elastic_hosts": ["10.0.0.2", "10.0.0.3"]})
+    assert flat.elastic == RoleSpec(count=2, hosts=("10.0.0.2", "10.0.0.3"))
+
+
+@pytest.mark.parametrize(
+    ("data", "match"),
+    [
+        ({"elastic": 3}, "topology.elastic must be a mapping with 'count'"),
+        ({"elastic": {"count": 3, "roles": "any"}}, "topology.elastic must be a mapping with 'count'"),
+        ({"elastic": {"count": 3}, "prefill": {"count": 1, "args": ["--x"]}}, "elastic replaces prefill"),
+        ({"elastic": {"count": "three"}}, "topology.elastic"),
+    ],
+)
+def test_a_wrong_elastic_entry_is_refused_naming_it(data: dict[str, object], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        topology_from_mapping(data)

@@ -1,6 +1,6 @@
 """The `pdserve` command line.
 
-up        start N prefill + M decode instances and the proxy on this host (or on Ray)
+up        start N prefill + M decode instances (or an elastic pool of N) and the proxy, on this host or Ray
 proxy     the proxy alone, in front of running instances (given, or discovered on Kubernetes)
 k8s       `pdserve k8s render`: the Kubernetes manifests of a PD deployment
 verify    prove through a running proxy that KV moves over NIXL
@@ -26,7 +26,7 @@ from types import FrameType
 
 from pdserve.commands import flags
 from pdserve.config import proxy_default
-from pdserve.errors import PDServeError
+from pdserve.errors import ConfigError, PDServeError
 
 
 def _positive_float(text: str) -> float:
@@ -51,11 +51,11 @@ def cmd_up(a: argparse.Namespace) -> int:
 
     _raise_on_sigterm()
     tune_gc()  # this process runs the proxy (on a thread) for as long as it lives
-    stack_ = Stack(
-        flags.topology_from_args(a), proxy=flags.proxy_settings_from_args(a), proxy_log_level=a.log_level
-    )
+    topology = flags.topology_from_args(a)
+    stack_ = Stack(topology, proxy=flags.proxy_settings_from_args(a, topology), proxy_log_level=a.log_level)
     with stack_ as stack:
         doctor_lines: list[str] = []
+        # An elastic pool's instances are checked as a ring: each prefills for the next (doctor/run.py).
         if a.doctor:
             # Brief: one canary per pair, so a link that makes the split cost more than it saves is
             # said at start-up, not found by users later (`pdserve doctor` says more). It runs before
@@ -79,13 +79,18 @@ def cmd_proxy(a: argparse.Namespace) -> int:
     from pdserve.k8s.command import k8s_discovery
     from pdserve.proxy.workers import serve
 
+    if a.instance and a.decode:
+        raise ConfigError(
+            "an elastic pool has instances of any role: give them as --instance only (not with --decode)"
+        )
     config = flags.proxy_settings_from_args(a).fronting(
         tuple(a.prefill),
-        tuple(a.decode),
+        tuple(a.instance or a.decode),
         host=a.host,
         port=a.port,
         discovery=k8s_discovery(a),
         colocated=a.colocated,
+        elastic=bool(a.instance),
     )
     serve(config, a.log_level)
     return 0
@@ -141,7 +146,12 @@ def cmd_demo(a: argparse.Namespace) -> int:
     from pdserve.commands.demo import run_demo
 
     _raise_on_sigterm()
-    return run_demo(flags.topology_from_args(a), keep=a.keep)
+    topology = flags.topology_from_args(a)
+    if topology.is_elastic:
+        raise ConfigError(
+            "demo walks one request through a prefill/decode pair: run `pdserve up --elastic N`"
+        )
+    return run_demo(topology, keep=a.keep)
 
 
 def cmd_sim(a: argparse.Namespace) -> int:
@@ -170,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
     sub = parser.add_subparsers(dest="command", required=True)
 
-    up = sub.add_parser("up", help="start N prefill + M decode vLLM instances and the proxy")
+    up = sub.add_parser("up", help="start N prefill + M decode vLLM instances (or --elastic N) and the proxy")
     flags.add_topology(up)
     flags.add_proxy_settings(up)
     up.add_argument("--no-doctor", dest="doctor", action="store_false",
@@ -185,6 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
     proxy.add_argument(
         "--decode", action="append", default=[], metavar="URL", help="decode instance (repeatable)"
     )
+    proxy.add_argument("--instance", action="append", default=[], metavar="URL",
+                       help="an instance of an elastic pool, able to take any role (repeatable; instead of "
+                            "--prefill/--decode): the proxy splits a request or serves it whole, per request")  # fmt: skip
     proxy.add_argument("--port", type=int, default=proxy_default("port"))
     proxy.add_argument("--host", default=proxy_default("host"))
     proxy.add_argument("--kv-lease", type=float, dest="kv_lease_s", default=proxy_default("kv_lease_s"),

@@ -27,11 +27,14 @@ from pdserve.configparts import (
 )
 from pdserve.errors import ConfigError
 
-Role = Literal["prefill", "decode"]
+# An instance's role: prefill or decode of a PD topology, or one of an elastic pool, which takes either
+# per request (or serves it whole) as the proxy decides (proxy/elastic.py).
+Role = Literal["prefill", "decode", "elastic"]
 Device = Literal["cpu", "cuda"]
 EngineKind = Literal["vllm", "sim"]
 OnInstanceExit = Literal["restart", "stop"]
-ROLES: tuple[Role, ...] = ("prefill", "decode")
+ROLES: tuple[Role, ...] = ("prefill", "decode")  # the roles of a split (PD) topology
+INSTANCE_ROLES: tuple[Role, ...] = (*ROLES, "elastic")  # every role a topology may give its instances
 MAX_WORKERS: Final = 64
 
 
@@ -172,7 +175,8 @@ class ProxyConfig(ProxySettings):
         """What each of ``workers`` processes enforces: its share of the admission limits, rounded up."""
         if self.workers == 1:
             return self
-        return dataclasses.replace(self, admission=self.admission.share(self.workers))
+        elastic = dataclasses.replace(self.elastic_pool, traffic_share=1 / self.workers)
+        return dataclasses.replace(self, admission=self.admission.share(self.workers), elastic_pool=elastic)
 
     @property
     def models_timeout_s(self) -> float:
@@ -243,10 +247,13 @@ class RoleSpec:
 
 @dataclass(frozen=True)
 class Topology:
-    """What `pdserve up` starts: N prefill and M decode vLLM instances plus the proxy, on one host.
+    """What `pdserve up` starts: N prefill and M decode vLLM instances plus the proxy, on one host; or,
+    with ``elastic``, an elastic pool of N instances that each take any role.
 
-    Each role is a ``RoleSpec`` (``topology.prefill``, ``topology.decode``, or ``topology.role(name)``):
-    its count, arguments, addresses and Ray resources, as the topology file writes them."""
+    Each role is a ``RoleSpec`` (``topology.prefill``, ``topology.decode``, ``topology.elastic``, or
+    ``topology.role(name)``): its count, arguments, addresses and Ray resources, as the topology file
+    writes them. ``roles()`` lists the roles the topology starts, and everything that plans, places or
+    names instances iterates it, so an elastic pool is one more role, not a mode."""
 
     engine: EngineKind = "vllm"  # "sim": pdserve's simulator instead of vLLM (scale and fault tests)
     sim_profile: str = "zero"  # the simulator's timing profile: a shipped name or a YAML file
@@ -255,6 +262,10 @@ class Topology:
     )
     prefill: RoleSpec = field(default_factory=RoleSpec)
     decode: RoleSpec = field(default_factory=RoleSpec)
+    # Instead of prefill and decode: an elastic pool, instances of role "elastic" (elastic-0, ...) that
+    # each can prefill for another, decode from another or serve a request whole; the proxy decides per
+    # request (ProxyConfig.elastic). None: a PD topology.
+    elastic: RoleSpec | None = None
     host: str = "127.0.0.1"
     proxy_port: int = 8000
     first_port: int = 8100  # instance i (prefill first, then decode) listens on first_port + i
@@ -279,9 +290,10 @@ class Topology:
     otlp_traces_endpoint: str | None = None
     # restart: `up` restarts an instance that exits (engines/supervisor.py); stop: `up` exits with it
     on_instance_exit: OnInstanceExit = "restart"
-    # Every instance kv_both (the simulator's role "both"): each can prefill for a remote decode, decode
-    # from a remote prefill, or serve a request whole, so `bench --compare` can measure PD and colocated
-    # serving on the very same instances, one run after the other, without restarting anything.
+    # Every prefill and decode instance able to take any role, as an elastic pool's are (the simulator's
+    # role "both"): each can prefill for a remote decode, decode from a remote prefill, or serve a request
+    # whole, so `bench --compare` can measure PD and colocated serving on the very same instances, one run
+    # after the other, without restarting anything (engines/placement.py: what that takes of vLLM).
     kv_both: bool = False
     # A Ray cluster's address ("10.0.0.2:6379", "auto"): each instance then runs as a Ray actor on a node
     # with its role's resources (custom ones, e.g. {"pdserve_prefill": 1}; GPUs on cuda), at that node's
@@ -289,8 +301,9 @@ class Topology:
     ray: str | None = None
 
     def __post_init__(self) -> None:
+        self._check_elastic()
         self._check_ray()
-        if self.prefill.count < 1 or self.decode.count < 1:
+        if self.elastic is None and (self.prefill.count < 1 or self.decode.count < 1):
             raise ConfigError(
                 f"topology needs >= 1 prefill and >= 1 decode instance, got "
                 f"{self.prefill.count} prefill and {self.decode.count} decode"
@@ -329,11 +342,19 @@ class Topology:
             )
 
     def roles(self) -> tuple[tuple[Role, RoleSpec], ...]:
-        """Every role with its spec, in plan order (prefill first)."""
+        """Every role this topology starts, with its spec, in plan order (prefill first)."""
+        if self.elastic is not None:
+            return (("elastic", self.elastic),)
         return (("prefill", self.prefill), ("decode", self.decode))
 
     def role(self, name: Role) -> RoleSpec:
-        return dict(self.roles())[name]
+        """The spec of role ``name``; an elastic pool not asked for reads as the default spec."""
+        spec: RoleSpec | None = getattr(self, name)
+        return spec if spec is not None else RoleSpec()
+
+    @property
+    def is_elastic(self) -> bool:
+        return self.elastic is not None
 
     @property
     def instance_hosts(self) -> tuple[str, ...]:
@@ -347,6 +368,28 @@ class Topology:
     def has_own_hosts(self) -> bool:
         """Whether some role names its instances' addresses (else they all bind ``host``)."""
         return any(spec.hosts for _, spec in self.roles())
+
+    def _check_elastic(self) -> None:
+        spec = self.elastic
+        if spec is None:
+            return
+        if not isinstance(spec, RoleSpec):
+            raise ConfigError(
+                "topology.elastic must be a mapping with 'count', 'args', 'hosts' and/or 'resources'"
+            )
+        count = spec.count
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ConfigError(f"topology.elastic needs >= 1 instance, got {count!r}")
+        if self.prefill != RoleSpec() or self.decode != RoleSpec():
+            raise ConfigError(
+                "topology.elastic replaces prefill and decode (its instances take either role per request): "
+                "set elastic, or prefill and decode, not both"
+            )
+        if self.kv_both:
+            raise ConfigError(
+                "topology.kv_both is for a prefill/decode topology (bench --compare); an elastic pool's "
+                "instances take any role already"
+            )
 
     def _check_ray(self) -> None:
         if self.ray is not None and (not isinstance(self.ray, str) or not self.ray.strip()):

@@ -58,9 +58,14 @@ class ElasticPool:
     slo: Slo = field(default_factory=Slo)
     window_s: float = 10.0
     replan_s: float = 1.0
+    # The share of the pool's traffic this router sees: 1/N for each of N proxy workers, which plan
+    # alone, each from its own arrivals (ProxyConfig.worker_share).
+    traffic_share: float = 1.0
 
     def __post_init__(self) -> None:
         check_positive("proxy.elastic", window_s=self.window_s, replan_s=self.replan_s)
+        if not 0 < self.traffic_share <= 1:
+            raise ConfigError(f"proxy.elastic.traffic_share must be in (0, 1], got {self.traffic_share}")
         if (self.slo.ttft_ms is None) != (self.slo.tpot_ms is None):
             raise ConfigError(
                 "proxy.elastic.slo: give both ttft and tpot (--slo ttft:MS tpot:MS), or neither"
@@ -74,7 +79,12 @@ class Retries:
     max_prefill_attempts: int = 2  # tries on distinct prefill instances before giving up
     max_decode_attempts: int = 2  # tries on distinct decode instances before the first token
     first_backoff_s: float = 0.05  # the pause before the first retry; it doubles with each (backoff)
-    fallback_to_local_prefill: bool = False  # prefill exhausted → decode computes the prompt itself
+    # Prefill exhausted (every attempt failed, or none in service) → decode computes the prompt itself:
+    # slower, but an answer, while a decode can serve. Off: the client gets prefill's error.
+    fallback_to_local_prefill: bool = True
+    # No decode can serve (none in service, or the only one failed before the client's first byte) → a
+    # prefill instance serves the request whole. Off: the client gets decode's error.
+    prefill_stands_in: bool = True
 
     def __post_init__(self) -> None:
         check_positive(

@@ -50,19 +50,19 @@ class Slo:
         return any(getattr(self, f"{n}_ms") is not None for n in _SLO_NAMES)
 
     @classmethod
-    def parse(cls, pairs: Sequence[str]) -> Slo:
-        """vLLM's syntax: ``["ttft:200", "tpot:50"]`` (milliseconds)."""
+    def parse(cls, pairs: Sequence[str], flag: str = "--goodput") -> Slo:
+        """vLLM's syntax: ``["ttft:200", "tpot:50"]`` (milliseconds); errors name ``flag``."""
         values: dict[str, float] = {}
         for pair in pairs:
             name, sep, value = pair.partition(":")
             if not sep or name not in _SLO_NAMES:
                 raise ConfigError(
-                    f"--goodput takes KEY:MS with KEY one of {', '.join(_SLO_NAMES)}, got {pair!r}"
+                    f"{flag} takes KEY:MS with KEY one of {', '.join(_SLO_NAMES)}, got {pair!r}"
                 )
             try:
                 values[f"{name}_ms"] = float(value)
             except ValueError:
-                raise ConfigError(f"--goodput {pair!r}: {value!r} is not a number of ms") from None
+                raise ConfigError(f"{flag} {pair!r}: {value!r} is not a number of ms") from None
         return cls(**values)
 
     def goodput_args(self) -> list[str]:

@@ -155,11 +155,13 @@ class Stack:
     ) -> None:
         self.engines = self._backend(specs, entrypoint)
         self.engines.start()
+        # An elastic pool's instances are the proxy's decode pool, each free to prefill for another.
         config = proxy.fronting(
             tuple(self.urls("prefill")),
-            tuple(self.urls("decode")),
+            (*self.urls("decode"), *self.urls("elastic")),
             host=self.topology.host,
             port=self.topology.proxy_port,
+            elastic=self.topology.is_elastic,
         )
         self.proxy = proxy_for(config, self._proxy_log_level)
         self.proxy.start()

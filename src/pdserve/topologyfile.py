@@ -1,8 +1,8 @@
 """A topology file (YAML) → ``Topology``: the accepted shape, every key checked, none silently ignored.
 
 ``config.py`` validates the values; this module only maps the file's shape onto the dataclass (a role's
-``prefill: {count, args, hosts, resources}`` is its ``RoleSpec``), and turns YAML and file errors into
-``ConfigError``.
+``prefill: {count, args, hosts, resources}`` is its ``RoleSpec``, and so is an elastic pool's
+``elastic: {count, ...}``), and turns YAML and file errors into ``ConfigError``.
 """
 
 from __future__ import annotations
@@ -13,17 +13,17 @@ from typing import Any
 
 import yaml
 
-from pdserve.config import ROLES, Resources, Role, RoleSpec, Topology
+from pdserve.config import INSTANCE_ROLES, Resources, Role, RoleSpec, Topology
 from pdserve.errors import ConfigError
 
-_TOPOLOGY_FIELDS = {f.name for f in dataclasses.fields(Topology)} - set(ROLES)
+_TOPOLOGY_FIELDS = {f.name for f in dataclasses.fields(Topology)} - set(INSTANCE_ROLES)
 _ROLE_KEYS = {f.name for f in dataclasses.fields(RoleSpec)}
 _TUPLE_KEYS = ("args", "hosts")
 # The flat spellings a topology file may also use (docs/deploying.md shows prefill_hosts): each is a key
 # of its role's mapping, e.g. ``prefill_hosts: [...]`` is ``prefill: {hosts: [...]}``.
 _FLAT_ROLE_KEYS = {
     flat: (role, key)
-    for role in ROLES
+    for role in INSTANCE_ROLES
     for flat, key in ((f"num_{role}", "count"), (f"{role}_args", "args"), (f"{role}_hosts", "hosts"))
 }
 
@@ -36,6 +36,8 @@ def topology_from_mapping(data: dict[str, Any], base: Topology | None = None) ->
         model: /path/to/model
         prefill: {count: 2, args: ["--max-num-seqs", "64"], hosts: [10.0.0.2, 10.0.0.3]}
         decode: {count: 2}
+        # or, instead of prefill and decode, an elastic pool (each instance takes any role per request):
+        # elastic: {count: 3, args: [...], hosts: [...]}
         proxy_port: 8000
         vllm_args: ["--enforce-eager"]
         on_instance_exit: restart    # or stop
@@ -44,15 +46,15 @@ def topology_from_mapping(data: dict[str, Any], base: Topology | None = None) ->
     base = base or Topology()
     data = _nest_flat_role_keys(data)
     values: dict[str, Any] = {
-        role: _role_from_mapping(role, data[role], base.role(role)) for role in ROLES if role in data
+        role: _role_from_mapping(role, data[role], base.role(role)) for role in INSTANCE_ROLES if role in data
     }
     for key, value in data.items():
-        if key in ROLES:
+        if key in INSTANCE_ROLES:
             continue
         if key in _TOPOLOGY_FIELDS:
             values[key] = value
         else:
-            allowed = sorted(_TOPOLOGY_FIELDS | set(ROLES))
+            allowed = sorted(_TOPOLOGY_FIELDS | set(INSTANCE_ROLES))
             raise ConfigError(f"unknown topology key {key!r}; valid keys: {', '.join(allowed)}")
     if "vllm_args" in values:
         values["vllm_args"] = _strings("topology.vllm_args", values["vllm_args"])

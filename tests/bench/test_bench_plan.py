@@ -13,7 +13,7 @@ import pytest
 
 from pdserve.bench import simcluster
 from pdserve.bench.plan import PlanRequest, plan
-from pdserve.bench.workload import Slo
+from pdserve.costmodel import Slo
 from pdserve.errors import ConfigError
 from pdserve.sim.profile import load_profile
 

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from pdserve.bench.inputs import sharegpt_sample, write_sim_tokenizer
-from pdserve.bench.workload import Slo, Workload, client_args
+from pdserve.bench.workload import Workload, client_args
+from pdserve.costmodel import Slo
 from pdserve.errors import ConfigError
 
 

@@ -11,9 +11,9 @@ import pytest
 from pdserve.bench import simcluster
 from pdserve.bench.command import _sim_profile_with_link
 from pdserve.bench.trace import Burst, Phase, Trace
-from pdserve.bench.workload import Slo
 from pdserve.config import Topology
 from pdserve.configparts import ElasticPool
+from pdserve.costmodel import Slo
 from pdserve.errors import ConfigError
 from pdserve.sim.profile import load_profile
 

@@ -46,6 +46,17 @@ def test_first_frame_shows_every_instance_and_says_rates_come_next() -> None:
     assert "requests  -/s" in text and "retries: prefill 1" in text and "handoffs open 2" in text
 
 
+def test_an_elastic_instance_shows_its_side_and_every_counter_it_moves() -> None:
+    """An instance of any role prefills for some requests and pulls for others: its ROLE cell says which
+    side the router gives it now, and neither role's counters are blanked."""
+    elastic = (InstanceRow("elastic", PREFILL, "serving", "closed", 1, side="prefill"),
+               InstanceRow("elastic", DECODE, "serving", "closed", 2, side="decode"))  # fmt: skip
+    lines = render(snapshot(10.0, xfers=10, num_bytes=1e9, ok=10, expired=3, instances=elastic))
+    assert row(lines, PREFILL)[0] == "elastic/prefill" and row(lines, DECODE)[0] == "elastic/decode"
+    assert row(lines, DECODE)[-3:] == ["10", "0", "-"]  # transfers and failures shown; expiries not exported
+    assert row(lines, PREFILL)[-1] == "3"  # expired leases
+
+
 def test_rates_are_deltas_over_the_time_between_refreshes() -> None:
     before = snapshot(10.0, xfers=10, num_bytes=1e9, ok=10)
     now = snapshot(12.0, xfers=30, num_bytes=5e9, ok=30, errors=2, expired=1)

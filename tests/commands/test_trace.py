@@ -30,3 +30,14 @@ def test_engine_lines_naming_the_request_or_its_handoff_are_found_in_the_run_log
     assert [name for name, _ in found] == ["decode-0", "prefill-0"]
     text = "\n".join(render(TRACE, found))
     assert "[decode-0] WARN Releasing expired" in text
+
+
+def test_an_elastic_pools_placement_is_shown_with_its_reason() -> None:
+    placement = {"layout": "2P1D", "split": True, "prefill_url": "http://p:1", "decode_url": "http://d:1",
+                 "reason": "2P1D for 3.0 req/s of 2000 in / 128 out"}  # fmt: skip
+    text = "\n".join(render({**TRACE, "placement": placement}))
+    assert "elastic pool (2P1D): prefill http://p:1, decode http://d:1: 2P1D for 3.0 req/s" in text
+    whole = {**placement, "split": False, "prefill_url": None, "reason": "short prompt"}
+    assert "elastic pool (2P1D): whole on http://d:1: short prompt" in "\n".join(
+        render({**TRACE, "placement": whole})
+    )

@@ -210,15 +210,18 @@ def test_facts_only_a_log_gives_are_warned_about_not_failed_without_logs() -> No
     assert any(w.startswith("dtype: unknown on both sides") and "--logs" in w for w in warned)
 
 
-def test_a_prefill_started_as_kv_consumer_fails() -> None:
-    decode_log = parse_log(DECODE_LOG.splitlines())
+def test_a_decode_started_as_kv_producer_fails_and_a_kv_consumer_prefill_passes() -> None:
+    """vLLM decides per request what an instance does with the KV, so a kv_consumer prefills (an elastic
+    pool's instances are all kv_consumer); a kv_producer decode lacks the guard that keeps pulled
+    blocks from being freed under overlapping batches, so doctor fails it."""
+    consumer_log = parse_log(DECODE_LOG.splitlines())
+    producer_log = parse_log(DECODE_LOG.replace("kv_consumer", "kv_producer").splitlines())
     pair = PairReport("http://prefill", "http://decode")
-    compare(pair, _facts("prefill", log=decode_log), _facts("decode", log=decode_log))
-    assert [c.what for c in pair.failures] == ["prefill's KV role is kv_consumer"]
-    prefill_log = parse_log(DECODE_LOG.replace("kv_consumer", "kv_producer").splitlines())
-    pair = PairReport("http://prefill", "http://decode")
-    compare(pair, _facts("prefill", log=prefill_log), _facts("decode", log=decode_log))
+    compare(pair, _facts("prefill", log=consumer_log), _facts("decode", log=consumer_log))
     assert pair.failures == []
+    pair = PairReport("http://prefill", "http://decode")
+    compare(pair, _facts("prefill", log=producer_log), _facts("decode", log=producer_log))
+    assert [c.what for c in pair.failures] == ["decode's KV role is kv_producer"]
 
 
 def _report(*pairs: PairReport) -> DoctorReport:

@@ -14,10 +14,14 @@ import pytest
 
 from pdserve.commands.verify import wait_for_transfers
 from pdserve.config import ProxyConfig, Timeouts
+from pdserve.configparts import Retries
 from pdserve.engines.backend import LocalEngines
 from pdserve.engines.transfers import transfer_counts
 from pdserve.proxy.thread import ProxyThread
 from pdserve.stack import Stack
+
+# Each role's failure reaches the client: the tests of that path need no survivor stepping in.
+STRICT = Retries(fallback_to_local_prefill=False, prefill_stands_in=False)
 
 pytestmark = pytest.mark.vllm
 
@@ -135,6 +139,7 @@ def test_frozen_prefill_ends_request_with_clear_error_then_recovers(
             decode_urls=tuple(stack.urls("decode")),
             port=18010,
             timeouts=Timeouts(connect=2, prefill=3),
+            retries=STRICT,  # prefill's failure reaches the client: no decode computing the prompt
         )
     )
     quick.start()
@@ -159,7 +164,7 @@ def test_frozen_prefill_ends_request_with_clear_error_then_recovers(
 def test_dead_prefill_url_fails_fast_naming_it(stack: Stack, model_name: str) -> None:
     dead = "http://127.0.0.1:18099"
     proxy = ProxyThread(
-        ProxyConfig(prefill_urls=(dead,), decode_urls=tuple(stack.urls("decode")), port=18011)
+        ProxyConfig(prefill_urls=(dead,), decode_urls=tuple(stack.urls("decode")), port=18011, retries=STRICT)
     )
     proxy.start()
     try:

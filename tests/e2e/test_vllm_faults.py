@@ -131,16 +131,14 @@ class _Load:
 
     def __init__(self, client: openai.OpenAI, decode_alone: openai.OpenAI, model: str, num: int = 2) -> None:
         self._client, self._model = client, model
-        self._prompt = _prompt("load")
+        self.prompt = _prompt("load")
         self.expected = self._ask(decode_alone)
         self.outcomes: list[str | openai.APIError] = []
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(num)]
 
     def _ask(self, client: openai.OpenAI) -> str:
-        answer = client.completions.create(
-            model=self._model, prompt=self._prompt, max_tokens=8, temperature=0
-        )
+        answer = client.completions.create(model=self._model, prompt=self.prompt, max_tokens=8, temperature=0)
         return answer.choices[0].text
 
     def _run(self) -> None:
@@ -223,16 +221,19 @@ def test_client_leaving_between_phases_gets_its_kv_back_on_prefill_within_the_le
 
 
 def _kill_during_a_request(
-    quick_client: openai.OpenAI, model_name: str, pgid: int, spec: InstanceSpec
+    quick_client: openai.OpenAI, model_name: str, pgid: int, spec: InstanceSpec, prompt: str, expected: str
 ) -> float:
-    """SIGKILL the (stopped) prefill while a request waits on it: the request ends at once, with an
-    error naming prefill. Returns the time of the kill."""
+    """SIGKILL the (stopped) prefill while a request waits on it: decode computes the prompt itself, and
+    the request completes soon after the kill with the single-instance answer. Returns the kill's time."""
     outcome: dict[str, object] = {}
 
     def request() -> None:
         try:
-            quick_client.completions.create(model=model_name, prompt=_prompt("killed"), max_tokens=4)
-        except openai.APIStatusError as exc:
+            answer = quick_client.completions.create(
+                model=model_name, prompt=prompt, max_tokens=8, temperature=0
+            )
+            outcome["text"] = answer.choices[0].text
+        except openai.APIError as exc:
             outcome["error"] = exc
         outcome["at"] = time.monotonic()
 
@@ -241,12 +242,11 @@ def _kill_during_a_request(
     time.sleep(1.0)
     killed_at = time.monotonic()
     os.killpg(pgid, signal.SIGKILL)
-    thread.join(timeout=QUICK.prefill + 5)
+    thread.join(timeout=QUICK.prefill + 30)
     assert not thread.is_alive(), "the request hung after prefill died"
-    error = outcome.get("error")
-    assert isinstance(error, openai.APIStatusError) and error.status_code in (502, 504)
-    assert f"prefill instance {spec.name}" in str(error) and spec.url not in str(error)
-    assert float(outcome["at"]) - killed_at < 5  # type: ignore[arg-type]
+    assert "error" not in outcome, f"prefill {spec.name} died and the client was told: {outcome['error']}"
+    assert outcome["text"] == expected  # decode computed the prompt: the same answer
+    assert float(outcome["at"]) - killed_at < 15  # type: ignore[arg-type]
     return killed_at
 
 
@@ -283,16 +283,23 @@ def kill(
     return _Kill(stack, client, quick_client, decode_alone, model_name)
 
 
-def test_prefill_killed_mid_request_is_a_prompt_clear_error_and_up_restarts_it_and_transfers_resume(
+def test_prefill_killed_mid_request_leaves_every_request_to_decode_until_up_restarts_it(
     kill: _Kill,
 ) -> None:
+    """Survivors take every role: with the only prefill dead, decode computes each prompt itself (the
+    request waiting on prefill when it died too), nothing reaches the clients but slower answers, and
+    once prefill is back the transfers resume."""
     stack, client, decode_alone, model_name = kill.stack, kill.client, kill.decode_alone, kill.model_name
     spec, pgid = kill.victim("prefill")
     load = kill.load()
     with load:
         time.sleep(2.0)  # the load is under way
         os.killpg(pgid, signal.SIGSTOP)  # the request is certainly inside prefill when the kill comes
-        killed_at = _kill_during_a_request(kill.quick_client, model_name, pgid, spec)
+        # The load's prompt: its single-instance answer is known to hold while other requests share the
+        # batch (a fresh prompt's greedy text may tip on a near-tie of the random tiny model's logits).
+        killed_at = _kill_during_a_request(
+            kill.quick_client, model_name, pgid, spec, load.prompt, load.expected
+        )
         _restarted_by_the_supervisor(stack, spec, killed_at)
         if stack.topology.device == "cuda":
             # Decode kept the dead prefill's KV buffers mapped (cuda_ipc), which held prefill's GPU memory
@@ -301,9 +308,12 @@ def test_prefill_killed_mid_request_is_a_prompt_clear_error_and_up_restarts_it_a
             _, recycled = _supervisor_event(stack, decode.url, "exited", killed_at, timeout=10)
             assert "to free prefill-0's GPU memory" in recycled.detail
             _supervisor_event(stack, decode.url, "ready", killed_at, timeout=RESTART_S)
-    # While prefill was down the proxy said so (503 naming the phase), and nothing hung.
+    # While prefill was down decode answered in its place. A request whose KV decode was pulling at the
+    # instant of the kill may end with vLLM's own KV-transfer error (one decode: nowhere to retry); none
+    # is refused for want of a prefill.
     errors = load.assert_answered_or_clearly_refused()
-    assert any(e.status_code == 503 and "prefill" in str(e) for e in errors), errors
+    assert not [e for e in errors if "KV transfer" not in str(e)], errors
+    assert len(errors) <= 2, errors
     # The new prefill has a new NIXL engine id: decode handshakes again and pulls from it.
     _serves_again(stack, client, model_name, decode_alone, num=3)
 
@@ -343,8 +353,10 @@ def test_decode_killed_mid_stream_ends_the_stream_with_an_error_and_up_restarts_
         assert time.monotonic() - killed_at < QUICK.idle + 3
         assert received < 1500  # cut short, and the client was told so rather than handed a short answer
         _restarted_by_the_supervisor(stack, spec, killed_at)
+    # While decode restarted the prefill served whole requests in its place: the load's errors are the
+    # requests decode held when it died (two load threads), none a refusal for want of a decode.
     errors = load.assert_answered_or_clearly_refused()
-    assert any(e.status_code == 503 and "decode" in str(e) for e in errors), errors
+    assert len(errors) <= 2 and not [e for e in errors if e.status_code == 503], errors
     # The stream's KV was pulled before its first token, and the load's handoffs that died with decode
     # are released by their lease: prefill ends up holding nothing.
     assert _wait_until(lambda: _kv_usage(prefill) == 0.0, timeout=LEASE_S + 15)

@@ -61,7 +61,8 @@ def test_kv_transfer_config_gives_prefill_producer_and_decode_consumer() -> None
 
 def test_kv_both_topology_starts_every_instance_able_to_take_either_role_or_a_whole_request() -> None:
     specs = plan_instances(Topology(kv_both=True), "/models/m", None, [0, 1])
-    assert [json.loads(arg_value(s, "--kv-transfer-config"))["kv_role"] for s in specs] == ["kv_both"] * 2
+    # Not vLLM's kv_both, deprecated for NixlConnector: the per-request params decide, as on an elastic pool.
+    assert [json.loads(arg_value(s, "--kv-transfer-config"))["kv_role"] for s in specs] == ["kv_consumer"] * 2
     assert [s.role for s in specs] == ["prefill", "decode"]  # their place in the PD topology is kept
     sims = plan_sim_instances(Topology(engine="sim", kv_both=True))
     assert [arg_value(s, "--both") for s in sims] == ["1", "1"]
@@ -382,3 +383,55 @@ def test_cpu_instances_give_nixls_progress_thread_a_pause_and_cuda_ones_keep_nix
 def test_a_nixl_progress_delay_that_is_not_whole_microseconds_is_refused(delay: object) -> None:
     with pytest.raises(ConfigError, match="nixl_progress_delay_us"):
         Topology(nixl_progress_delay_us=delay)  # type: ignore[arg-type]
+
+
+def test_an_elastic_pool_on_cpu_is_n_instances_of_any_role_named_after_it() -> None:
+    topology = Topology(elastic=RoleSpec(count=3), first_port=9100, first_side_channel_port=5800)
+    specs = plan_instances(topology, "/models/m", None, [0, 1, 2])
+    assert [s.name for s in specs] == ["elastic-0", "elastic-1", "elastic-2"]
+    assert [s.port for s in specs] == [9100, 9101, 9102]
+    assert [s.side_channel_port for s in specs] == [5800, 5801, 5802]
+    assert binds(specs) == ["0", "1", "2"]
+    for spec in specs:
+        assert json.loads(arg_value(spec, "--kv-transfer-config")) == {
+            "kv_connector": "NixlConnector",
+            "kv_role": "kv_consumer",  # never the deprecated kv_both: the request's params decide the role
+            "kv_buffer_device": "cpu",
+        }
+        assert spec.args.count("--enable-prompt-tokens-details") == 1  # the proof on whichever decodes
+        assert "--no-async-scheduling" not in spec.args  # vLLM's CPU platform runs none already
+        env = dict(spec.env)
+        assert env["VLLM_SERVER_DEV_MODE"] == "1"  # it may decode: the lease guard may reset its cache
+        assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == str(spec.side_channel_port)
+
+
+def test_an_elastic_pool_on_cuda_runs_without_async_scheduling_unless_the_user_says() -> None:
+    topology = Topology(elastic=RoleSpec(count=2), device="cuda")
+    specs = plan_instances(topology, "/m", None, [0], gpu_ids=[0, 1])
+    for spec in specs:
+        config = json.loads(arg_value(spec, "--kv-transfer-config"))
+        assert (config["kv_role"], config["kv_buffer_device"]) == ("kv_consumer", "cuda")
+        assert spec.args.count("--no-async-scheduling") == 1
+    # kv_both (bench --compare) takes any role too, so it gets the same; a dedicated pair does not.
+    both = plan_instances(Topology(device="cuda", kv_both=True), "/m", None, [0], gpu_ids=[0, 1])
+    assert all("--no-async-scheduling" in s.args for s in both)
+    pair = plan_instances(Topology(device="cuda"), "/m", None, [0], gpu_ids=[0, 1])
+    assert not any("--no-async-scheduling" in s.args for s in pair)
+    told = Topology(elastic=RoleSpec(count=2, args=("--async-scheduling",)), device="cuda")
+    for spec in plan_instances(told, "/m", None, [0], gpu_ids=[0, 1]):
+        assert "--no-async-scheduling" not in spec.args and spec.args[-1] == "--async-scheduling"
+
+
+def test_an_elastic_pool_of_simulators_runs_role_both_with_its_own_args() -> None:
+    topology = Topology(engine="sim", elastic=RoleSpec(count=3, args=("--kv-lease-s", "9")), first_port=9300)
+    sims = plan_sim_instances(topology)
+    assert [s.name for s in sims] == ["elastic-0", "elastic-1", "elastic-2"]
+    assert [arg_value(s, "--both") for s in sims] == ["1"] * 3
+    assert [(arg_value(s, "--prefill"), arg_value(s, "--decode")) for s in sims] == [("0", "0")] * 3
+    assert [arg_value(s, "--first-port") for s in sims] == ["9300", "9301", "9302"]
+    assert all(s.args[-2:] == ("--kv-lease-s", "9") for s in sims)
+
+
+def test_an_elastic_pool_must_not_set_what_the_plan_owns() -> None:
+    with pytest.raises(ConfigError, match=r"topology\.elastic\.args must not set --port"):
+        plan_instances(Topology(elastic=RoleSpec(count=2, args=("--port", "1"))), "/m", None, [0, 1])

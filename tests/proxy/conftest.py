@@ -13,7 +13,7 @@ import aiohttp
 import openai
 import pytest
 from fake_vllm import FakeVLLM
-from proxy_rig import CLIENT_TIMEOUT, Rig, running_proxy, serve_fake
+from proxy_rig import CLIENT_TIMEOUT, STRICT, Rig, running_proxy, serve_fake
 
 
 @pytest.fixture(scope="session")
@@ -22,7 +22,8 @@ def _session_rig() -> Iterator[Rig]:
     with (
         serve_fake(prefill) as prefill_url,
         serve_fake(decode) as decode_url,
-        running_proxy([prefill_url], [decode_url]) as url,
+        # Each role's failures reach the client here: the tests of those paths need no survivor stepping in.
+        running_proxy([prefill_url], [decode_url], retries=STRICT) as url,
     ):
         yield Rig(url, prefill, decode, prefill_url, decode_url)
 

@@ -13,7 +13,7 @@ from fake_vllm import FakeVLLM
 
 from asgi_rig import listening_socket, serve_in_thread
 from pdserve.config import ProxyConfig, Timeouts
-from pdserve.configparts import HealthChecks
+from pdserve.configparts import HealthChecks, Retries
 from pdserve.proxy.server import make_server
 
 # Short, so fault tests end quickly; every wait in a test is bounded by one of these plus slack.
@@ -38,6 +38,10 @@ def serve_fake(fake: FakeVLLM) -> Iterator[str]:
     with serve_in_thread(uvicorn.Server(config), listening_socket()) as url:
         yield url
 
+
+# Each role's failures reach the client: no decode computing a failed prefill's prompt, no prefill standing
+# in for a failed decode. For the tests of those error paths.
+STRICT = Retries(fallback_to_local_prefill=False, prefill_stands_in=False)
 
 # Breakers would carry one fault test's failures into the next on a shared rig: off unless asked.
 NO_BREAKER = HealthChecks(breaker_threshold=10**6)

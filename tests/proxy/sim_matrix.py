@@ -283,9 +283,13 @@ async def ask(
     request_id: str,
     max_tokens: int,
     limit_s: float,
+    words: str | None = None,
 ) -> Answer:
-    """Send one request through the proxy and judge the answer; gives up (kind "hang") after ``limit_s``."""
-    body = request_body(endpoint, stream, max_tokens, request_id)
+    """Send one request through the proxy and judge the answer; gives up (kind "hang") after ``limit_s``.
+    Its prompt starts with ``words`` (default: the request id, so that every prompt is new)."""
+    body = request_body(
+        endpoint, stream, max_tokens, request_id if words is None else f"{request_id} {words}"
+    )
     headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
     status = 0
     begun = time.monotonic()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import aiohttp
 import orjson
 import pytest
-from proxy_rig import Rig, running_proxy
+from proxy_rig import STRICT, Rig, running_proxy
 from test_flow import COMPLETION
 
 from pdserve.configparts import ApiKeys
@@ -55,7 +55,7 @@ async def test_requests_and_the_admin_api_need_the_admin_key(
 async def test_a_client_reads_instances_by_pool_name_and_operators_by_url(
     rig: Rig, http: aiohttp.ClientSession, dead_url: str
 ) -> None:
-    with running_proxy([rig.prefill_url], [dead_url]) as url:
+    with running_proxy([rig.prefill_url], [dead_url], retries=STRICT) as url:
         async with http.post(url + "/v1/completions", json=COMPLETION) as resp:
             status, body = resp.status, await resp.read()
         _, models = await get(http, url + "/v1/models")
@@ -69,7 +69,9 @@ async def test_a_client_reads_instances_by_pool_name_and_operators_by_url(
 async def test_instance_urls_shown_to_clients_when_configured(
     rig: Rig, http: aiohttp.ClientSession, dead_url: str
 ) -> None:
-    with running_proxy([rig.prefill_url], [dead_url], api_keys=ApiKeys(show_instance_urls=True)) as url:
+    with running_proxy(
+        [rig.prefill_url], [dead_url], api_keys=ApiKeys(show_instance_urls=True), retries=STRICT
+    ) as url:
         async with http.post(url + "/v1/completions", json=COMPLETION) as resp:
             body = await resp.read()
     assert dead_url.encode() in body

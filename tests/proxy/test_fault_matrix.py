@@ -26,7 +26,7 @@ from typing import Any, Literal
 import aiohttp
 import orjson
 import pytest
-from proxy_rig import NO_BREAKER, TIMEOUTS, running_proxy
+from proxy_rig import NO_BREAKER, STRICT, TIMEOUTS, running_proxy
 from sim_matrix import (
     LEASE_S,
     PATHS,
@@ -76,6 +76,7 @@ class Case:
     retried: str | None = None  # every request's walk-through must show a retry of this phase
     # Streamed error events must come within this of the event before them (slow tokens).
     max_error_gap_s: float | None = None
+    config: dict[str, Any] = dataclasses.field(default_factory=dict)  # the proxies' own settings
 
 
 OK_QUICK = Expect("ok", QUICK_S)
@@ -96,6 +97,17 @@ def _both_fail(role: str, expect: Expect, **fault: Any) -> Case:
     return Case(_on_both(role, **fault), expect, expect)
 
 
+# A role's errors reach the client only when the other role may not step in (decode computing the
+# prompt, a prefill serving the request whole).
+NO_FALLBACK = STRICT_CONFIG = {"retries": STRICT}
+
+
+def _no_prefill_left(expect: Expect, **fault: Any) -> Case:
+    """The fault on both prefills: decode computes the prompt itself (the default), so every request
+    is answered, after the prefill attempts that failed."""
+    return Case(_on_both("prefill", **fault), expect, expect, retried="prefill")
+
+
 def _both_decodes_fail(status: int, **fault: Any) -> Case:
     """The fault on both decode instances, met at once: a streamed request ends with an SSE error event,
     a whole one with ``status`` naming decode."""
@@ -103,22 +115,41 @@ def _both_decodes_fail(status: int, **fault: Any) -> Case:
         _on_both("decode", **fault),
         Expect("stream_error", QUICK_S),
         Expect("error", QUICK_S, status, "decode"),
+        config=STRICT_CONFIG,
     )
+
+
+def _prefill_stands_in(**fault: Any) -> Case:
+    """The fault on both decode instances, met at once: a stream that has begun ends with an SSE error
+    event; a whole request, which has no byte yet, is served whole by a prefill instead (the default)."""
+    return Case(_on_both("decode", **fault), Expect("stream_error", QUICK_S), OK_QUICK)
 
 
 CASES = [
     pytest.param(_one("prefill", error_rate=1), id="one-prefill-answers-500-others-answer"),
     pytest.param(
-        _both_fail("prefill", Expect("error", QUICK_S, 500, "prefill"), error_rate=1),
-        id="every-prefill-answers-500-client-gets-500-naming-prefill",
+        _no_prefill_left(OK_QUICK, error_rate=1), id="every-prefill-answers-500-decode-computes-the-prompt"
+    ),
+    pytest.param(
+        dataclasses.replace(
+            _both_fail("prefill", Expect("error", QUICK_S, 500, "prefill"), error_rate=1), config=NO_FALLBACK
+        ),
+        id="every-prefill-answers-500-no-fallback-client-gets-500-naming-prefill",
     ),
     pytest.param(
         _one("prefill", Expect("ok", T.prefill), hang_rate=1),
         id="one-prefill-hangs-answered-by-the-other-after-the-prefill-timeout",
     ),
     pytest.param(
-        _both_fail("prefill", Expect("error", 2 * T.prefill, 504, "prefill"), hang_rate=1),
-        id="every-prefill-hangs-client-gets-504-naming-prefill",
+        _no_prefill_left(Expect("ok", 2 * T.prefill), hang_rate=1),
+        id="every-prefill-hangs-decode-computes-after-the-timeouts",
+    ),
+    pytest.param(
+        dataclasses.replace(
+            _both_fail("prefill", Expect("error", 2 * T.prefill, 504, "prefill"), hang_rate=1),
+            config=NO_FALLBACK,
+        ),
+        id="every-prefill-hangs-no-fallback-client-gets-504-naming-prefill",
     ),
     # The answer is cut off after prefill computed the KV: those blocks stay held until the lease ends.
     pytest.param(_one("prefill", drop_rate=1), id="one-prefill-dies-mid-answer-others-answer"),
@@ -136,11 +167,17 @@ CASES = [
     ),
     pytest.param(
         _both_decodes_fail(502, drop_rate=1),
-        id="every-decode-dies-mid-answer-streams-end-with-an-error-event",
+        id="every-decode-dies-mid-answer-strict-streams-end-with-an-error-event",
+    ),
+    pytest.param(
+        _prefill_stands_in(drop_rate=1), id="every-decode-dies-mid-answer-a-prefill-serves-whole-requests"
     ),
     pytest.param(_one("decode", pull_fail_rate=1), id="one-decode-cannot-pull-kv-others-answer"),
     pytest.param(
-        _both_decodes_fail(500, pull_fail_rate=1), id="no-decode-can-pull-kv-client-gets-vllms-error"
+        _both_decodes_fail(500, pull_fail_rate=1), id="no-decode-can-pull-kv-strict-client-gets-vllms-error"
+    ),
+    pytest.param(
+        _prefill_stands_in(pull_fail_rate=1), id="no-decode-can-pull-kv-a-prefill-serves-whole-requests"
     ),
     pytest.param(
         Case(
@@ -148,13 +185,26 @@ CASES = [
             Expect("stream_error", T.first_token + T.idle),
             Expect("error", 2 * T.decode, 504, "decode"),
             max_error_gap_s=T.idle,
+            config=STRICT_CONFIG,
         ),
-        id="tokens-slower-than-the-idle-timeout-end-with-an-error-not-a-stall",
+        id="tokens-slower-than-the-idle-timeout-strict-end-with-an-error-not-a-stall",
+    ),
+    pytest.param(
+        Case(
+            _on_both("decode", token_delay_s=T.idle + 0.4),
+            Expect("stream_error", T.first_token + T.idle),
+            Expect("ok", 2 * T.decode),
+            max_error_gap_s=T.idle,
+        ),
+        id="tokens-slower-than-the-idle-timeout-streams-end-with-an-error-whole-ones-from-a-prefill",
     ),
     pytest.param(_one("prefill", down=True), id="one-prefill-down-routed-around"),
+    pytest.param(_no_prefill_left(OK_QUICK, down=True), id="every-prefill-down-decode-computes-the-prompt"),
     pytest.param(
-        _both_fail("prefill", Expect("error", QUICK_S, 502, "prefill"), down=True),
-        id="every-prefill-down-client-gets-502-naming-prefill",
+        dataclasses.replace(
+            _both_fail("prefill", Expect("error", QUICK_S, 502, "prefill"), down=True), config=NO_FALLBACK
+        ),
+        id="every-prefill-down-no-fallback-client-gets-502-naming-prefill",
     ),
     pytest.param(_one("decode", down=True), id="one-decode-down-routed-around"),
 ]
@@ -232,7 +282,7 @@ async def test_every_request_ends_in_time_whole_or_with_a_clear_error(
     # One fresh proxy per request: round robin then sends each first to instance 0, where the
     # single-instance faults are, so every mode meets the fault (and a retry goes to instance 1).
     with ExitStack() as proxies:
-        urls = [proxies.enter_context(_proxy(sims)) for _ in COMBOS]
+        urls = [proxies.enter_context(_proxy(sims, **case.config)) for _ in COMBOS]
         await asyncio.gather(*(proxy_ready(http, url) for url in urls))
         for name, fault in case.faults.items():
             await set_faults(http, _instance(sims, name), **fault)

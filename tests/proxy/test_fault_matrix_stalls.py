@@ -85,8 +85,10 @@ async def http() -> AsyncIterator[aiohttp.ClientSession]:
         yield session
 
 
-async def expected_text(http: aiohttp.ClientSession, alone: str, endpoint: Endpoint, request_id: str) -> str:
-    answer = await ask(http, alone, endpoint, False, request_id, MAX_TOKENS, 10.0)
+async def expected_text(
+    http: aiohttp.ClientSession, alone: str, endpoint: Endpoint, request_id: str, max_tokens: int = MAX_TOKENS
+) -> str:
+    answer = await ask(http, alone, endpoint, False, request_id, max_tokens, 10.0)
     assert answer.kind == "ok", answer
     return answer.text
 
@@ -114,7 +116,9 @@ async def ask_all(
 ) -> tuple[list[Answer], list[str]]:
     """One request per combo, each through its own proxy, at once; the answers and the complaints."""
     ids = [f"{tag}-{e}-{'streamed' if s else 'whole'}-{time.monotonic_ns()}" for e, s in COMBOS]
-    expected = [await expected_text(http, alone, e, rid) for (e, _), rid in zip(COMBOS, ids, strict=True)]
+    expected = await asyncio.gather(
+        *(expected_text(http, alone, e, rid, max_tokens) for (e, _), rid in zip(COMBOS, ids, strict=True))
+    )
     limit = STALL_S + TIMEOUTS.first_token + SLACK_S
     answers = await asyncio.gather(
         *(
@@ -198,7 +202,7 @@ async def test_decode_restarted_mid_answer_ends_it_clearly_and_later_requests_su
             n = await total(http, sims.decode, "num_running")
             return None if n >= len(COMBOS) else f"decodes run {n:g}"
 
-        await wait_until(generating, 3.0)
+        await wait_until(generating, 15.0)  # after the single-instance answers of 600 tokens
         for url in sims.decode:
             await restart(http, url, down_s=0.5)
         _, problems = await asking

@@ -13,7 +13,7 @@ import openai
 import orjson
 import pytest
 from fake_vllm import MODEL, FakeVLLM
-from proxy_rig import TIMEOUTS, Rig, running_proxy, serve_fake
+from proxy_rig import STRICT, TIMEOUTS, Rig, running_proxy, serve_fake
 
 from pdserve import protocol
 from pdserve.protocol import PREFILL_KV_PARAMS
@@ -400,7 +400,7 @@ async def test_hung_prefill_answers_504_naming_prefill_within_its_timeout(
 async def test_unreachable_prefill_answers_502_naming_prefill_at_once(
     rig: Rig, http: aiohttp.ClientSession, dead_url: str
 ) -> None:
-    with running_proxy([dead_url], [rig.decode_url]) as url:
+    with running_proxy([dead_url], [rig.decode_url], retries=STRICT) as url:
         status, body, elapsed = await timed_post(http, url + "/v1/completions", COMPLETION)
     assert status == 502
     assert elapsed < TIMEOUTS.connect + 1
@@ -457,7 +457,7 @@ async def test_client_hanging_up_during_prefill_aborts_prefill(rig: Rig, http: a
 async def test_unreachable_decode_answers_502_naming_decode(
     rig: Rig, http: aiohttp.ClientSession, dead_url: str
 ) -> None:
-    with running_proxy([rig.prefill_url], [dead_url]) as url:
+    with running_proxy([rig.prefill_url], [dead_url], retries=STRICT) as url:
         status, _, body = await post(http, url + "/v1/completions", COMPLETION)
     assert status == 502
     message = orjson.loads(body)["error"]["message"]

@@ -110,13 +110,48 @@ async def test_a_decode_that_may_have_pulled_makes_the_retry_prefill_again() -> 
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_prefill_failing_everywhere_is_a_502_naming_prefill(stream: bool) -> None:
+async def test_prefill_failing_everywhere_is_a_502_naming_prefill_without_the_fallback(stream: bool) -> None:
     down = failing(UpstreamConnectError("prefill", "http://p0:1", "cannot connect"))
-    system = System([down], [decode_text(" never")])
+    system = System(
+        [down], [decode_text(" never")], retries=Retries(first_backoff_s=0, fallback_to_local_prefill=False)
+    )
     answer = await system.ask({**COMPLETION, "stream": stream})
     assert answer.status == 502
     assert "prefill instance http://p0:1" in orjson.loads(answer.body)["error"]["message"]
     assert system.calls("http://d0:1") == []
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_prefill_failing_everywhere_leaves_the_prompt_to_decode_by_default(stream: bool) -> None:
+    down = failing(UpstreamConnectError("prefill", "http://p0:1", "cannot connect"))
+    system = System([down], [decode_text(" computed here")])
+    answer = await system.ask({**COMPLETION, "stream": stream})
+    assert answer.status == 200 and b" computed here" in answer.body
+    [sent] = system.calls("http://d0:1")
+    assert "kv_transfer_params" not in sent  # decode computes the prompt: no handoff to pull
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_no_decode_in_service_is_served_whole_by_a_prefill(stream: bool) -> None:
+    """Survivors take every role: the only decode is restarting, so the prefill instance serves the
+    request whole (no params), rather than the client getting a 503."""
+    system = System([decode_text(" from prefill")], [decode_text(" never")])
+    system.state.on_event(InstanceEvent("http://d0:1", "restarting", "exited with code 1"))
+    answer = await system.ask({**COMPLETION, "stream": stream})
+    assert answer.status == 200 and b" from prefill" in answer.body
+    [sent] = system.calls("http://p0:1")
+    assert sent["max_tokens"] == COMPLETION["max_tokens"] and "kv_transfer_params" not in sent
+    assert system.calls("http://d0:1") == [] and system.state.stats.num_stand_ins == 1
+
+
+async def test_no_instance_of_either_role_in_service_is_a_503_naming_both() -> None:
+    system = System([decode_text(" never")], [decode_text(" never")])
+    for url in ("http://p0:1", "http://d0:1"):
+        system.state.on_event(InstanceEvent(url, "restarting", "exited with code 1"))
+    answer = await system.ask(COMPLETION)
+    assert answer.status == 503
+    message = orjson.loads(answer.body)["error"]["message"]
+    assert "decode" in message and "no prefill instance can serve it whole" in message
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])

@@ -33,7 +33,8 @@ class Pools:
         return running_proxy(list(self.prefill.urls), list(self.decode.urls), **config)
 
 
-NO_BACKOFF = Retries(first_backoff_s=0.0)
+# Prefill's failures reach the client in this module unless a test turns decode's fallback on.
+NO_BACKOFF = Retries(first_backoff_s=0.0, fallback_to_local_prefill=False, prefill_stands_in=False)
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +144,7 @@ async def test_circuit_opens_after_repeated_failures_and_traffic_moves_away(
     pools.prefill.fakes[0].fault = "fail"
     with pools.proxy(
         health=HealthChecks(breaker_threshold=2, breaker_cooldown_s=60),
-        retries=Retries(max_prefill_attempts=1, first_backoff_s=0.0),
+        retries=Retries(max_prefill_attempts=1, first_backoff_s=0.0, fallback_to_local_prefill=False),
     ) as url:
         statuses = [(await post(http, url + "/v1/completions", COMPLETION))[0] for _ in range(8)]
         _, _, listing = await post_get(http, url + "/instances")
@@ -173,8 +174,8 @@ async def test_with_every_circuit_open_the_likeliest_instance_is_still_tried_pan
 async def test_with_every_instance_draining_the_answer_is_a_503_with_retry_after(
     pools: Pools, http: aiohttp.ClientSession
 ) -> None:
-    with pools.proxy(api_keys=ApiKeys(admin="k")) as url:
-        for instance_url in pools.decode.urls:
+    with pools.proxy(api_keys=ApiKeys(admin="k"), retries=Retries(first_backoff_s=0.0)) as url:
+        for instance_url in (*pools.decode.urls, *pools.prefill.urls):
             async with http.post(url + "/admin/instances/drain", json={"url": instance_url},
                                  headers={"Authorization": "Bearer k"}) as resp:  # fmt: skip
                 assert resp.status == 200
@@ -183,6 +184,22 @@ async def test_with_every_instance_draining_the_answer_is_a_503_with_retry_after
     assert status == 503 and retry_after is not None and int(retry_after) >= 1
     message = orjson.loads(body)["error"]["message"]
     assert "no decode instance available" in message and "draining" in message
+    assert "no prefill instance can serve it whole" in message
+
+
+async def test_with_every_decode_draining_a_prefill_serves_the_request_whole(
+    pools: Pools, http: aiohttp.ClientSession
+) -> None:
+    with pools.proxy(api_keys=ApiKeys(admin="k"), retries=Retries(first_backoff_s=0.0)) as url:
+        for instance_url in pools.decode.urls:
+            async with http.post(url + "/admin/instances/drain", json={"url": instance_url},
+                                 headers={"Authorization": "Bearer k"}) as resp:  # fmt: skip
+                assert resp.status == 200
+        status, _, body = await post(http, url + "/v1/completions", COMPLETION)
+        _, _, metrics = await post_get(http, url + "/metrics")
+    assert status == 200, body
+    assert b"pdserve_stand_ins_total 1" in metrics
+    assert not pools.decode.fakes[0].generations() and not pools.decode.fakes[1].generations()
 
 
 async def post_get(http: aiohttp.ClientSession, url: str) -> tuple[int, Any, bytes]:

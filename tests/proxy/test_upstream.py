@@ -6,7 +6,7 @@ import asyncio
 
 import aiohttp
 import orjson
-from proxy_rig import TIMEOUTS, Rig, running_proxy
+from proxy_rig import STRICT, TIMEOUTS, Rig, running_proxy
 from test_flow import COMPLETION, post
 
 from pdserve.proxy.breaker import CircuitBreaker
@@ -18,7 +18,9 @@ async def test_waiting_for_a_pooled_connection_is_not_a_connect_timeout(
     rig: Rig, http: aiohttp.ClientSession
 ) -> None:
     rig.decode.fault = "hang"
-    with running_proxy([rig.prefill_url], [rig.decode_url], max_connections_per_upstream=1) as url:
+    with running_proxy(
+        [rig.prefill_url], [rig.decode_url], max_connections_per_upstream=1, retries=STRICT
+    ) as url:
         first = asyncio.ensure_future(post(http, url + "/v1/completions", COMPLETION))
         await asyncio.sleep(0.3)  # the first request holds decode's only connection
         status, _, body = await post(http, url + "/v1/completions", COMPLETION)

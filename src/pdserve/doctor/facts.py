@@ -131,7 +131,11 @@ def compare(pair: PairReport, p: InstanceFacts, d: InstanceFacts) -> None:
     if pl and dl:
         _agree(pair, "attention backend", pl.attention_backends, dl.attention_backends)
         _agree(pair, "KV buffer device", pl.kv_buffer_device, dl.kv_buffer_device)
-        roles = (("prefill", pl, ("kv_producer", "kv_both")), ("decode", dl, ("kv_consumer", "kv_both")))
+        # kv_consumer prefills too: an elastic pool's instances take either role (docs/elastic.md).
+        roles = (
+            ("prefill", pl, ("kv_producer", "kv_both", "kv_consumer")),
+            ("decode", dl, ("kv_consumer", "kv_both")),
+        )
         for role, log, wanted in roles:
             if log.kv_role is not None:
                 pair.check(log.kv_role in wanted, f"{role}'s KV role is {log.kv_role}")

@@ -231,8 +231,18 @@ def diagnose(
     facts = {i["url"]: gather(i["role"], i["url"], i) for i in listing}
     prefills = [f for f in facts.values() if f.role == "prefill"]
     decodes = [f for f in facts.values() if f.role == "decode"]
-    report.check(bool(prefills), f"the proxy lists {len(prefills)} prefill instance(s)")
-    report.check(bool(decodes), f"the proxy lists {len(decodes)} decode instance(s)")
+    elastic = [f for f in facts.values() if f.role == "elastic"]
+    if elastic:
+        # Instances of any role: a ring (each prefills for the next), so every instance is checked on
+        # both sides with N canaries rather than N·(N-1).
+        report.check(
+            len(elastic) >= 2, f"the proxy lists {len(elastic)} elastic instance(s); a split needs two"
+        )
+        ring = list(zip(elastic, [*elastic[1:], *elastic[:1]], strict=True)) if len(elastic) >= 2 else []
+    else:
+        report.check(bool(prefills), f"the proxy lists {len(prefills)} prefill instance(s)")
+        report.check(bool(decodes), f"the proxy lists {len(decodes)} decode instance(s)")
+        ring = [(p, d) for p in prefills for d in decodes]
     # The canary asks each instance for the model it serves; the proxy's own answer (which an
     # --api-key may guard) only names it in the report.
     status, models = _get_json(f"{proxy_url}/v1/models")
@@ -240,10 +250,9 @@ def diagnose(
         report.model = models["data"][0]["id"]
     dirs = run_dirs(log_dirs)
     recent = _recent_requests(proxy_url, admin_key)
-    for p in prefills:
-        for d in decodes:
-            say(f"pair {p.url} → {d.url} ...")
-            report.pairs.append(_pair(p, d, dirs, recent, prompt_tokens))
+    for p, d in ring:
+        say(f"pair {p.url} → {d.url} ...")
+        report.pairs.append(_pair(p, d, dirs, recent, prompt_tokens))
     return report
 
 

@@ -78,7 +78,8 @@ class LocalEngines:
             supervisor.start()
             self._watchers.append(supervisor)
         # The simulator's logs are followed too: they cost nothing when they never hold the lines.
-        prefill_logs = {s.url: self.group.log_path(s) for s in self.specs if s.role == "prefill"}
+        # An elastic instance holds KV for the others whenever it prefills: its log tells as prefill's does.
+        prefill_logs = {s.url: self.group.log_path(s) for s in self.specs if s.role != "decode"}
         log_watcher = LogWatcher(prefill_logs, on_event)
         log_watcher.start()
         self._watchers.append(log_watcher)

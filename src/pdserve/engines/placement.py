@@ -1,7 +1,8 @@
 """Turn a Topology into one InstanceSpec per vLLM instance: ports, CLI arguments, environment.
 
 Pure: no processes, sockets or files. The launcher runs what this plans, and tests check it with plain
-values. Prefill instances come first (instance i listens on ``first_port + i``), then decode.
+values. Prefill instances come first (instance i listens on ``first_port + i``), then decode; an elastic
+pool's instances (role "elastic") are the only ones of their topology.
 
 On GPUs instance i goes to GPU ``i // instances_per_gpu`` of the visible ones (so the 1P1D demo on one
 GPU puts both there). Instances that share a GPU split vLLM's memory budget and start one after the
@@ -23,9 +24,20 @@ from pdserve.errors import ConfigError
 _RESERVED_FLAGS = ("--model", "--host", "--port", "--kv-transfer-config")
 _GPU_MEMORY_FLAG = "--gpu-memory-utilization"
 _KV_ROLES: dict[Role, str] = {"prefill": "kv_producer", "decode": "kv_consumer"}  # NixlConnector's kv_role
+# An instance that takes any role per request (an elastic pool's, or every one of a kv_both topology).
+# vLLM 0.32's pull NixlConnector never reads kv_role on a request's path: kv_transfer_params alone say
+# whether to hold KV for a remote decode, pull it, or serve whole. The role matters to two scheduler
+# guards, and only with overlapping batches: a consumer defers freeing blocks a pull may still fill, a
+# producer drops the output of a request preempted mid-handoff. kv_both has both guards but is deprecated
+# for NixlConnector, so these instances are consumers (pulling, the common case, keeps its guard), and on
+# cuda run without async scheduling, where no batches overlap and neither guard is needed (the CPU
+# platform turns async scheduling off itself).
+_ANY_ROLE_KV = "kv_consumer"
+_NO_ASYNC_SCHEDULING = "--no-async-scheduling"
+_ASYNC_SCHEDULING_FLAGS = ("--async-scheduling", _NO_ASYNC_SCHEDULING)
 # Every instance reports usage.prompt_tokens_details.cached_tokens: on a decode, the prompt tokens it did
 # not compute itself, the per-request proof that the prompt's KV came over NIXL (docs/kv-integrity.md).
-# Every role, because with kv_both any instance may decode. The simulator takes the same flag.
+# Every role, because an instance of any role may decode. The simulator takes the same flag.
 PROMPT_TOKENS_DETAILS_FLAG = "--enable-prompt-tokens-details"
 _VLLM_GPU_MEMORY_PERCENT = 90  # vLLM's default --gpu-memory-utilization, split between sharers
 
@@ -144,10 +156,17 @@ def plan_instances(
         if slots and slots[i].num_sharers > 1 and not _sets_flag(role_args, _GPU_MEMORY_FLAG):
             # vLLM's share is of the whole GPU's memory: sharers must split it or the second cannot start.
             args += [_GPU_MEMORY_FLAG, gpu_memory_share(slots[i].num_sharers)]
-        kv_config = kv_transfer_config(role, topology.device, topology.kv_lease_s, is_both=topology.kv_both)
+        is_any = _takes_any_role(topology, role)
+        kv_config = kv_transfer_config(role, topology.device, topology.kv_lease_s, is_any_role=is_any)
         args += ["--kv-transfer-config", kv_config]
         if not _sets_flag(role_args, PROMPT_TOKENS_DETAILS_FLAG):
             args.append(PROMPT_TOKENS_DETAILS_FLAG)
+        if (
+            is_any
+            and topology.device == "cuda"
+            and not any(_sets_flag(role_args, f) for f in _ASYNC_SCHEDULING_FLAGS)
+        ):
+            args.append(_NO_ASYNC_SCHEDULING)
         args += role_args
         tracing_env: Env = ()
         if topology.otlp_traces_endpoint:
@@ -167,7 +186,7 @@ def plan_instances(
             *device_env[i],
             *nixl_env,
             *tracing_env,
-            *(_DECODE_ENV if role == "decode" else ()),
+            *(_DECODE_ENV if role != "prefill" else ()),
         )
         stage = slots[i].start_stage if slots else 0
         specs.append(InstanceSpec(role, index, hosts[i], port, side_channel_port, tuple(args), env, stage))
@@ -188,7 +207,7 @@ def plan_sim_instances(topology: Topology) -> tuple[InstanceSpec, ...]:
     hosts = topology.instance_hosts
     for i, (role, index) in enumerate(zip(roles, indices, strict=True)):
         port = topology.first_port + i
-        if topology.kv_both:  # role "both": holds KV for a remote decode, pulls it, or serves whole
+        if _takes_any_role(topology, role):  # "both": holds KV for a remote decode, pulls it, or serves whole
             counts = ["--prefill", "0", "--decode", "0", "--both", "1"]
         elif role == "prefill":
             counts = ["--prefill", "1", "--decode", "0"]
@@ -217,11 +236,11 @@ def plan_sim_instances(topology: Topology) -> tuple[InstanceSpec, ...]:
 
 
 def kv_transfer_config(
-    role: Role, device: str, kv_lease_s: float | None = None, is_both: bool = False
+    role: Role, device: str, kv_lease_s: float | None = None, is_any_role: bool = False
 ) -> str:
-    """The ``--kv-transfer-config`` JSON: prefill produces KV blocks, decode pulls them; with ``is_both``
-    the instance is ``kv_both`` and can do either, or serve a request whole (vLLM's own NIXL tests run
-    both sides of a PD pair as ``kv_both``).
+    """The ``--kv-transfer-config`` JSON: prefill produces KV blocks, decode pulls them; an instance of
+    any role (``is_any_role``, role "elastic") does either per request, or serves it whole, as a consumer
+    (``_ANY_ROLE_KV``: why).
 
     ``kv_lease_s`` sets vLLM's ``kv_lease_duration`` (default 30 s): how long prefill holds KV nobody
     pulls. vLLM 0.32 frees abandoned KV only when the lease runs out, so this is how early it can go.
@@ -229,7 +248,7 @@ def kv_transfer_config(
     """
     config: dict[str, object] = {
         "kv_connector": "NixlConnector",
-        "kv_role": "kv_both" if is_both else _KV_ROLES[role],
+        "kv_role": _ANY_ROLE_KV if is_any_role or role == "elastic" else _KV_ROLES[role],
         "kv_buffer_device": device,
     }
     if kv_lease_s is not None:
@@ -253,6 +272,10 @@ def _instance_roles(topology: Topology) -> tuple[list[Role], list[int]]:
     roles = [name for name, spec in topology.roles() for _ in range(spec.count)]
     indices = [index for _, spec in topology.roles() for index in range(spec.count)]
     return roles, indices
+
+
+def _takes_any_role(topology: Topology, role: Role) -> bool:
+    return role == "elastic" or topology.kv_both
 
 
 def _sets_flag(args: Sequence[str], flag: str) -> bool:

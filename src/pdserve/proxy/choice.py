@@ -31,6 +31,7 @@ _LAGGING_SHARE = 1 / 3
 class Chooser:
     def __init__(self, state: ProxyState, config: ProxyConfig) -> None:
         self._state = state
+        self._config = config
         self._lagging_s = config.kv_lease_s * _LAGGING_SHARE
 
     def decode(self, tried: Sequence[Instance], prompt: Prompt | None) -> tuple[Instance, int]:
@@ -43,6 +44,24 @@ class Chooser:
 
     def prefill(self, tried: Sequence[Instance], prompt: Prompt | None) -> Instance:
         return self._pick("prefill", self._candidates("prefill", tried), prompt).instance
+
+    def stand_in(self, tried: Sequence[Instance], unavailable: NoInstanceAvailable) -> Instance:
+        """No decode can take the request (``unavailable`` says why): a prefill instance in service
+        serves it whole, as any vLLM instance can. None either: ``unavailable``, naming both roles."""
+        candidates = self._state.pool("prefill").available(exclude=tried)
+        if not self._config.retries.prefill_stands_in:
+            raise unavailable
+        if not candidates:
+            raise NoInstanceAvailable(
+                "decode", f"{unavailable.detail}; and no prefill instance can serve it whole"
+            )
+        self._state.stats.stood_in()
+        return self._pick("prefill", candidates, None).instance
+
+    def members(self) -> list[Instance]:
+        """The instances an elastic pool's router may place a request on: those in service, or panic
+        mode's one when none is."""
+        return self._candidates("decode", ())
 
     def _pick(self, role: Role, candidates: Sequence[Instance], prompt: Prompt | None) -> Pick[Instance]:
         return self._state.policy(role).pick(candidates, prompt.hashes if prompt is not None else None)

@@ -7,9 +7,10 @@ breakers, queue, KV ledger) is read from ``ProxyState`` and ``Admission`` at scr
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from pdserve.proxy.admission import Admission
+from pdserve.proxy.elastic import ElasticRouter
 from pdserve.proxy.instance import Instance
 from pdserve.proxy.state import ProxyState
 from pdserve.proxy.timeline import PHASES, Histogram
@@ -65,6 +66,8 @@ def render(state: ProxyState, admission: Admission) -> str:
              "Handoffs whose blocks decode was made to pull after it refused the client's request, by "
              "result (ok, refused, failed): prefill frees them then, not when the lease runs out.",
              (({"result": r}, n) for r, n in sorted(stats.releases.items())))  # fmt: skip
+    t.metric("pdserve_stand_ins_total", "counter", "Requests a prefill instance served whole because no decode "
+             "instance was in service.", [({}, stats.num_stand_ins)])  # fmt: skip
     t.metric("pdserve_requests_running", "gauge", "Requests holding an admission slot.",
              [({}, admission.num_running)])  # fmt: skip
     t.metric("pdserve_requests_queued", "gauge", "Requests waiting for an admission slot.",
@@ -74,8 +77,11 @@ def render(state: ProxyState, admission: Admission) -> str:
     instances = state.instances
     now = time.monotonic()
 
+    def role(i: Instance) -> str:
+        return "elastic" if state.elastic is not None else i.role  # an elastic pool's take either role
+
     def per_instance(value: Callable[[Instance], float]) -> list[tuple[Mapping[str, str], float]]:
-        return [({"role": i.role, "url": i.url}, float(value(i))) for i in instances]
+        return [({"role": role(i), "url": i.url}, float(value(i))) for i in instances]
 
     t.metric("pdserve_instance_healthy", "gauge", "1 if the last active health check passed.",
              per_instance(lambda i: i.is_healthy))  # fmt: skip
@@ -101,4 +107,18 @@ def render(state: ProxyState, admission: Admission) -> str:
              [({}, len(ledger.open_handoffs))])  # fmt: skip
     t.metric("pdserve_kv_handoffs_overdue", "gauge", "Open handoffs older than the KV lease.",
              [({}, ledger.num_overdue())])  # fmt: skip
+    if state.elastic is not None:
+        _elastic(t, state.elastic, instances)
     return "\n".join(t.lines) + "\n"
+
+
+def _elastic(t: _Text, router: ElasticRouter, instances: Sequence[Instance]) -> None:
+    t.metric("pdserve_elastic_placements_total", "counter",
+             "Requests the elastic pool's router placed, by placement (split: prefill and decode on two "
+             "instances; whole: one instance).",
+             (({"placement": k}, n) for k, n in sorted(router.decisions.items())))  # fmt: skip
+    t.metric("pdserve_elastic_layout_info", "gauge", "The elastic pool's current layout (its label).",
+             [({"layout": router.layout}, 1)])  # fmt: skip
+    t.metric("pdserve_elastic_instance_side", "gauge",
+             "1 for the side (prefill or decode) the router gives each elastic instance now.",
+             [({"url": i.url, "side": side}, 1) for i in instances if (side := router.side(i.url))])  # fmt: skip

@@ -12,7 +12,10 @@ rejections (4xx, 5xx) reach the client with vLLM's status and body.
 
 Retries, before the client has received a byte:
 - prefill fails (connect, timeout, 5xx, no params) → another prefill instance, with backoff; when all
-  attempts fail, decode computes the prompt itself if ``fallback_to_local_prefill`` is on.
+  attempts fail or none is in service, decode computes the prompt itself (``fallback_to_local_prefill``,
+  on by default).
+- no decode in service (all restarting, unhealthy past panic mode, draining) → a prefill instance serves
+  the request whole (``Chooser.stand_in``): a 503 only when no instance of either role can take it.
 - decode fails before its first byte → another decode instance. Prefill's params are reused only when
   the failed decode never received them (connect error) and are younger than half the lease: a decode
   that did receive them may have pulled the blocks, which prefill then frees, and a second pull of
@@ -42,7 +45,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 from pdserve import protocol
@@ -50,6 +53,7 @@ from pdserve.blocks import block_hashes
 from pdserve.config import ProxyConfig
 from pdserve.errors import (
     BadRequest,
+    NoInstanceAvailable,
     UpstreamError,
     UpstreamUnavailable,
 )
@@ -72,12 +76,14 @@ from pdserve.proxy.guard import LeaseGuard
 from pdserve.proxy.instance import Instance
 from pdserve.proxy.ledger import Handoff
 from pdserve.proxy.otel import RequestTracing
+from pdserve.proxy.placing import Placed, place
 from pdserve.proxy.prefill import Prefiller
 from pdserve.proxy.prefix import should_skip_prefill
 from pdserve.proxy.record import Trace
 from pdserve.proxy.release import Releaser
 from pdserve.proxy.responder import Responder
 from pdserve.proxy.state import Outcome, ProxyState
+from pdserve.proxy.survivors import DecodeTries, elastic_retry, stand_in
 from pdserve.proxy.timeline import Timeline
 from pdserve.proxy.tokens import PromptTokenizer
 from pdserve.proxy.upstream import Reply
@@ -87,21 +93,6 @@ log = logging.getLogger("pdserve.proxy")
 
 
 _MAX_LEASE_RETRIES = 2
-
-
-@dataclass
-class _Retries:
-    """What the decode attempts of one request so far leave to the next one."""
-
-    tried: list[Instance] = field(default_factory=list)  # decodes that failed or were given up on
-    num_failed: int = 0  # decode attempts that failed
-    num_lease: int = 0  # answers the lease guard withheld
-    num_stale: int = 0  # decode attempts lost to a kept-alive connection the instance had closed
-    again: Instance | None = None  # the decode the next attempt goes to, instead of the chooser's pick
-
-    @property
-    def is_first(self) -> bool:
-        return not self.tried and self.num_failed == self.num_lease == self.num_stale == 0
 
 
 class Flow:
@@ -191,28 +182,62 @@ class Flow:
                 self._tracing.finish(span, timeline, arrived_ns, attributes, trace.error)
 
     async def _serve(self, call: Call, slot: HandoffSlot) -> None:
-        """The attempts, in order, until the client has its answer; an ``UpstreamError`` says why not."""
+        """The attempts, in order, until the client has its answer; an ``UpstreamError`` says why not.
+        In an elastic pool the router places the request first and hears when it ends."""
         local_reason = (
             "colocated: no split" if self._config.colocated else protocol.needs_local_prefill(call.body)
         )
-        retries = _Retries()
+        router = self._state.elastic
+        if router is None:
+            await self._attempts(call, slot, local_reason, None)
+            return
+        placed, local_reason = place(router, self._chooser.members(), call, local_reason)
+        try:
+            await self._attempts(call, slot, local_reason, placed)
+        finally:
+            router.done(placed.placement)
+
+    async def _attempts(
+        self, call: Call, slot: HandoffSlot, local_reason: str | None, placed: Placed | None
+    ) -> None:
+        retries = DecodeTries()
         while True:
             # Decode is picked first: what it caches decides whether prefill is worth a hop. After a
-            # stale connection it is the same one again (``_once_more_on_a_fresh_connection``).
-            if retries.again is None:
-                decode, num_cached = self._chooser.decode(retries.tried, call.prompt)
+            # stale connection it is the same one again (``_once_more_on_a_fresh_connection``). In an
+            # elastic pool the router's pick takes the first attempt, and a retry is served whole by
+            # the chooser's pick: the instance that prefilled may be the only one left, and it cannot
+            # pull from itself.
+            if retries.again is not None:
+                decode, retries.again = retries.again, None
+            elif placed is not None and retries.is_first:
+                decode = placed.placement.decode
+            elif placed is not None:
+                decode, local_reason = elastic_retry(
+                    self._state, self._chooser, call, slot, retries, local_reason
+                )
+            else:
+                try:
+                    decode, num_cached = self._chooser.decode(retries.tried, call.prompt)
+                except NoInstanceAvailable as exc:
+                    decode, num_cached = self._chooser.stand_in(retries.tried, exc), 0
+                    slot.abandon("no decode in service: served whole by a prefill", "decode_failed")
+                    local_reason = f"no decode instance in service ({exc.detail}): served whole by prefill"
                 if retries.is_first and local_reason is None:
                     local_reason = self._skip_reason(call.prompt, num_cached)
-            else:
-                decode, retries.again = retries.again, None
             # Prefill, when the request is split and no handoff is in play (the last decode attempt may
             # have left its handoff for this one: ``_before_retry``).
             if local_reason is None and slot.handoff is None:
-                prefilled = await self._prefiller.attempts(call)
+                if placed is not None:
+                    first = placed.placement.prefill if retries.is_first else None
+                    prefilled = await self._prefiller.attempts(call, first, avoid=decode)
+                    placed.prefilled()
+                else:
+                    prefilled = await self._prefiller.attempts(call)
                 if isinstance(prefilled, Relayed):
                     return
                 if isinstance(prefilled, PrefillFailed):
-                    if not self._config.retries.fallback_to_local_prefill:
+                    # An elastic pool's decode can always compute the prompt itself.
+                    if not (self._config.retries.fallback_to_local_prefill or placed is not None):
                         await self._give_up("prefill", prefilled.url, prefilled.failure, call)
                         return
                     local_reason = (
@@ -237,13 +262,22 @@ class Flow:
             if isinstance(decoded, DecodeFailed) and decoded.is_stale and not retries.num_stale:
                 self._once_more_on_a_fresh_connection(call, slot, decode, retries)
             elif isinstance(decoded, DecodeFailed) and is_last:
-                await self._give_up("decode", decode.url, decoded.failure, call)
-                return
+                stood_in = (
+                    None
+                    if has_others or placed is not None
+                    else stand_in(self._state, self._chooser, slot, decode, retries, self._config.retries)
+                )
+                if stood_in is None:
+                    await self._give_up("decode", decode.url, decoded.failure, call)
+                    return
+                failed = f"decode {decode.url} failed ({describe(decoded.failure)})"
+                local_reason = f"{failed}: served whole by prefill"
+                call.trace.retries.append(f"{failed}; a prefill stands in")
             else:
                 call = await self._before_retry(call, slot, decode, decoded, retries, has_others)
 
     def _once_more_on_a_fresh_connection(
-        self, call: Call, slot: HandoffSlot, decode: Instance, retries: _Retries
+        self, call: Call, slot: HandoffSlot, decode: Instance, retries: DecodeTries
     ) -> None:
         """A kept-alive connection to ``decode`` closed before it answered anything: most likely decode
         had closed it while idle and never read the request, so the next attempt goes to the same
@@ -264,7 +298,7 @@ class Flow:
 
     async def _before_retry(
         self, call: Call, slot: HandoffSlot, decode: Instance, decoded: DecodeFailed | LeaseSuspect,
-        retries: _Retries, has_others: bool,
+        retries: DecodeTries, has_others: bool,
     ) -> Call:  # fmt: skip
         """Ready the next decode attempt after ``decode`` did not serve: which decodes it avoids, whether
         the handoff in play may be reused (left in ``slot``) or a fresh prefill is needed, and the
@@ -303,7 +337,11 @@ class Flow:
     def _prompt(self, body: dict[str, Any]) -> Prompt | None:
         """The prompt's tokens and block hashes, when a policy or the skip rule needs them."""
         state = self._state
-        wants = state.policy("prefill").wants_prompt or state.policy("decode").wants_prompt
+        wants = (
+            state.policy("prefill").wants_prompt
+            or state.policy("decode").wants_prompt
+            or state.elastic is not None
+        )
         if self._tokenizer is None or not (wants or self._config.routing.skip_prefill_below_tokens):
             return None
         ids = self._tokenizer.token_ids(body)

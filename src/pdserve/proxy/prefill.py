@@ -30,10 +30,14 @@ class Prefiller:
         self._config = config
         self._chooser = chooser
 
-    async def attempts(self, call: Call) -> Prefilled | Relayed | PrefillFailed:
-        """Prefill ``call`` on up to ``max_prefill_attempts`` distinct instances."""
+    async def attempts(
+        self, call: Call, first: Instance | None = None, avoid: Instance | None = None
+    ) -> Prefilled | Relayed | PrefillFailed:
+        """Prefill ``call`` on up to ``max_prefill_attempts`` distinct instances: ``first`` first if
+        given (the elastic router's pick), never ``avoid`` (the decode of an elastic pool, which pulls
+        from another instance, not from itself)."""
         payload = orjson.dumps(protocol.prefill_body(call.body))
-        tried: list[Instance] = []
+        tried: list[Instance] = [] if avoid is None else [avoid]
         failure: UpstreamError | Reply | None = None
         for attempt in range(1, self._config.retries.max_prefill_attempts + 1):
             if attempt > 1:
@@ -42,7 +46,9 @@ class Prefiller:
                 self._state.stats.retried("prefill")
                 await call.sleep(self._config.retries.backoff(attempt - 1))
             try:
-                prefill = self._chooser.prefill(tried, call.prompt)
+                prefill = (
+                    first if attempt == 1 and first is not None else self._chooser.prefill(tried, call.prompt)
+                )
             except NoInstanceAvailable as exc:
                 failure = exc  # none in service (e.g. the only one restarting): a fallback may still serve
                 break
@@ -55,7 +61,8 @@ class Prefiller:
             if time.monotonic() >= call.deadline:
                 break
         assert failure is not None
-        return PrefillFailed(failure, tried[-1].url if tried else "-")
+        sent = [i for i in tried if i is not avoid]
+        return PrefillFailed(failure, sent[-1].url if sent else "-")
 
     async def _attempt(
         self, call: Call, prefill: Instance, payload: bytes

@@ -26,6 +26,8 @@ class Trace:
     prefill_ms: float | None = None
     kv_transfer_params: dict[str, Any] | None = None
     local_prefill_reason: str | None = None  # set when the request was not split, and why
+    # an elastic pool's decision: layout, split, prefill_url, decode_url, reason (proxy/elastic.py)
+    placement: dict[str, Any] | None = None
     decode_url: str | None = None
     decode_status: int | None = None
     total_ms: float | None = None

@@ -19,6 +19,7 @@ from pdserve.config import ROLES, ProxyConfig, Role
 from pdserve.events import InstanceEvent, KVLogEvent
 from pdserve.protocol import Endpoint
 from pdserve.proxy.breaker import CircuitBreaker
+from pdserve.proxy.elastic import ElasticRouter
 from pdserve.proxy.instance import EngineLoad, Instance
 from pdserve.proxy.ledger import Ledger
 from pdserve.proxy.record import Trace
@@ -79,6 +80,7 @@ class Stats:
         self.panics: Counter[str] = Counter()  # role → requests sent to an out-of-service instance
         self.purges: Counter[str] = Counter()  # result → decode prefix-cache resets after a late pull
         self.releases: Counter[str] = Counter()  # result → prefill blocks released after decode refused
+        self.num_stand_ins = 0  # requests a prefill instance served whole: no decode was in service
         self.timings = Timings()
 
     def finished(self, endpoint: Endpoint, outcome: Outcome) -> None:
@@ -92,6 +94,9 @@ class Stats:
 
     def purged(self, result: str) -> None:
         self.purges[result] += 1
+
+    def stood_in(self) -> None:
+        self.num_stand_ins += 1
 
     def released(self, result: str) -> None:
         self.releases[result] += 1
@@ -114,6 +119,11 @@ class ProxyState:
         self._policies = policies
         self._make_upstream = make_upstream or self._http_upstream
         self._pools = {role: Pool(role) for role in ROLES}
+        # An elastic pool's instances take either role: both roles draw from one pool, and the router
+        # (proxy/elastic.py) decides per request which instance plays which.
+        self.elastic = ElasticRouter(config.elastic_pool) if config.elastic else None
+        if config.elastic:
+            self._pools["prefill"] = self._pools["decode"]
         urls: dict[Role, tuple[str, ...]] = {"prefill": config.prefill_urls, "decode": config.decode_urls}
         for role in ROLES:
             for url in urls[role]:
@@ -138,7 +148,8 @@ class ProxyState:
 
     @property
     def instances(self) -> list[Instance]:
-        return [i for pool in self._pools.values() for i in pool.instances]
+        pools = {id(pool): pool for pool in self._pools.values()}.values()  # an elastic pool is both roles'
+        return [i for pool in pools for i in pool.instances]
 
     def find(self, url: str) -> Instance | None:
         return next((i for i in self.instances if i.url == url), None)
@@ -149,7 +160,10 @@ class ProxyState:
         return all(self._pools[role].available() for role in roles)
 
     def describe(self) -> list[dict[str, object]]:
-        return [i.describe() for i in self.instances]
+        if self.elastic is None:
+            return [i.describe() for i in self.instances]
+        router = self.elastic
+        return [{**i.describe(), "role": "elastic", "side": router.side(i.url)} for i in self.instances]
 
     @property
     def traces(self) -> Sequence[Trace]:
@@ -203,6 +217,8 @@ class ProxyState:
             waited += _DRAIN_POLL_S
         instance.mark_removed()
         self._pools[instance.role].discard(instance)
+        if self.elastic is not None:
+            self.elastic.forget(instance.url)
         await instance.upstream.close()
         log.info("removed %s instance %s", instance.role, instance.url)
 

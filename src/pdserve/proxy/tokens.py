@@ -168,3 +168,30 @@ def _tojson(value: Any, indent: int | None = None) -> str:
 
 def _raise(message: str) -> None:
     raise ValueError(message)
+
+
+_CHARS_PER_TOKEN = 4  # English text under a BPE tokenizer, roughly; the elastic router needs a size, not ids
+
+
+def estimate_prompt_tokens(body: dict[str, Any]) -> int:
+    """The prompt's length in tokens without a tokenizer: exact for token ids, else its characters / 4
+    (chat: every message's text). Enough to tell a long prompt from a short one."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        return len(prompt)
+    if isinstance(prompt, str):
+        return max(1, len(prompt) // _CHARS_PER_TOKEN)
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        chars = sum(_text_length(m.get("content")) + 8 for m in messages if isinstance(m, dict))
+        return max(1, chars // _CHARS_PER_TOKEN)
+    return 1
+
+
+def _text_length(content: Any) -> int:
+    """Characters of a message's content: a string, or parts of which the text ones count."""
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return 0

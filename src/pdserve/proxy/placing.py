@@ -1,0 +1,53 @@
+"""An elastic pool's request as the flow carries it: the router's placement, recorded on the trace,
+and the router told once when the placed prefill is over (the flow tells it when the request ends)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pdserve.proxy.attempt import Call
+from pdserve.proxy.elastic import ElasticRouter, Placement
+from pdserve.proxy.instance import Instance
+from pdserve.proxy.tokens import estimate_prompt_tokens
+
+
+@dataclass
+class Placed:
+    """The router's placement of one request, and its prompt's size as the router counted it."""
+
+    router: ElasticRouter
+    placement: Placement[Instance]
+    num_tokens: int
+    is_prefilled: bool = False
+
+    def prefilled(self) -> None:
+        """The placed prefill is over (the router counts it once, whatever the retries)."""
+        if not self.is_prefilled:
+            self.is_prefilled = True
+            self.router.prefilled(self.placement, self.num_tokens)
+
+
+def place(
+    router: ElasticRouter, members: Sequence[Instance], call: Call, local_reason: str | None
+) -> tuple[Placed, str | None]:
+    """Where ``call`` goes among ``members``, and why decode computes its prompt when it is not split
+    (``local_reason``: the flow's own reason, e.g. n > 1, or the router's choice to serve it whole)."""
+    num_tokens = call.prompt.num_tokens if call.prompt is not None else estimate_prompt_tokens(call.body)
+    max_tokens = call.body.get("max_tokens", call.body.get("max_completion_tokens"))
+    placement = router.place(members, num_tokens, max_tokens if isinstance(max_tokens, int) else None)
+    placed = Placed(router, placement, num_tokens)
+    reason = placement.reason
+    if placement.prefill is not None and local_reason is not None:
+        placed.prefilled()  # placed as a split, but served whole: local_reason says why
+        reason = f"{reason}; served whole: {local_reason}"
+    call.trace.placement = {
+        "layout": placement.layout,
+        "split": placement.prefill is not None and local_reason is None,
+        "prefill_url": placement.prefill.url if placement.prefill is not None else None,
+        "decode_url": placement.decode.url,
+        "reason": reason,
+    }
+    if local_reason is None and placement.prefill is None:
+        local_reason = f"elastic pool: {placement.reason}"
+    return placed, local_reason

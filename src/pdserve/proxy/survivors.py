@@ -1,0 +1,78 @@
+"""The rules that let the instances left serve a request when its own choice failed.
+
+- ``stand_in``: a fixed pool whose only decode failed before the client's first byte (or none is in
+  service): a prefill instance in service serves the request whole, as any vLLM instance can.
+- ``elastic_retry``: an elastic pool's decode retry goes to another instance, with the unread handoff
+  when that is not the instance holding the KV, else whole.
+
+``DecodeTries`` is what the decode attempts of one request so far leave to the next one (flow.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdserve.configparts import Retries
+from pdserve.errors import NoInstanceAvailable
+from pdserve.proxy.attempt import Call, HandoffSlot
+from pdserve.proxy.choice import Chooser
+from pdserve.proxy.instance import Instance
+from pdserve.proxy.state import ProxyState
+
+
+@dataclass
+class DecodeTries:
+    """What the decode attempts of one request so far leave to the next one."""
+
+    tried: list[Instance] = field(default_factory=list)  # decodes that failed or were given up on
+    num_failed: int = 0  # decode attempts that failed
+    num_lease: int = 0  # answers the lease guard withheld
+    num_stale: int = 0  # decode attempts lost to a kept-alive connection the instance had closed
+    again: Instance | None = None  # the decode the next attempt goes to, instead of the chooser's pick
+    stood_in: bool = False  # a prefill instance has taken the request whole (no decode could)
+
+    @property
+    def is_first(self) -> bool:
+        return not self.tried and self.num_failed == self.num_lease == self.num_stale == 0
+
+
+def stand_in(
+    state: ProxyState,
+    chooser: Chooser,
+    slot: HandoffSlot,
+    decode: Instance,
+    retries: DecodeTries,
+    config: Retries,
+) -> Instance | None:
+    """The only decode failed before the client's first byte: a prefill instance in service takes
+    the request whole, once (None: none can, or one already did)."""
+    if retries.stood_in or not config.prefill_stands_in or not state.pool("prefill").available():
+        return None
+    retries.stood_in = True
+    retries.tried.append(decode)
+    retries.again = chooser.stand_in(retries.tried, NoInstanceAvailable("decode", "-"))
+    slot.abandon(f"decode {decode.url} failed: a prefill stands in", "decode_failed")
+    state.stats.retried("decode")
+    return retries.again
+
+
+def elastic_retry(
+    state: ProxyState,
+    chooser: Chooser,
+    call: Call,
+    slot: HandoffSlot,
+    retries: DecodeTries,
+    local_reason: str | None,
+) -> tuple[Instance, str | None]:
+    """An elastic pool's decode retry: another instance, and the handoff still in play (one the
+    failed decode never read) goes there if that is not the instance holding the KV; otherwise the
+    retry is served whole (the holder cannot pull from itself; the lease frees its blocks)."""
+    handoff = slot.handoff
+    holder = state.find(handoff.prefill_url) if handoff is not None else None
+    if holder is not None and chooser.has_other("decode", [*retries.tried, holder]):
+        decode, _ = chooser.decode([*retries.tried, holder], call.prompt)
+        return decode, local_reason
+    decode, _ = chooser.decode(retries.tried, call.prompt)
+    if handoff is not None:
+        slot.abandon("elastic pool: the retry is served whole", "decode_failed")
+    return decode, local_reason or "elastic pool: a retry is served whole"
