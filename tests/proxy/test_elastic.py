@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import pytest
+
 from pdserve.configparts import ElasticPool
 from pdserve.costmodel import Slo
 from pdserve.proxy.elastic import ElasticRouter, Placement
@@ -152,3 +154,13 @@ def test_a_whole_request_goes_where_its_prompt_is_computed_soonest_not_where_few
     assert second.decode is not first.decode
     clock.t += 1.0  # both prompts computed long since: the first instance is as good as any again
     assert r.place([second.decode, first.decode], 2000, 128).decode is first.decode
+
+
+def test_a_proxy_worker_seeing_half_the_traffic_plans_for_all_of_it() -> None:
+    whole, clock = router()
+    drive(whole, clock, pool(), 90, 12, 2000, 128)
+    half_clock = Clock()
+    half = ElasticRouter(ElasticPool(costs=H200, slo=SLO, traffic_share=0.5), half_clock)
+    drive(half, half_clock, pool(), 45, 12, 2000, 128)
+    assert half.layout == whole.layout
+    assert half.describe()["load"]["rate"] == pytest.approx(90, rel=0.1)  # type: ignore[index]

@@ -147,7 +147,8 @@ class ElasticRouter:
         n = len(self._arrivals)
         input_len = max(1, round(sum(a.input_len for a in self._arrivals) / n))
         output_len = max(2, round(sum(a.output_len for a in self._arrivals) / n))
-        return Load(n / span, input_len, output_len)
+        # Each of several proxy workers sees its share of the pool's arrivals and plans for the whole pool.
+        return Load(n / span / self._settings.traffic_share, input_len, output_len)
 
     def _replan(self, num_instances: int, now: float) -> None:
         self._planned_at = now
