@@ -6,15 +6,16 @@ Every instance of an elastic pool can take any role (vLLM decides per request fr
 - every ``replan_s`` the recent arrivals (rate, prompt and output lengths over ``window_s``) go to the
   cost model (costmodel.py, the one `pdserve plan` uses), which ranks every layout of the pool's N
   instances: N colocated, 1P(N-1)D … (N-1)P1D. The best (the most capacity among those that meet the
-  SLO, or the lowest latency without one) becomes the pool's layout; a close second does not displace it (hysteresis), so
-  the layout moves with the load, not with noise.
+  SLO, or the lowest latency without one) becomes the pool's layout; a close second does not displace
+  it (hysteresis), so the layout moves with the load, not with noise.
 - the layout gives instances roles, softly: an instance leaving the decode side is the one decoding the
   least, one leaving the prefill side the one with the least prefill work waiting, and nothing restarts.
   Requests already running finish where they are.
-- each request then goes, under a colocated layout, whole to the least-loaded instance; under a split
-  one, its prefill to the prefill-side instance with the least prompt work in flight and its decode to
-  the decode-side instance with the fewest requests, except that a prompt cheaper to compute than a
-  decode step stays whole on that decode (a split would cost more than it saves).
+- each request then goes, under a colocated layout, whole to the instance whose queued prompts end
+  soonest (by the step costs); under a split one, its prefill to the prefill-side instance with the
+  least prompt work in flight and its decode to the decode-side instance with the fewest requests,
+  except that a prompt cheaper to compute than a decode step stays whole on that decode (a split would
+  cost more than it saves).
 - an instance out of service leaves both sides; with one instance left everything is whole there.
 
 Pure: no HTTP, no clock but the one given; the proxy's flow and the simulated cluster
