@@ -209,10 +209,11 @@ class ElasticRouter:
                              f"{prompt_tokens} prompt tokens < {_UNPLANNED_SPLIT_TOKENS}: whole")  # fmt: skip
         if not prefill_side or not decode_side:
             why = f"{layout}: whole" if self._layout is not None else "one instance in service: whole"
+            if self._layout is not None and self._is_cheap(prompt_tokens):
+                why = f"{layout}: {prompt_tokens} prompt tokens cost less than a decode step: whole"
             return Placement(None, self._least_prompt_backlog(members), layout, why)
         decode = self._least_requests(decode_side)
-        costs = self._settings.costs
-        if costs is not None and prompt_tokens * costs.prefill_per_token_s < costs.step_base_s:
+        if self._is_cheap(prompt_tokens):
             return Placement(None, decode, layout, f"{layout}: {prompt_tokens} prompt tokens cost less than a "
                              "decode step: whole on a decode")  # fmt: skip
         prefill = self._least_prefill(prefill_side)
@@ -226,6 +227,11 @@ class ElasticRouter:
             f"{layout} for {rate}: predicted TTFT {_ms(self._layout.ttft_s)} ms, "
             f"TPOT {_ms(self._layout.tpot_s)} ms"
         )
+
+    def _is_cheap(self, prompt_tokens: int) -> bool:
+        """Whether the prompt costs less to compute than a decode step (a split would cost more)."""
+        costs = self._settings.costs
+        return costs is not None and prompt_tokens * costs.prefill_per_token_s < costs.step_base_s
 
     def _least_requests(self, members: Sequence[C]) -> C:
         return min(members, key=lambda m: (self._requests.get(m.url, 0), load_score(m)))
