@@ -10,7 +10,9 @@ import pytest
 
 from pdserve.bench import simcluster
 from pdserve.bench.command import _sim_profile_with_link
+from pdserve.bench.trace import Burst, Phase, Trace
 from pdserve.config import Topology
+from pdserve.configparts import ElasticPool
 from pdserve.costmodel import Slo
 from pdserve.errors import ConfigError
 from pdserve.sim.profile import load_profile
@@ -80,3 +82,53 @@ def test_a_cluster_without_decode_or_load_is_refused_when_it_is_described() -> N
     for bad in ((1, 0, 2.0, 512, 16), (-1, 1, 2.0, 512, 16), (1, 1, 0.0, 512, 16), (1, 1, 2.0, 0, 16)):
         with pytest.raises(ConfigError):
             simcluster.ClusterLoad(*bad)
+
+
+H200 = load_profile("llama3-8b-h200")
+SHORT = Trace(
+    (
+        Phase(2.0, 40, 2000, 16),
+        Phase(3.0, 10, 100, 64, bursts=Burst(period_s=1.5, duration_s=0.5, rate=60)),
+    )
+)
+
+
+def test_a_trace_draws_poisson_arrivals_phase_by_phase_with_its_bursts() -> None:
+    assert SHORT.phases[1].stretches() == [(0.0, 1.0, 10), (1.0, 1.5, 60), (1.5, 2.5, 10), (2.5, 3.0, 60)]
+    arrivals = SHORT.arrivals(seed=3)
+    assert arrivals == SHORT.arrivals(seed=3) != SHORT.arrivals(seed=4)
+    assert [a.index for a in arrivals] == list(range(len(arrivals)))
+    assert all(a.at < 2.0 for a in arrivals if a.phase == 0) and all(
+        a.at >= 2.0 for a in arrivals if a.phase == 1
+    )
+    long = Trace((Phase(100.0, 20, 10, 2, Burst(10.0, 5.0, 60)),))
+    in_bursts = sum(1 for a in long.arrivals() if a.at % 10 >= 5)
+    assert in_bursts == pytest.approx(60 * 50, rel=0.1) and len(long.arrivals()) == pytest.approx(
+        80 * 50, rel=0.1
+    )
+    with pytest.raises(ConfigError):
+        Burst(period_s=1.0, duration_s=2.0, rate=10)
+
+
+def test_the_elastic_arm_drives_the_router_and_reports_goodput_per_phase() -> None:
+    slo = Slo(ttft_ms=1000, tpot_ms=10)
+    pool = ElasticPool(costs=H200.costs(), slo=slo)
+    elastic = simcluster.run_trace(H200, SHORT, simcluster.Elastic(4, pool))
+    whole = simcluster.run_trace(H200, SHORT, simcluster.Fixed(0, 4))
+    split = simcluster.run_trace(H200, SHORT, simcluster.Fixed(2, 2))
+    arrivals = SHORT.arrivals()
+    for run in (elastic, whole, split):
+        assert len(run.served) == len(arrivals)
+        assert [sum(1 for s in run.served if s.phase == k) for k in (0, 1)] == [
+            sum(1 for a in arrivals if a.phase == k) for k in (0, 1)
+        ]
+        per_phase = [run.goodput(slo, k) for k in (0, 1)]
+        assert run.goodput(slo) == pytest.approx(
+            sum(g * p.duration_s for g, p in zip(per_phase, SHORT.phases, strict=True)) / 5.0
+        )
+        assert run.cpu_s > 0
+    assert split.split_share() == 1.0 and whole.split_share() == 0.0
+    # Long prompts are split by the router; prompts cheaper than a decode step are served whole.
+    assert elastic.split_share(0) > 0.8 and elastic.split_share(1) < 0.2
+    assert elastic.goodput(slo, 0) >= 0.95 * max(whole.goodput(slo, 0), split.goodput(slo, 0))
+    assert elastic.quantile("ttft_s", 0.5, phase=0) > 0 and elastic.quantile("tpot_s", 0.9) > 0

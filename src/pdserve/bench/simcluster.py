@@ -7,6 +7,11 @@ two of CPU and the same seed gives the same numbers on any machine. PD: each req
 prefill engine (one token, KV held), then decodes on a decode engine that pulls the KV; colocated: one
 engine of role "both" serves it whole. Both pools are taken round robin, as the proxy's default.
 Goodput is vLLM's: requests that met every SLO per second of the run.
+
+``replay`` runs a time-varying trace (bench/trace.py: phases, bursts) against a fixed layout, taken round
+robin as above, or against an elastic pool: N engines of role "both" (each serves whole requests, holds
+KV for a remote decode and pulls one) placed per request by the proxy's own ``ElasticRouter``
+(proxy/elastic.py) on the virtual clock, so what is measured is the code that serves.
 """
 
 from __future__ import annotations
@@ -15,11 +20,17 @@ import asyncio
 import itertools
 import math
 import random
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.bench.load import percentile
+from pdserve.bench.trace import Arrival, Served, Trace, TraceRun
+from pdserve.configparts import ElasticPool
 from pdserve.costmodel import Slo
 from pdserve.errors import ConfigError
+from pdserve.proxy.elastic import ElasticRouter, Placement
+from pdserve.proxy.routing import Load
 from pdserve.sim.engine import SimEngine, VirtualClock
 from pdserve.sim.profile import Profile
 from pdserve.sim.types import RemoteKV, SimRequest, SimRole
@@ -110,15 +121,19 @@ async def serve(
     prefill: SimEngine | None,
     decode: SimEngine,
     clock: VirtualClock,
+    on_prefilled: Callable[[], None] | None = None,
 ) -> list[float]:
     """Request ``i`` as pdserve's proxy serves it: prefilled on ``prefill`` (one token, KV held) and
-    pulled by ``decode``, or whole on ``decode`` when ``prefill`` is None; the clock at each token."""
+    pulled by ``decode``, or whole on ``decode`` when ``prefill`` is None; the clock at each token.
+    ``on_prefilled`` is called when the prefill has returned."""
     remote = None
     if prefill is not None:
         held = None
         async for event in prefill.generate(SimRequest(f"p{i}", prompt, 1, hold_for_remote=True)):
             held = event.held
         assert held is not None
+        if on_prefilled is not None:
+            on_prefilled()
         remote = RemoteKV(prefill.engine_id, f"p{i}", held.block_ids, held.num_tokens, "sim", 0)
     return [
         clock.now()
@@ -126,21 +141,40 @@ async def serve(
     ]
 
 
-async def simulate(profile: Profile, load: ClusterLoad) -> ClusterRun:
-    """``load`` on ``profile``'s engines; both pools taken round robin."""
-    clock = VirtualClock()
-    pulls = _Pulls()
+class _Engines:
+    """A cluster's engines on one virtual clock, each the KV source of the others."""
 
-    def engine(role: SimRole, name: str) -> SimEngine:
-        e = SimEngine(profile, role, name, kv_source=pulls, clock=clock)
-        pulls.holders[name] = e
+    def __init__(self, profile: Profile) -> None:
+        self.profile = profile
+        self.clock = VirtualClock()
+        self.pulls = _Pulls()
+
+    def add(self, role: SimRole, name: str) -> SimEngine:
+        e = SimEngine(self.profile, role, name, kv_source=self.pulls, clock=self.clock)
+        self.pulls.holders[name] = e
         return e
 
-    colocated = load.num_prefill == 0
-    prefills = [engine("prefill", f"p{i}") for i in range(load.num_prefill)]
-    decodes = [engine("both" if colocated else "decode", f"d{i}") for i in range(load.num_decode)]
-    for e in (*prefills, *decodes):
-        await e.start()
+    def fixed(self, num_prefill: int, num_decode: int) -> tuple[list[SimEngine], list[SimEngine]]:
+        """Prefill and decode engines (``num_decode`` of role "both" when ``num_prefill`` is 0)."""
+        prefills = [self.add("prefill", f"p{i}") for i in range(num_prefill)]
+        decode_role: SimRole = "decode" if num_prefill else "both"
+        return prefills, [self.add(decode_role, f"d{i}") for i in range(num_decode)]
+
+    async def start(self) -> None:
+        for e in self.pulls.holders.values():
+            await e.start()
+
+    async def stop(self) -> None:
+        for e in self.pulls.holders.values():
+            await e.stop()
+
+
+async def simulate(profile: Profile, load: ClusterLoad) -> ClusterRun:
+    """``load`` on ``profile``'s engines; both pools taken round robin."""
+    cluster = _Engines(profile)
+    clock = cluster.clock
+    prefills, decodes = cluster.fixed(load.num_prefill, load.num_decode)
+    await cluster.start()
     rng = random.Random(load.seed)
     next_prefill, next_decode = itertools.cycle(prefills or [None]), itertools.cycle(decodes)
     timings: list[Timing] = []
@@ -161,11 +195,112 @@ async def simulate(profile: Profile, load: ClusterLoad) -> ClusterRun:
         tasks.append(asyncio.ensure_future(one(i, prompt, next(next_prefill), next(next_decode))))
     await asyncio.gather(*tasks)
     duration = clock.now() - began
-    for e in (*prefills, *decodes):
-        await e.stop()
+    await cluster.stop()
     return ClusterRun(load, tuple(timings), duration)
 
 
 def run(profile: Profile, load: ClusterLoad) -> ClusterRun:
     """``simulate`` on a fresh event loop (the default asyncio loop: VirtualClock reads its ready queue)."""
     return asyncio.run(simulate(profile, load))
+
+
+@dataclass(frozen=True)
+class Fixed:
+    """A fixed layout for ``replay``: ``num_prefill`` 0 is ``num_decode`` colocated instances."""
+
+    num_prefill: int
+    num_decode: int
+
+    def describe(self) -> str:
+        return f"{self.num_prefill}P{self.num_decode}D" if self.num_prefill else f"{self.num_decode} coloc"
+
+
+@dataclass(frozen=True)
+class Elastic:
+    """An elastic pool for ``replay``: ``num_instances`` engines placed by an ``ElasticRouter``."""
+
+    num_instances: int
+    settings: ElasticPool
+
+    def describe(self) -> str:
+        return "elastic"
+
+
+class _Member:
+    """A simulated engine as the router sees a pool member (what the proxy's Instance exposes)."""
+
+    def __init__(self, engine: SimEngine) -> None:
+        self.engine = engine
+        self.num_in_flight = 0
+
+    @property
+    def url(self) -> str:
+        return self.engine.engine_id
+
+    @property
+    def load(self) -> Load:
+        s = self.engine.scheduler
+        return Load(float(s.num_running), float(s.num_waiting), s.kv.usage)
+
+
+async def replay(profile: Profile, trace: Trace, arm: Fixed | Elastic, seed: int = 0) -> TraceRun:
+    """Every request of ``trace`` (its arrivals drawn with ``seed``) on ``arm``; waits for the last."""
+    cluster = _Engines(profile)
+    clock = cluster.clock
+    router: ElasticRouter | None = None
+    if isinstance(arm, Elastic):
+        router = ElasticRouter(arm.settings, clock.now)
+        members = [_Member(cluster.add("both", f"e{i}")) for i in range(arm.num_instances)]
+    else:
+        prefills, decodes = cluster.fixed(arm.num_prefill, arm.num_decode)
+        next_prefill, next_decode = itertools.cycle(prefills or [None]), itertools.cycle(decodes)
+    await cluster.start()
+    arrivals = trace.arrivals(seed)
+    # Prompts that share no block (the first token differs): no prefix-cache hit flatters any arm.
+    filler = tuple(range(100, 100 + max((a.input_len for a in arrivals), default=1)))
+    served: list[Served] = []
+
+    async def one(a: Arrival) -> None:
+        start = clock.now()
+        prompt = (1_000_000 + a.index, *filler[: a.input_len - 1])
+        placement: Placement[_Member] | None = None
+        prefilled: Callable[[], None] | None = None
+        if router is not None:
+            placement = router.place(members, a.input_len, a.output_len)
+            used = [m for m in (placement.prefill, placement.decode) if m is not None]
+            for m in used:
+                m.num_in_flight += 1
+            prefill = placement.prefill.engine if placement.prefill else None
+            decode = placement.decode.engine
+
+            def on_prefilled() -> None:
+                assert router is not None and placement is not None and placement.prefill is not None
+                placement.prefill.num_in_flight -= 1
+                router.prefilled(placement, a.input_len)
+
+            prefilled = on_prefilled
+        else:
+            prefill, decode = next(next_prefill), next(next_decode)
+        times = await serve(a.index, prompt, a.output_len, prefill, decode, clock, prefilled)
+        if router is not None and placement is not None:
+            placement.decode.num_in_flight -= 1
+            router.done(placement)
+        first, last = (times[0], times[-1]) if times else (math.nan, math.nan)
+        served.append(
+            Served(a.phase, first - start, (last - first) / (a.output_len - 1), prefill is not None)
+        )
+
+    tasks = []
+    for a in arrivals:
+        await clock.sleep(max(0.0, a.at - clock.now()))
+        tasks.append(asyncio.ensure_future(one(a)))
+    await asyncio.gather(*tasks)
+    await cluster.stop()
+    return TraceRun(arm.describe(), trace, tuple(sorted(served, key=lambda s: s.phase)))
+
+
+def run_trace(profile: Profile, trace: Trace, arm: Fixed | Elastic, seed: int = 0) -> TraceRun:
+    """``replay`` on a fresh event loop, with the CPU time it took."""
+    began = time.process_time()
+    result = asyncio.run(replay(profile, trace, arm, seed))
+    return TraceRun(result.arm, result.trace, result.served, time.process_time() - began)

@@ -1,0 +1,166 @@
+"""The elastic pool's router (proxy/elastic.py): per request, whole or split, on the layout the cost model
+ranks best for the recent arrivals; sides move with the load, as few as possible, and an instance that
+leaves is forgotten. Driven on a hand-moved clock, as the proxy's flow and the simulated cluster drive it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from pdserve.configparts import ElasticPool
+from pdserve.costmodel import Slo
+from pdserve.proxy.elastic import ElasticRouter, Placement
+from pdserve.proxy.routing import Load
+from pdserve.sim.profile import load_profile
+
+H200 = load_profile("llama3-8b-h200").costs()
+SLO = Slo(ttft_ms=1000, tpot_ms=10)
+
+
+@dataclass
+class Member:
+    url: str
+    num_in_flight: int = 0
+    load: Load = field(default_factory=Load)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def pool(n: int = 8) -> list[Member]:
+    return [Member(f"http://e{i}") for i in range(n)]
+
+
+def drive(router: ElasticRouter, clock: Clock, members: list[Member], rate: float, seconds: float,
+          prompt: int, output: int, finish: bool = True) -> list[Placement[Member]]:  # fmt: skip
+    """``rate`` requests/s for ``seconds``, each ending at once (``finish``) or left in flight."""
+    placements = []
+    for _ in range(round(rate * seconds)):
+        clock.t += 1 / rate
+        p = router.place(members, prompt, output)
+        if finish:
+            router.prefilled(p, prompt)
+            router.done(p)
+        placements.append(p)
+    return placements
+
+
+def router(costs: object = H200, slo: Slo = SLO) -> tuple[ElasticRouter, Clock]:
+    clock = Clock()
+    return ElasticRouter(ElasticPool(costs=H200 if costs is H200 else costs, slo=slo), clock), clock  # type: ignore[arg-type]
+
+
+def test_decode_heavy_traffic_is_served_whole_on_a_colocated_pool() -> None:
+    r, clock = router()
+    members = pool()
+    placed = drive(r, clock, members, 40, 12, 300, 1000)
+    assert r.layout == "8 colocated"
+    assert all(not p.is_split for p in placed[-100:])
+    assert r.decisions["split"] < 5  # at most the first second's, planned on one request
+
+
+def test_prefill_heavy_traffic_is_split_prefill_side_to_decode_side() -> None:
+    r, clock = router()
+    members = pool()
+    placed = drive(r, clock, members, 90, 12, 2000, 128, finish=False)
+    assert r.layout.endswith("D") and r.layout.startswith(("4P", "5P", "6P"))
+    last = placed[-100:]
+    assert all(p.is_split for p in last)
+    for p in last:
+        assert (
+            p.prefill is not None and r.side(p.prefill.url) == "prefill" and r.side(p.decode.url) == "decode"
+        )
+    num_prefill = int(r.layout.split("P")[0])
+    assert sum(1 for m in members if r.side(m.url) == "prefill") == num_prefill
+    # Spread: every prefill-side instance took prefills, every decode-side instance decodes.
+    assert {p.prefill.url for p in last if p.prefill} == {
+        m.url for m in members if r.side(m.url) == "prefill"
+    }
+    assert {p.decode.url for p in last} == {m.url for m in members if r.side(m.url) == "decode"}
+    described = r.describe()
+    assert described["layout"] == r.layout and described["load"] is not None
+
+
+def test_over_a_link_too_slow_to_split_the_pool_stays_colocated() -> None:
+    r, clock = router(H200.with_kv_bandwidth(0.5e9), Slo(ttft_ms=300, tpot_ms=20))
+    placed = drive(r, clock, pool(), 30, 12, 2000, 128)
+    assert r.layout == "8 colocated" and not any(p.is_split for p in placed[-100:])
+
+
+def test_a_prompt_cheaper_than_a_decode_step_stays_whole_on_a_split_pool() -> None:
+    r, clock = router()
+    members = pool()
+    drive(r, clock, members, 90, 12, 2000, 128)
+    assert r.layout != "8 colocated"
+    short = r.place(members, 50, 128)
+    assert not short.is_split and r.side(short.decode.url) == "decode"
+
+
+def test_sides_move_with_the_load_and_no_more_instances_than_the_layouts_differ_by() -> None:
+    r, clock = router()
+    members = pool()
+    drive(r, clock, members, 90, 12, 2000, 128)
+    before = {m.url: r.side(m.url) for m in members}
+    split_layout = r.layout
+    drive(r, clock, members, 40, 15, 300, 1000)
+    after = {m.url: r.side(m.url) for m in members}
+    assert r.layout == "8 colocated" != split_layout
+    moved = [u for u in before if before[u] != after[u]]
+    assert sorted(moved) == sorted(u for u in before if before[u] == "prefill")  # only the prefill side
+
+
+def test_a_steady_load_does_not_flap_between_layouts() -> None:
+    r, clock = router()
+    members = pool()
+    drive(r, clock, members, 60, 5, 2000, 128)
+    layouts = set()
+    for _ in range(20):
+        drive(r, clock, members, 60, 1, 2000, 128)
+        layouts.add(r.layout)
+    assert len(layouts) == 1
+
+
+def test_an_instance_that_leaves_is_forgotten_and_never_chosen() -> None:
+    r, clock = router()
+    members = pool()
+    drive(r, clock, members, 90, 12, 2000, 128)
+    gone = next(m for m in members if r.side(m.url) == "prefill")
+    r.forget(gone.url)
+    assert r.side(gone.url) is None and gone.url not in r.describe()["sides"]  # type: ignore[operator]
+    rest = [m for m in members if m is not gone]
+    placed = drive(r, clock, rest, 90, 3, 2000, 128)
+    assert all(gone not in (p.prefill, p.decode) for p in placed)
+    assert all(r.side(m.url) is not None for m in rest)
+    # One instance left: everything whole there.
+    alone = r.place(rest[:1], 2000, 128)
+    assert not alone.is_split and alone.decode is rest[0]
+
+
+def test_a_whole_request_goes_where_its_prompt_is_computed_soonest_not_where_fewest_requests_are() -> None:
+    r, clock = router()
+    members = pool()
+    drive(r, clock, members, 40, 12, 300, 1000)
+    assert r.layout == "8 colocated"
+    first = r.place(members, 2000, 128)
+    r.done(first)  # its instance now has the fewest requests, but is still computing that prompt
+    clock.t += 0.001
+    second = r.place(members, 2000, 128)
+    assert second.decode is not first.decode
+    clock.t += 1.0  # both prompts computed long since: the first instance is as good as any again
+    assert r.place([second.decode, first.decode], 2000, 128).decode is first.decode
+
+
+def test_a_proxy_worker_seeing_half_the_traffic_plans_for_all_of_it() -> None:
+    whole, clock = router()
+    drive(whole, clock, pool(), 90, 12, 2000, 128)
+    half_clock = Clock()
+    half = ElasticRouter(ElasticPool(costs=H200, slo=SLO, traffic_share=0.5), half_clock)
+    drive(half, half_clock, pool(), 45, 12, 2000, 128)
+    assert half.layout == whole.layout
+    assert half.describe()["load"]["rate"] == pytest.approx(90, rel=0.1)  # type: ignore[index]
