@@ -78,6 +78,7 @@ STEPS = (
     "proof",
     "doctor",
     "load",
+    "elastic",
     "benchurl",
     "calibrate",
     "bench",
@@ -531,6 +532,9 @@ ROUND_FIELDS = (
     "tpot_token_median_ms",
     "chunks_per_request",
     "duration_s",
+    "req_per_s",
+    "goodput_req_per_s",
+    "slo_attainment",
 )
 
 
@@ -558,63 +562,111 @@ def step_load(run: Run) -> dict[str, Any]:
     """The arms in turn, ``--load-rounds`` times (eager vLLM's step times drift by a quarter between runs
     of one morning: interleaved rounds compare the arms under the same drift); medians of the rounds."""
     need_pair(run)
-    from pdserve.prometheus import BYTES_SUM, XFER_COUNT, XFER_TIME_SUM, scrape
-
     argv = [PY, "-m", "pdserve.cli", "proxy", "--colocated", "--decode", run.prefill, "--decode", run.decode,
             "--port", str(run.a.proxy_port + 1)]  # fmt: skip
     colocated = spawn(argv, run.work / "colocated.log")
     arms_urls = (("disaggregated", run.proxy), ("colocated", run.colocated), ("one-instance", run.decode))
     try:
-        rounds: list[dict[str, Any]] = []
-        for number in range(run.a.load_rounds):
-            arms: dict[str, Any] = {}
-            for name, url in arms_urls:
-                if run.left() < 70:
-                    arms[name] = {"skipped": f"{run.left():.0f} s left"}
-                    continue
-                before = {u: scrape(u) for u in (run.prefill, run.decode)}
-                with GpuSampler(run) as gpu:
-                    summary = run_arm(run, url, number)
-                after = {u: scrape(u) for u in (run.prefill, run.decode)}
-                d_before, d_after = before[run.decode], after[run.decode]
-                delta = {
-                    k: d_after.get(k, 0.0) - d_before.get(k, 0.0)
-                    for k in (XFER_COUNT, XFER_TIME_SUM, BYTES_SUM)
-                }
-                kv = {
-                    "transfers": delta[XFER_COUNT],
-                    "bytes": delta[BYTES_SUM],
-                    "seconds": delta[XFER_TIME_SUM],
-                }
-                engine = {
-                    role: engine_timers(before[u], after[u])
-                    for role, u in (("prefill", run.prefill), ("decode", run.decode))
-                }
-                for timers in engine.values():
-                    if timers.get("steps"):  # the mean step while the arm ran (engines busy throughout)
-                        timers["ms_per_step"] = round(1e3 * summary["duration_s"] / timers["steps"], 2)
-                arms[name] = {**summary, "kv": kv, "engine": engine, "gpu": gpu.summary()}
-                run.say(f"  round {number + 1} {name:<13} TTFT p50 {summary['ttft_median_ms']:.0f} ms p90 {summary['ttft_p90_ms']:.0f}  "
-                        f"ITL p50 {summary['itl_median_ms']:.1f} ms ({summary['itl_coalesced_share']:.0%} of gaps < 1 ms)  {summary['num_ok']} ok {summary['num_failed']} failed  "
-                        f"TPOT/token p50 {summary['tpot_token_median_ms']:.1f} ms  GPU {json.dumps(arms[name]['gpu'])}  "
-                        f"KV {json.dumps({k: round(v, 3) for k, v in kv.items()})}  vLLM {json.dumps(engine)}")  # fmt: skip
-            rounds.append(arms)
-        return {
-            "workload": {
-                "concurrency": run.a.concurrency,
-                "requests": run.a.requests,
-                "prompt_tokens": run.a.prompt_tokens,
-                "output_tokens": run.a.output_tokens,
-                "rounds": run.a.load_rounds,
-            },
-            "arms": {
-                name: combine_rounds([r[name] for r in rounds if "skipped" not in r[name]])
-                for name, _ in arms_urls
-            },
-            "rounds": rounds,
-        }
+        return load_rounds(run, arms_urls, {"prefill": run.prefill, "decode": run.decode}, {run.proxy})
     finally:
         stop(colocated, 10)
+
+
+def load_rounds(
+    run: Run, arms_urls: tuple[tuple[str, str], ...], instances: dict[str, str], proxies: set[str]
+) -> dict[str, Any]:
+    """Each arm in turn, ``--load-rounds`` times; the KV each arm moved from every instance's counters
+    (any of them may decode), vLLM's timers per instance, the proxies' ``/requests`` in the traces."""
+    from pdserve.prometheus import BYTES_SUM, XFER_COUNT, XFER_TIME_SUM, scrape
+
+    rounds: list[dict[str, Any]] = []
+    for number in range(run.a.load_rounds):
+        arms: dict[str, Any] = {}
+        for name, url in arms_urls:
+            if run.left() < 70:
+                arms[name] = {"skipped": f"{run.left():.0f} s left"}
+                continue
+            before = {u: scrape(u) for u in instances.values()}
+            with GpuSampler(run) as gpu:
+                summary = run_arm(run, url, number, url in proxies)
+            after = {u: scrape(u) for u in instances.values()}
+            kv = {
+                key: sum(after[u].get(k, 0.0) - before[u].get(k, 0.0) for u in instances.values())
+                for key, k in (("transfers", XFER_COUNT), ("bytes", BYTES_SUM), ("seconds", XFER_TIME_SUM))
+            }
+            engine = {role: engine_timers(before[u], after[u]) for role, u in instances.items()}
+            for timers in engine.values():
+                if timers.get("steps"):  # the mean step while the arm ran (engines busy throughout)
+                    timers["ms_per_step"] = round(1e3 * summary["duration_s"] / timers["steps"], 2)
+            arms[name] = {**summary, "kv": kv, "engine": engine, "gpu": gpu.summary()}
+            run.say(f"  round {number + 1} {name:<13} TTFT p50 {summary['ttft_median_ms']:.0f} ms p90 {summary['ttft_p90_ms']:.0f}  "
+                    f"ITL p50 {summary['itl_median_ms']:.1f} ms ({summary['itl_coalesced_share']:.0%} of gaps < 1 ms)  {summary['num_ok']} ok {summary['num_failed']} failed  "
+                    f"TPOT/token p50 {summary['tpot_token_median_ms']:.1f} ms  {summary['req_per_s']:.2f} req/s, goodput {summary['goodput_req_per_s']:.2f}  GPU {json.dumps(arms[name]['gpu'])}  "
+                    f"KV {json.dumps({k: round(v, 3) for k, v in kv.items()})}  vLLM {json.dumps(engine)}")  # fmt: skip
+        rounds.append(arms)
+    return {
+        "workload": {
+            "concurrency": run.a.concurrency,
+            "requests": run.a.requests,
+            "prompt_tokens": run.a.prompt_tokens,
+            "output_tokens": run.a.output_tokens,
+            "rounds": run.a.load_rounds,
+        },
+        "arms": {
+            name: combine_rounds([r[name] for r in rounds if "skipped" not in r[name]])
+            for name, _ in arms_urls
+        },
+        "rounds": rounds,
+    }
+
+
+def step_elastic(run: Run) -> dict[str, Any]:
+    """`pdserve up --elastic 2` on the GPU (the demo pair, if up, stopped first: one GPU), and over the same
+    two instances a fixed 1P1D proxy and a colocated one: the load step's workload through each in turn.
+    The same engines under every arm, so the arms differ only in where each request's work went."""
+    if run.demo is not None:
+        stop(run.demo, 60)
+        run.demo = None
+    port, first = run.a.proxy_port + 10, run.a.first_port + 10
+    argv = [PY, "-m", "pdserve.cli", "up", "--elastic", "2", "--device", run.a.device,
+            "--model", run.model_dir or "tiny", *eager_args(run), f"--port={port}", f"--first-port={first}",
+            f"--first-side-channel-port={run.a.side_port + 10}", "--run-dir", str(run.work / "elastic-run"),
+            "--on-instance-exit", "stop", "--cost-profile", run.a.elastic_profile,
+            "--slo", *run.a.elastic_slo.split()]  # fmt: skip
+    log = run.work / "elastic.log"
+    log.unlink(missing_ok=True)
+    pool = spawn(argv, log, run.pair_env)
+    deadline = time.monotonic() + min(run.a.demo_timeout_s, run.left() - 90)
+    while time.monotonic() < deadline and pool.poll() is None:
+        if "pdserve is up" in log.read_text(errors="replace"):
+            break
+        time.sleep(1.0)
+    text = log.read_text(errors="replace")
+    run.say("\n".join(ln for ln in text.splitlines() if "up after" in ln or "doctor" in ln or "PASS" in ln
+                      or "FAIL" in ln or "pdserve is up" in ln)[-3000:])  # fmt: skip
+    if "pdserve is up" not in text:
+        stop(pool, 30)
+        raise RuntimeError(f"the elastic pool is not up (exit {pool.poll()}): {text[-1500:]}")
+    a, b = (f"http://127.0.0.1:{first + i}" for i in range(2))
+    elastic, fixed, coloc = (f"http://127.0.0.1:{port + i}" for i in range(3))
+    others = [
+        spawn([PY, "-m", "pdserve.cli", "proxy", "--prefill", a, "--decode", b, "--port", str(port + 1)],
+              run.work / "elastic-fixed.log"),
+        spawn([PY, "-m", "pdserve.cli", "proxy", "--colocated", "--decode", a, "--decode", b,
+               "--port", str(port + 2)], run.work / "elastic-colocated.log"),
+    ]  # fmt: skip
+    try:
+        arms_urls = (("elastic", elastic), ("1P1D", fixed), ("colocated", coloc))
+        result = load_rounds(run, arms_urls, {"elastic-0": a, "elastic-1": b}, {elastic, fixed, coloc})
+        metrics = urllib.request.urlopen(f"{elastic}/metrics", timeout=10).read().decode()
+        result["placements"] = [ln for ln in metrics.splitlines() if ln.startswith("pdserve_elastic_")]
+        run.say("\n".join(result["placements"]))
+        result["slo"] = run.a.elastic_slo
+        return result
+    finally:
+        for proc in others:
+            stop(proc, 10)
+        stop(pool, 60)
 
 
 def combine_rounds(done: list[dict[str, Any]]) -> dict[str, Any]:
@@ -634,7 +686,7 @@ def combine_rounds(done: list[dict[str, Any]]) -> dict[str, Any]:
             k: statistics.median(r["engine"][role][k] for r in done if k in r["engine"][role])
             for k in done[0]["engine"][role]
         }
-        for role in ("prefill", "decode")
+        for role in done[0]["engine"]
     }
     arm["gpu"] = {
         k: statistics.median(r["gpu"][k] for r in done if k in r.get("gpu", {}))
@@ -688,7 +740,7 @@ class GpuSampler:
         }
 
 
-def run_arm(run: Run, url: str, number: int = 0) -> dict[str, Any]:
+def run_arm(run: Run, url: str, number: int = 0, is_proxy: bool = False) -> dict[str, Any]:
     from pdserve.bench.load import Job, run_load
     from pdserve.stack import wait_http_ok
 
@@ -708,7 +760,7 @@ def run_arm(run: Run, url: str, number: int = 0) -> dict[str, Any]:
     trace: dict[str, Any] = {
         "requests": [{"sent": wall + o.begun, "ttft": o.ttft, "itls": o.itls, "ok": o.ok} for o in outcomes]
     }
-    if url == run.proxy:
+    if is_proxy:
         trace["proxy"] = json.loads(urllib.request.urlopen(f"{url}/requests", timeout=10).read())["requests"]
     run.traces[f"{url}#{number}"] = trace
     # Gaps under 1 ms are events that reached the client together (one read): the client's ITL median then
@@ -719,8 +771,14 @@ def run_arm(run: Run, url: str, number: int = 0) -> dict[str, Any]:
     # behind, and ignore_eos makes every request produce exactly output_tokens
     ok = [o for o in outcomes if o.ok]
     per_token = [(o.e2e - o.ttft) * 1e3 / (run.a.output_tokens - 1) for o in ok if run.a.output_tokens > 1]
+    # Goodput as vLLM's bench counts it: requests within every SLO (--elastic-slo) per second of the arm
+    slo = dict(pair.split(":") for pair in run.a.elastic_slo.split())
+    good = [o for o in ok if o.ttft * 1e3 <= float(slo.get("ttft", "inf"))
+            and (o.e2e - o.ttft) * 1e3 / max(1, run.a.output_tokens - 1) <= float(slo.get("tpot", "inf"))]  # fmt: skip
     return {
         **summary.as_row(),
+        "goodput_req_per_s": round(len(good) / summary.duration_s, 3) if summary.duration_s else 0.0,
+        "slo_attainment": round(len(good) / len(outcomes), 3) if outcomes else 0.0,
         "itl_coalesced_share": round(coalesced, 3),
         "tpot_token_median_ms": round(statistics.median(per_token), 3) if per_token else float("nan"),
         "chunks_per_request": round(statistics.fmean(o.num_chunks for o in ok), 1) if ok else 0.0,
@@ -877,6 +935,10 @@ def main() -> int:
                         "(the plan's own UCX variables win over these)")  # fmt: skip
     add_numbers(p, {"--nixl-budget-s": 100.0, "--demo-timeout-s": 300.0})
     add_numbers(p, {"--concurrency": 16, "--requests": 32})
+    p.add_argument("--elastic-profile", default="llama3-8b-h200", help="the elastic step's --cost-profile")
+    p.add_argument(
+        "--elastic-slo", default="ttft:1000 tpot:30", help="the elastic step's --slo (and goodput's)"
+    )
     p.add_argument("--load-rounds", type=int, default=1, help="the load step's arms in turn, this many times")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="vLLM with CUDA graphs (longer start-up, steadier steps); default --enforce-eager")  # fmt: skip
@@ -898,6 +960,7 @@ def main() -> int:
         run.do("proof", step_proof, 120)
         run.do("doctor", step_doctor, 120)
         run.do("load", step_load, 80)
+        run.do("elastic", step_elastic, 300)
         run.do("benchurl", step_bench_url, 90)
         run.do("calibrate", step_calibrate, 80)
         run.do("bench", step_bench, 280)
