@@ -1,6 +1,7 @@
 """PD's answer checks on the real model `pdserve up` serves by default (SmolLM2-135M-Instruct, float32):
 verify passes, "What is the capital of France?" comes back "Paris" through PD and equals one instance's
-answer, and after prefill is killed the supervisor brings it back and the answer is the same again.
+answer, decode stalled past prefill's lease still gives that answer, and after prefill is killed the
+supervisor brings it back and the answer is the same again.
 The rest of the suite runs on the tiny random model for speed; this pair is its own, on its own ports."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from stall import ask_with_decode_stalled, suspects
 
 from pdserve import httpclient
 from pdserve.commands.verify import verify, wait_for_transfers
@@ -76,6 +78,16 @@ def test_each_worker_kept_the_cores_it_was_given(real: Stack) -> None:
         assert "asked to move its model thread" in log, (
             f"{spec.name}: vLLM's affinity call was not overridden"
         )
+
+
+def test_decode_stalled_past_the_lease_still_answers_paris_as_one_instance_does(real: Stack) -> None:
+    expected = _chat(real.urls("decode")[0], salt=True)
+    suspects_before = suspects(real)
+    # Salted: the question's blocks from the tests before are not in decode's prefix cache, so this
+    # request's whole prompt must come over NIXL, late, and be redone.
+    answer = ask_with_decode_stalled(real, lambda: _chat(real.proxy_url, salt=True))
+    assert "Paris" in answer and answer == expected, answer
+    assert suspects(real) > suspects_before, "the late pull went unnoticed"
 
 
 def test_a_killed_prefill_comes_back_and_the_answer_is_the_same(real: Stack) -> None:
