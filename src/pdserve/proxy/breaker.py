@@ -24,6 +24,8 @@ class CircuitBreaker:
         return "half_open" if now - self._opened_at >= self.cooldown_s else "open"
 
     def allows(self, now: float) -> bool:
+        if self._opened_at is None:  # closed: the common case, asked per instance per attempt
+            return True
         state = self.state(now)
         return state == "closed" or (state == "half_open" and not self._is_trial_out)
 

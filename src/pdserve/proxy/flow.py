@@ -45,7 +45,6 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from dataclasses import replace
 from typing import Any
 
 from pdserve import protocol
@@ -147,8 +146,8 @@ class Flow:
             headers["Authorization"] = auth
         deadline = time.monotonic() + self._t.request
         timeline = Timeline(arrived, admitted, itl=self._state.stats.timings.itl)
-        call = Call(endpoint, body, headers, out, trace, is_stream, deadline, self._t.request,
-                    self._prompt(body), timeline)  # fmt: skip
+        call = Call(endpoint, body, headers, out, trace, is_stream, deadline, self._t.request, timeline,
+                    self._prompt(body))  # fmt: skip
         slot = HandoffSlot(self._state.ledger, out.request_id)
         span = None
         if self._tracing is not None:
@@ -250,7 +249,7 @@ class Flow:
             call.trace.local_prefill_reason = local_reason
             # Decode, streaming its answer back. A retry goes to another instance: none left (or no
             # attempts left) makes this the last, whose failure the client hears of.
-            has_others = self._chooser.has_other("decode", [*retries.tried, decode])
+            has_others = self._chooser.has_other("decode", retries.tried, decode)
             is_last = retries.num_failed + 1 >= self._config.retries.max_decode_attempts or not has_others
             call.trace.decode_url = decode.url
             handoff = slot.handoff
@@ -259,6 +258,7 @@ class Flow:
                 if handoff is not None and 400 <= (call.trace.decode_status or 0) < 500:
                     self._releaser.release(call, decode, handoff)  # decode refused: free prefill's KV
                 return
+            retries.is_first = False  # what follows is a retry
             if isinstance(decoded, DecodeFailed) and decoded.is_stale and not retries.num_stale:
                 self._once_more_on_a_fresh_connection(call, slot, decode, retries)
             elif isinstance(decoded, DecodeFailed) and is_last:
@@ -315,7 +315,7 @@ class Flow:
                 retries.tried.append(decode)  # it may be the reason (stalled): let another take it
             # The late pull left its wrong blocks in decode's prefix cache under this prompt's hashes.
             salt = f"lease-retry-{uuid.uuid4().hex[:16]}"
-            return replace(call, body=protocol.with_fresh_cache_salt(call.body, salt))
+            return call._replace(body=protocol.with_fresh_cache_salt(call.body, salt))
         retries.num_failed += 1
         retries.tried.append(decode)
         call.trace.retries.append(f"decode {decode.url}: {describe(decoded.failure)}")

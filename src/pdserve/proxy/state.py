@@ -60,6 +60,11 @@ class Pool:
         now = time.monotonic()
         return [i for i in self._instances if i.is_available(now) and i not in exclude]
 
+    def has_available(self, exclude: Sequence[Instance] = (), also: Instance | None = None) -> bool:
+        """Whether ``available`` would name one outside ``exclude`` and ``also`` (no list built)."""
+        now = time.monotonic()
+        return any(i is not also and i not in exclude and i.is_available(now) for i in self._instances)
+
     def find(self, url: str) -> Instance | None:
         return next((i for i in self._instances if i.url == url), None)
 
@@ -102,9 +107,7 @@ class Stats:
         self.releases[result] += 1
 
     def timed(self, timeline: Timeline) -> None:
-        phases = self.timings.phases
-        for phase, seconds in timeline.spans().items():
-            phases[phase].observe(seconds)
+        self.timings.observe(timeline)
 
 
 class ProxyState:

@@ -79,6 +79,13 @@ class Timings:
     def __init__(self) -> None:
         self.phases = {name: Histogram(BUCKETS) for name in PHASES}
         self.itl = Histogram(ITL_BUCKETS)
+        self._in_order = tuple(self.phases.values())  # as ``Timeline.seconds`` lists the phases
+
+    def observe(self, timeline: Timeline) -> None:
+        """Count each phase the request went through (once per request: no dict built)."""
+        for histogram, seconds in zip(self._in_order, timeline.seconds(), strict=True):
+            if seconds is not None:
+                histogram.observe(seconds)
 
 
 @dataclass
@@ -113,23 +120,23 @@ class Timeline:
                 self.gap_max = gap
         self.last_chunk = now
 
-    def spans(self) -> dict[str, float]:
-        """Each phase's seconds, for those that happened (once per request: plain tests, no temporaries)."""
-        out: dict[str, float] = {}
+    def seconds(self) -> tuple[float | None, ...]:
+        """Each phase's seconds in ``PHASES``' order, None for one that did not happen."""
         arrived, prefill_done, decode_sent = self.arrived, self.prefill_done, self.decode_sent
-        if self.admitted is not None:
-            out["queue"] = self.admitted - arrived
-        if self.prefill_sent is not None and prefill_done is not None:
-            out["prefill"] = prefill_done - self.prefill_sent
-        if prefill_done is not None and decode_sent is not None:
-            out["handoff_gap"] = decode_sent - prefill_done
-        if decode_sent is not None and self.decode_first_byte is not None:
-            out["decode_first_byte"] = self.decode_first_byte - decode_sent
-        if self.first_byte is not None:
-            out["ttft"] = self.first_byte - arrived
-        if self.ended is not None:
-            out["e2e"] = self.ended - arrived
-        return out
+        admitted, prefill_sent, decode_first_byte = self.admitted, self.prefill_sent, self.decode_first_byte
+        first_byte, ended = self.first_byte, self.ended
+        return (
+            None if admitted is None else admitted - arrived,
+            None if prefill_sent is None or prefill_done is None else prefill_done - prefill_sent,
+            None if prefill_done is None or decode_sent is None else decode_sent - prefill_done,
+            None if decode_sent is None or decode_first_byte is None else decode_first_byte - decode_sent,
+            None if first_byte is None else first_byte - arrived,
+            None if ended is None else ended - arrived,
+        )
+
+    def spans(self) -> dict[str, float]:
+        """Each phase's seconds, for those that happened."""
+        return {name: s for name, s in zip(PHASES, self.seconds(), strict=True) if s is not None}
 
     def as_ms(self) -> dict[str, float]:
         out = {f"{k}_ms": round(v * 1000, 3) for k, v in self.spans().items()}
