@@ -45,6 +45,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Awaitable
 from typing import Any
 
 from pdserve import protocol
@@ -71,6 +72,7 @@ from pdserve.proxy.attempt import (
 )
 from pdserve.proxy.choice import Chooser
 from pdserve.proxy.decode import Decoder
+from pdserve.proxy.elastic import ElasticRouter
 from pdserve.proxy.guard import LeaseGuard
 from pdserve.proxy.instance import Instance
 from pdserve.proxy.ledger import Handoff
@@ -180,16 +182,21 @@ class Flow:
                               "pdserve.retries": len(trace.retries)}  # fmt: skip
                 self._tracing.finish(span, timeline, arrived_ns, attributes, trace.error)
 
-    async def _serve(self, call: Call, slot: HandoffSlot) -> None:
+    def _serve(self, call: Call, slot: HandoffSlot) -> Awaitable[None]:
         """The attempts, in order, until the client has its answer; an ``UpstreamError`` says why not.
-        In an elastic pool the router places the request first and hears when it ends."""
+        In an elastic pool the router places the request first and hears when it ends. (Not a
+        coroutine itself: a fixed pool's request awaits the attempts with one frame fewer.)"""
         local_reason = (
             "colocated: no split" if self._config.colocated else protocol.needs_local_prefill(call.body)
         )
         router = self._state.elastic
         if router is None:
-            await self._attempts(call, slot, local_reason, None)
-            return
+            return self._attempts(call, slot, local_reason, None)
+        return self._placed(router, call, slot, local_reason)
+
+    async def _placed(
+        self, router: ElasticRouter, call: Call, slot: HandoffSlot, local_reason: str | None
+    ) -> None:
         placed, local_reason = place(router, self._chooser.members(), call, local_reason)
         try:
             await self._attempts(call, slot, local_reason, placed)

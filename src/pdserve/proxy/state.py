@@ -134,6 +134,9 @@ class ProxyState:
         self.ledger = Ledger(config.kv_lease_s)
         self.stats = Stats()
         self._traces: deque[Trace] = deque(maxlen=num_traces)
+        # The loop the proxy serves on, from ``open`` to ``close``: asyncio.get_running_loop() costs a
+        # getpid() syscall on CPython 3.11, and a request would ask it more than once.
+        self.loop: asyncio.AbstractEventLoop | None = None
         self._removals: set[asyncio.Task[None]] = set()
 
     def _http_upstream(self, role: Role, url: str) -> Upstream:
@@ -184,10 +187,12 @@ class ProxyState:
         return Instance(self._make_upstream(role, url), breaker, config.health.unhealthy_after_checks)
 
     async def open(self) -> None:
+        self.loop = asyncio.get_running_loop()
         for instance in self.instances:
             await instance.upstream.open()
 
     async def close(self) -> None:
+        self.loop = None
         for task in self._removals:
             task.cancel()
         await asyncio.gather(*self._removals, return_exceptions=True)

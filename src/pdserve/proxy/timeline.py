@@ -84,8 +84,10 @@ class Timings:
     def observe(self, timeline: Timeline) -> None:
         """Count each phase the request went through (once per request: no dict built)."""
         for histogram, seconds in zip(self._in_order, timeline.seconds(), strict=True):
-            if seconds is not None:
-                histogram.observe(seconds)
+            if seconds is not None:  # Histogram.observe, inlined: six a request
+                histogram.counts[bisect.bisect_left(histogram.bounds, seconds)] += 1
+                histogram.count += 1
+                histogram.sum += seconds
 
 
 @dataclass
