@@ -99,8 +99,9 @@ class ResponseWriter:
     async def start_stream(self, content_type: bytes = EVENT_STREAM, extra: Headers = ()) -> None:
         await self._start(200, [*self._headers(), (b"content-type", content_type), *extra])
 
-    async def chunk(self, data: bytes) -> None:
-        await self._send({"type": "http.response.body", "body": data, "more_body": True})
+    def chunk(self, data: bytes) -> Awaitable[None]:
+        # the send itself, not a coroutine awaiting it: a frame fewer on every token of every stream
+        return self._send({"type": "http.response.body", "body": data, "more_body": True})
 
     async def end(self, data: bytes = b"") -> None:
         self.finished = True

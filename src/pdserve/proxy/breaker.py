@@ -30,7 +30,7 @@ class CircuitBreaker:
         return state == "closed" or (state == "half_open" and not self._is_trial_out)
 
     def on_dispatch(self, now: float) -> None:
-        if self.state(now) == "half_open":
+        if self._opened_at is not None and self.state(now) == "half_open":
             self._is_trial_out = True
 
     def record_success(self) -> None:

@@ -343,6 +343,8 @@ class Flow:
 
     def _prompt(self, body: dict[str, Any]) -> Prompt | None:
         """The prompt's tokens and block hashes, when a policy or the skip rule needs them."""
+        if self._tokenizer is None:  # nothing to tokenize with: asked nothing more
+            return None
         state = self._state
         wants = (
             state.policy("prefill").wants_prompt
