@@ -172,7 +172,7 @@ class Flow:
             trace.total_ms = (timeline.ended - begun) * 1000
             trace.timeline = timeline
             trace.error, trace.stream_error_event = error, out.has_error_event
-            trace.outcome = outcome.value
+            trace.outcome = outcome._value_  # the value without Enum's property call, once a request
             self._state.stats.timed(timeline)
             self._state.stats.finished(endpoint, outcome)
             slot.finish(error or "request ended", is_client_gone)  # open still: decode never answered

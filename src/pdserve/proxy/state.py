@@ -44,6 +44,10 @@ class Outcome(enum.Enum):
     STREAM_ERROR = "stream_error"  # a 200 stream that ended with an error event
     CLIENT_DISCONNECTED = "client_disconnected"
 
+    # Counted per request under (endpoint, outcome): hashed by identity, as members compare, instead of
+    # Enum's hash of the name (a Python call each time).
+    __hash__ = object.__hash__
+
 
 class Pool:
     """The instances of one role, in the order they were added."""
