@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+from collections.abc import Coroutine
+from typing import Any
 
 from pdserve.errors import Overloaded
 
@@ -77,8 +79,8 @@ class _Slot:
     def __init__(self, admission: Admission) -> None:
         self._admission = admission
 
-    async def __aenter__(self) -> None:
-        await self._admission._acquire()
+    def __aenter__(self) -> Coroutine[Any, Any, None]:
+        return self._admission._acquire()  # its coroutine itself: a frame fewer a request
 
     async def __aexit__(self, *exc: object) -> None:
         self._admission._release()

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from pdserve import protocol
 from pdserve.errors import UpstreamError, UpstreamTimeout
@@ -38,9 +38,9 @@ class Prompt:
     hashes: list[int]  # chained hashes of its full KV blocks (blocks.py)
 
 
-@dataclass(frozen=True)
-class Call:
-    """One client request as the attempts see it; nothing here changes while an attempt runs."""
+class Call(NamedTuple):
+    """One client request as the attempts see it; nothing here changes while an attempt runs (a tuple:
+    read-only, and built in a fraction of a frozen dataclass's time, once per request)."""
 
     endpoint: Endpoint
     body: dict[str, Any]  # the client's body, kv_transfer_params removed (a lease retry's has a new salt)
@@ -50,8 +50,8 @@ class Call:
     is_stream: bool
     deadline: float  # monotonic: the request's overall limit (Timeouts.request)
     request_s: float  # that limit, for the messages that name it
+    timeline: Timeline
     prompt: Prompt | None = None
-    timeline: Timeline = field(default_factory=lambda: Timeline(time.perf_counter()))
 
     @property
     def path(self) -> str:
@@ -85,6 +85,8 @@ class HandoffSlot:
     (decode refused it, a retry may not reuse it), or suspect (the lease guard's verdict). ``finish``, at
     the request's end, abandons one still open, so that no handoff outlives its request unaccounted.
     """
+
+    __slots__ = ("_ledger", "_request_id", "delivered", "handoff")
 
     def __init__(self, ledger: Ledger, request_id: str) -> None:
         self._ledger = ledger
@@ -124,8 +126,7 @@ class HandoffSlot:
         self.abandon(reason, "client_gone" if is_client_gone else "failed")
 
 
-@dataclass(frozen=True)
-class Prefilled:
+class Prefilled(NamedTuple):
     url: str  # the prefill instance that holds the KV
     params: dict[str, Any]  # its kv_transfer_params, verbatim
     num_kv_expired: float | None  # its count of leases run out unpulled, as last scraped (guard.py)

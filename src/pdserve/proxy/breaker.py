@@ -24,11 +24,13 @@ class CircuitBreaker:
         return "half_open" if now - self._opened_at >= self.cooldown_s else "open"
 
     def allows(self, now: float) -> bool:
+        if self._opened_at is None:  # closed: the common case, asked per instance per attempt
+            return True
         state = self.state(now)
         return state == "closed" or (state == "half_open" and not self._is_trial_out)
 
     def on_dispatch(self, now: float) -> None:
-        if self.state(now) == "half_open":
+        if self._opened_at is not None and self.state(now) == "half_open":
             self._is_trial_out = True
 
     def record_success(self) -> None:

@@ -66,9 +66,10 @@ class Chooser:
     def _pick(self, role: Role, candidates: Sequence[Instance], prompt: Prompt | None) -> Pick[Instance]:
         return self._state.policy(role).pick(candidates, prompt.hashes if prompt is not None else None)
 
-    def has_other(self, role: Role, tried: Sequence[Instance]) -> bool:
-        """Whether an instance in service is left for a retry that must go elsewhere."""
-        return bool(self._state.pool(role).available(tried))
+    def has_other(self, role: Role, tried: Sequence[Instance], also: Instance | None = None) -> bool:
+        """Whether an instance in service is left for a retry that must go elsewhere (than ``tried``
+        and ``also``)."""
+        return self._state.pool(role).has_available(tried, also)
 
     def _candidates(self, role: Role, tried: Sequence[Instance]) -> list[Instance]:
         pool = self._state.pool(role)

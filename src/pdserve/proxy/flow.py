@@ -48,7 +48,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from dataclasses import replace
+from collections.abc import Awaitable
 from typing import Any
 
 from pdserve import protocol
@@ -75,6 +75,7 @@ from pdserve.proxy.attempt import (
 )
 from pdserve.proxy.choice import Chooser
 from pdserve.proxy.decode import Decoder
+from pdserve.proxy.elastic import ElasticRouter
 from pdserve.proxy.guard import LeaseGuard
 from pdserve.proxy.instance import Instance
 from pdserve.proxy.ledger import Handoff
@@ -150,8 +151,8 @@ class Flow:
             headers["Authorization"] = auth
         deadline = time.monotonic() + self._t.request
         timeline = Timeline(arrived, admitted, itl=self._state.stats.timings.itl)
-        call = Call(endpoint, body, headers, out, trace, is_stream, deadline, self._t.request,
-                    self._prompt(body), timeline)  # fmt: skip
+        call = Call(endpoint, body, headers, out, trace, is_stream, deadline, self._t.request, timeline,
+                    self._prompt(body))  # fmt: skip
         slot = HandoffSlot(self._state.ledger, out.request_id)
         span = None
         if self._tracing is not None:
@@ -174,7 +175,7 @@ class Flow:
             trace.total_ms = (timeline.ended - begun) * 1000
             trace.timeline = timeline
             trace.error, trace.stream_error_event = error, out.has_error_event
-            trace.outcome = outcome.value
+            trace.outcome = outcome._value_  # the value without Enum's property call, once a request
             self._state.stats.timed(timeline)
             self._state.stats.finished(endpoint, outcome)
             slot.finish(error or "request ended", is_client_gone)  # open still: decode never answered
@@ -184,16 +185,21 @@ class Flow:
                               "pdserve.retries": len(trace.retries)}  # fmt: skip
                 self._tracing.finish(span, timeline, arrived_ns, attributes, trace.error)
 
-    async def _serve(self, call: Call, slot: HandoffSlot) -> None:
+    def _serve(self, call: Call, slot: HandoffSlot) -> Awaitable[None]:
         """The attempts, in order, until the client has its answer; an ``UpstreamError`` says why not.
-        In an elastic pool the router places the request first and hears when it ends."""
+        In an elastic pool the router places the request first and hears when it ends. (Not a
+        coroutine itself: a fixed pool's request awaits the attempts with one frame fewer.)"""
         local_reason = (
             "colocated: no split" if self._config.colocated else protocol.needs_local_prefill(call.body)
         )
         router = self._state.elastic
         if router is None:
-            await self._attempts(call, slot, local_reason, None)
-            return
+            return self._attempts(call, slot, local_reason, None)
+        return self._placed(router, call, slot, local_reason)
+
+    async def _placed(
+        self, router: ElasticRouter, call: Call, slot: HandoffSlot, local_reason: str | None
+    ) -> None:
         placed, local_reason = place(router, self._chooser.members(), call, local_reason)
         try:
             await self._attempts(call, slot, local_reason, placed)
@@ -253,7 +259,7 @@ class Flow:
             call.trace.local_prefill_reason = local_reason
             # Decode, streaming its answer back. A retry goes to another instance: none left (or no
             # attempts left) makes this the last, whose failure the client hears of.
-            has_others = self._chooser.has_other("decode", [*retries.tried, decode])
+            has_others = self._chooser.has_other("decode", retries.tried, decode)
             is_last = retries.num_failed + 1 >= self._config.retries.max_decode_attempts or not has_others
             call.trace.decode_url = decode.url
             handoff = slot.handoff
@@ -262,6 +268,7 @@ class Flow:
                 if handoff is not None and 400 <= (call.trace.decode_status or 0) < 500:
                     self._releaser.release(call, decode, handoff)  # decode refused: free prefill's KV
                 return
+            retries.is_first = False  # what follows is a retry
             if isinstance(decoded, DecodeFailed) and decoded.is_stale and not retries.num_stale:
                 self._once_more_on_a_fresh_connection(call, slot, decode, retries)
             elif isinstance(decoded, DecodeFailed) and is_last:
@@ -283,7 +290,7 @@ class Flow:
                     call.trace.retries.append(f"{failed}; once more, computing the prompt")
                     self._state.stats.retried("decode")
                     salt = f"redo-{uuid.uuid4().hex[:16]}"
-                    call = replace(call, body=protocol.with_fresh_cache_salt(call.body, salt))
+                    call = call._replace(body=protocol.with_fresh_cache_salt(call.body, salt))
                 else:
                     await self._give_up("decode", decode.url, decoded.failure, call)
                     return
@@ -329,7 +336,7 @@ class Flow:
                 retries.tried.append(decode)  # it may be the reason (stalled): let another take it
             # The late pull left its wrong blocks in decode's prefix cache under this prompt's hashes.
             salt = f"lease-retry-{uuid.uuid4().hex[:16]}"
-            return replace(call, body=protocol.with_fresh_cache_salt(call.body, salt))
+            return call._replace(body=protocol.with_fresh_cache_salt(call.body, salt))
         retries.num_failed += 1
         retries.tried.append(decode)
         call.trace.retries.append(f"decode {decode.url}: {describe(decoded.failure)}")
@@ -350,6 +357,8 @@ class Flow:
 
     def _prompt(self, body: dict[str, Any]) -> Prompt | None:
         """The prompt's tokens and block hashes, when a policy or the skip rule needs them."""
+        if self._tokenizer is None:  # nothing to tokenize with: asked nothing more
+            return None
         state = self._state
         wants = (
             state.policy("prefill").wants_prompt

@@ -104,7 +104,12 @@ class Instance:
         return Lifecycle.WARMING if self._is_warming else Lifecycle.SERVING
 
     def is_available(self, now: float) -> bool:
-        return self.lifecycle is Lifecycle.SERVING and self.breaker.allows(now)
+        # ``lifecycle is Lifecycle.SERVING``, without building it: asked of each instance per attempt.
+        return (
+            self._is_healthy
+            and not (self._is_removed or self._is_draining or self._is_restarting)
+            and self.breaker.allows(now)
+        )
 
     @property
     def is_panic_candidate(self) -> bool:

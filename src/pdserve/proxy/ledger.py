@@ -129,6 +129,8 @@ class Ledger:
 
     def log_event(self, handoff: Handoff) -> KVLogEvent | None:
         """What prefill's log said about this handoff's KV, if anything."""
+        if not self._log_events:  # nothing said (no launcher, or a quiet one): asked once a request
+            return None
         return self._log_events.get((handoff.prefill_url, handoff.remote_request_id))
 
     def mark_suspect(self, handoff: Handoff, kind: str, why: str) -> None:

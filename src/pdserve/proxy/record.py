@@ -6,21 +6,18 @@ and retries, decode.py decode's status, flow.py the rest), and never read to dec
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.protocol import Endpoint
 from pdserve.proxy.timeline import Timeline
 
 
-@dataclass
 class Trace:
-    """What happened to one request: the walk-through `pdserve demo` prints and /requests serves."""
+    """What happened to one request: the walk-through `pdserve demo` prints and /requests serves.
 
-    request_id: str
-    endpoint: Endpoint
-    stream: bool
-    started: float = field(default_factory=time.time)
+    Made for every request: its constructor sets what every request has, and each other field reads as
+    the class's default until the request's path writes it."""
+
     prefill_url: str | None = None
     prefill_status: int | None = None
     prefill_ms: float | None = None
@@ -33,11 +30,25 @@ class Trace:
     total_ms: float | None = None
     error: str | None = None  # the error the client received, if any
     stream_error_event: bool = False  # decode streamed vLLM's own error event
-    retries: list[str] = field(default_factory=list)  # each failed attempt, and why
     outcome: str | None = None  # the label /metrics counted the request under (state.Outcome)
     timeline: Timeline | None = None  # its moments; /requests shows each phase in ms (timeline.py)
     trace_id: str | None = None  # the OpenTelemetry trace, when tracing is on
 
+    def __init__(self, request_id: str, endpoint: Endpoint, stream: bool) -> None:
+        self.request_id = request_id
+        self.endpoint = endpoint
+        self.stream = stream
+        self.started = time.time()
+        self.retries: list[str] = []  # each failed attempt, and why
+
     def as_dict(self) -> dict[str, Any]:
         # The phases in ms only when asked for: the request path stores the Timeline as it is.
-        return {**self.__dict__, "timeline": self.timeline.as_ms() if self.timeline is not None else {}}
+        out = {name: getattr(self, name) for name in _FIELDS}
+        out["timeline"] = self.timeline.as_ms() if self.timeline is not None else {}
+        return out
+
+
+# What /requests shows of a trace, in this order.
+_FIELDS = ("request_id", "endpoint", "stream", "started", "prefill_url", "prefill_status", "prefill_ms",
+           "kv_transfer_params", "local_prefill_reason", "placement", "decode_url", "decode_status",
+           "total_ms", "error", "stream_error_event", "retries", "outcome", "timeline", "trace_id")  # fmt: skip

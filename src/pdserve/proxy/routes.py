@@ -26,7 +26,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from pdserve import protocol
-from pdserve.asgi import Receive, Scope, Send, header, read_body, run_until_disconnect
+from pdserve.asgi import Receive, Scope, Send, read_body, run_until_disconnect, two_headers
 from pdserve.errors import BodyTooLarge, ClientGone, Overloaded, UpstreamError
 from pdserve.protocol import Endpoint
 from pdserve.proxy.context import Context, context
@@ -114,9 +114,9 @@ class GenerationEndpoint:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         arrived, arrived_ns = time.perf_counter(), time.time_ns()
-        request_id, replaced = usable_request_id(header(scope, b"x-request-id"))
+        given_id, auth = two_headers(scope, b"x-request-id", b"authorization")
+        request_id, replaced = usable_request_id(given_id)
         out = Responder(send, request_id or self._new_request_id(), self._redact, replaced)
-        auth = header(scope, b"authorization")
         if self._expected_auth is not None:
             if not hmac.compare_digest((auth or "").encode("latin-1"), self._expected_auth):
                 await out.error(
@@ -136,7 +136,7 @@ class GenerationEndpoint:
         try:
             async with self._ctx.admission.slot():
                 work = self._ctx.flow.serve(self._endpoint, raw, auth, out, arrived, arrived_ns)
-                if await run_until_disconnect(work, receive, out):
+                if await run_until_disconnect(work, receive, out, loop=self._ctx.state.loop):
                     log.info("request %s: client disconnected; upstream calls cancelled", request_id)
         except Overloaded as exc:
             retry_after = [(b"retry-after", str(exc.retry_after_s).encode())]

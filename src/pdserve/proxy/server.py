@@ -115,6 +115,8 @@ class _CorkedHttpToolsProtocol(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self._deadlines = deadlines or ClientDeadlines(AdmissionLimits())
         self._limits = self._deadlines.limits
+        self._header_s = self._limits.header_timeout_s  # read on every request: kept at hand
+        self._body_s = self._limits.body_timeout_s
         self.deadline: float | None = None  # loop time by which the request under way must be in
         self._is_reading = False  # a request has begun and is not complete
 
@@ -127,21 +129,22 @@ class _CorkedHttpToolsProtocol(HttpToolsProtocol):
             self.transport.write(_refusal(b"503 Service Unavailable", message, b"retry-after: 1\r\n"))
             self.transport.close()
             return
-        self.deadline = self.loop.time() + self._limits.header_timeout_s
+        self.deadline = self.loop.time() + self._header_s
         self._deadlines.watch(self.loop, self.connections)
 
+    # The parser's callbacks, on every request: the base class's called directly (no super() object).
     def on_message_begin(self) -> None:
-        super().on_message_begin()
+        HttpToolsProtocol.on_message_begin(self)
         self._is_reading = True
-        self.deadline = self.loop.time() + self._limits.header_timeout_s
+        self.deadline = self.loop.time() + self._header_s
 
     def on_headers_complete(self) -> None:
-        super().on_headers_complete()
+        HttpToolsProtocol.on_headers_complete(self)
         if self._is_reading:
-            self.deadline = self.loop.time() + self._limits.body_timeout_s
+            self.deadline = self.loop.time() + self._body_s
 
     def on_message_complete(self) -> None:
-        super().on_message_complete()
+        HttpToolsProtocol.on_message_complete(self)
         self._is_reading = False
         self.deadline = None
 

@@ -45,6 +45,10 @@ class Outcome(enum.Enum):
     STREAM_ERROR = "stream_error"  # a 200 stream that ended with an error event
     CLIENT_DISCONNECTED = "client_disconnected"
 
+    # Counted per request under (endpoint, outcome): hashed by identity, as members compare, instead of
+    # Enum's hash of the name (a Python call each time).
+    __hash__ = object.__hash__
+
 
 class Pool:
     """The instances of one role, in the order they were added."""
@@ -60,6 +64,14 @@ class Pool:
     def available(self, exclude: Sequence[Instance] = ()) -> list[Instance]:
         now = time.monotonic()
         return [i for i in self._instances if i.is_available(now) and i not in exclude]
+
+    def has_available(self, exclude: Sequence[Instance] = (), also: Instance | None = None) -> bool:
+        """Whether ``available`` would name one outside ``exclude`` and ``also`` (no list built)."""
+        now = time.monotonic()
+        for i in self._instances:  # noqa: SIM110 - a loop: cheaper than any() over a generator
+            if i is not also and i not in exclude and i.is_available(now):
+                return True
+        return False
 
     def find(self, url: str) -> Instance | None:
         return next((i for i in self._instances if i.url == url), None)
@@ -107,9 +119,7 @@ class Stats:
         self.warmups[result] += 1
 
     def timed(self, timeline: Timeline) -> None:
-        phases = self.timings.phases
-        for phase, seconds in timeline.spans().items():
-            phases[phase].observe(seconds)
+        self.timings.observe(timeline)
 
 
 class ProxyState:
@@ -136,6 +146,9 @@ class ProxyState:
         self.ledger = Ledger(config.kv_lease_s)
         self.stats = Stats()
         self._traces: deque[Trace] = deque(maxlen=num_traces)
+        # The loop the proxy serves on, from ``open`` to ``close``: asyncio.get_running_loop() costs a
+        # getpid() syscall on CPython 3.11, and a request would ask it more than once.
+        self.loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task[None]] = set()  # removals and warm-ups: close() cancels them
 
     def _http_upstream(self, role: Role, url: str) -> Upstream:
@@ -186,10 +199,12 @@ class ProxyState:
         return Instance(self._make_upstream(role, url), breaker, config.health.unhealthy_after_checks)
 
     async def open(self) -> None:
+        self.loop = asyncio.get_running_loop()
         for instance in self.instances:
             await instance.upstream.open()
 
     async def close(self) -> None:
+        self.loop = None
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

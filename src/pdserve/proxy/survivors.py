@@ -13,8 +13,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from pdserve.configparts import Retries
 from pdserve.errors import NoInstanceAvailable, UpstreamError
 from pdserve.proxy.attempt import Call, HandoffSlot
@@ -24,21 +22,29 @@ from pdserve.proxy.state import ProxyState
 from pdserve.proxy.upstream import Reply
 
 
-@dataclass
 class DecodeTries:
     """What the decode attempts of one request so far leave to the next one."""
 
-    tried: list[Instance] = field(default_factory=list)  # decodes that failed or were given up on
-    num_failed: int = 0  # decode attempts that failed
-    num_lease: int = 0  # answers the lease guard withheld
-    num_stale: int = 0  # decode attempts lost to a kept-alive connection the instance had closed
-    again: Instance | None = None  # the decode the next attempt goes to, instead of the chooser's pick
-    stood_in: bool = False  # a prefill instance has taken the request whole (no decode could)
-    computed_itself: bool = False  # the failed decode has been asked again, computing the prompt
+    __slots__ = (
+        "again",
+        "computed_itself",
+        "is_first",
+        "num_failed",
+        "num_lease",
+        "num_stale",
+        "stood_in",
+        "tried",
+    )
 
-    @property
-    def is_first(self) -> bool:
-        return not self.tried and self.num_failed == self.num_lease == self.num_stale == 0
+    def __init__(self) -> None:
+        self.tried: list[Instance] = []  # decodes that failed or were given up on
+        self.num_failed = 0  # decode attempts that failed
+        self.num_lease = 0  # answers the lease guard withheld
+        self.num_stale = 0  # decode attempts lost to a kept-alive connection the instance had closed
+        self.again: Instance | None = None  # the decode the next attempt goes to, not the chooser's pick
+        self.stood_in = False  # a prefill instance has taken the request whole (no decode could)
+        self.computed_itself = False  # the failed decode has been asked again, computing the prompt
+        self.is_first = True  # no decode attempt has been made yet (the flow clears it after the first)
 
 
 def stand_in(

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import bisect
 import time
-from dataclasses import dataclass
 from typing import Final
 
 # Seconds; from a 2-core CPU box (a few ms) to a loaded GPU pool (minutes of queueing).
@@ -42,17 +41,20 @@ ITL_BUCKETS: Final = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08
 class Histogram:
     """A Prometheus histogram: cumulative buckets rendered at scrape time."""
 
-    __slots__ = ("bounds", "count", "counts", "sum")
+    __slots__ = ("bounds", "counts", "sum")
 
     def __init__(self, bounds: tuple[float, ...]) -> None:
         self.bounds = bounds
         self.counts = [0] * (len(bounds) + 1)
-        self.count = 0
         self.sum = 0.0
+
+    @property
+    def count(self) -> int:
+        """Observations so far, summed at scrape time rather than counted on every token."""
+        return sum(self.counts)
 
     def observe(self, value: float) -> None:
         self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.count += 1
         self.sum += value
 
     def cumulative(self) -> list[tuple[str, int]]:
@@ -79,13 +81,23 @@ class Timings:
     def __init__(self) -> None:
         self.phases = {name: Histogram(BUCKETS) for name in PHASES}
         self.itl = Histogram(ITL_BUCKETS)
+        self._in_order = tuple(self.phases.values())  # as ``Timeline.seconds`` lists the phases
+
+    def observe(self, timeline: Timeline) -> None:
+        """Count each phase the request went through (once per request: no dict built)."""
+        bucket = bisect.bisect_left
+        for histogram, seconds in zip(self._in_order, timeline.seconds(), strict=True):
+            if seconds is not None:  # Histogram.observe, inlined: six a request
+                histogram.counts[bucket(histogram.bounds, seconds)] += 1
+                histogram.sum += seconds
 
 
-@dataclass
 class Timeline:
-    """One request's moments (time.perf_counter() seconds), filled in as it goes."""
+    """One request's moments (time.perf_counter() seconds), filled in as it goes.
 
-    arrived: float
+    Made for every request: its constructor sets what every request has, and each other moment reads as
+    the class's default (None, or 0 for the gaps) until it happens."""
+
     admitted: float | None = None
     prefill_sent: float | None = None
     prefill_done: float | None = None
@@ -97,39 +109,49 @@ class Timeline:
     num_gaps: int = 0
     gaps_sum: float = 0.0
     gap_max: float = 0.0
-    itl: Histogram | None = None  # where each gap between chunks is also counted
+
+    def __init__(self, arrived: float, admitted: float | None = None, itl: Histogram | None = None) -> None:
+        self.arrived = arrived
+        self.admitted = admitted
+        self.itl = itl  # where each gap between chunks is also counted
+
+    def __repr__(self) -> str:
+        return f"Timeline({', '.join(f'{k}={v!r}' for k, v in vars(self).items())})"
 
     def chunk(self, now: float) -> None:
-        """A chunk went to the client at ``now``."""
-        if self.first_byte is None:
-            self.first_byte = now
-        elif self.last_chunk is not None:
-            gap = now - self.last_chunk
-            if self.itl is not None:
-                self.itl.observe(gap)
-            self.num_gaps += 1
-            self.gaps_sum += gap
-            if gap > self.gap_max:
-                self.gap_max = gap
+        """A chunk went to the client at ``now`` (once per token of a stream)."""
+        last = self.last_chunk
         self.last_chunk = now
+        if last is None:
+            self.first_byte = now
+            return
+        gap = now - last
+        itl = self.itl
+        if itl is not None:  # Histogram.observe, inlined
+            itl.counts[bisect.bisect_left(itl.bounds, gap)] += 1
+            itl.sum += gap
+        self.num_gaps += 1
+        self.gaps_sum += gap
+        if gap > self.gap_max:
+            self.gap_max = gap
+
+    def seconds(self) -> tuple[float | None, ...]:
+        """Each phase's seconds in ``PHASES``' order, None for one that did not happen."""
+        arrived, prefill_done, decode_sent = self.arrived, self.prefill_done, self.decode_sent
+        admitted, prefill_sent, decode_first_byte = self.admitted, self.prefill_sent, self.decode_first_byte
+        first_byte, ended = self.first_byte, self.ended
+        return (
+            None if admitted is None else admitted - arrived,
+            None if prefill_sent is None or prefill_done is None else prefill_done - prefill_sent,
+            None if prefill_done is None or decode_sent is None else decode_sent - prefill_done,
+            None if decode_sent is None or decode_first_byte is None else decode_first_byte - decode_sent,
+            None if first_byte is None else first_byte - arrived,
+            None if ended is None else ended - arrived,
+        )
 
     def spans(self) -> dict[str, float]:
-        """Each phase's seconds, for those that happened (once per request: plain tests, no temporaries)."""
-        out: dict[str, float] = {}
-        arrived, prefill_done, decode_sent = self.arrived, self.prefill_done, self.decode_sent
-        if self.admitted is not None:
-            out["queue"] = self.admitted - arrived
-        if self.prefill_sent is not None and prefill_done is not None:
-            out["prefill"] = prefill_done - self.prefill_sent
-        if prefill_done is not None and decode_sent is not None:
-            out["handoff_gap"] = decode_sent - prefill_done
-        if decode_sent is not None and self.decode_first_byte is not None:
-            out["decode_first_byte"] = self.decode_first_byte - decode_sent
-        if self.first_byte is not None:
-            out["ttft"] = self.first_byte - arrived
-        if self.ended is not None:
-            out["e2e"] = self.ended - arrived
-        return out
+        """Each phase's seconds, for those that happened."""
+        return {name: s for name, s in zip(PHASES, self.seconds(), strict=True) if s is not None}
 
     def as_ms(self) -> dict[str, float]:
         out = {f"{k}_ms": round(v * 1000, 3) for k, v in self.spans().items()}

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Coroutine, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 from pdserve.config import Role
@@ -238,11 +238,12 @@ class HTTPUpstream:
         except (OSError, TimeoutError) as exc:
             raise self.translate(phase, exc, timeout) from exc
 
-    async def post(
+    def post(
         self, path: str, body: bytes, headers: Mapping[str, str], phase: str, timeout: float,
         is_repeatable: bool = False,
-    ) -> Reply:  # fmt: skip
-        return await self._call(b"POST", path, headers, body, phase, timeout, is_repeatable)
+    ) -> Coroutine[Any, Any, Reply]:  # fmt: skip
+        # _call's coroutine itself, not one awaiting it: a frame fewer on both calls of each request
+        return self._call(b"POST", path, headers, body, phase, timeout, is_repeatable)
 
     @asynccontextmanager
     async def open_stream(
