@@ -24,6 +24,7 @@ from pdserve import protocol
 from pdserve.errors import UpstreamError, UpstreamTimeout
 from pdserve.protocol import Endpoint
 from pdserve.proxy.ledger import Handoff, Ledger
+from pdserve.proxy.progress import Progress
 from pdserve.proxy.record import Trace
 from pdserve.proxy.responder import Responder
 from pdserve.proxy.timeline import Timeline
@@ -52,6 +53,7 @@ class Call:
     request_s: float  # that limit, for the messages that name it
     prompt: Prompt | None = None
     timeline: Timeline = field(default_factory=lambda: Timeline(time.perf_counter()))
+    progress: Progress | None = None  # what a stream that may migrate has sent (migrate.py)
 
     @property
     def path(self) -> str:

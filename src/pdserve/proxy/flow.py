@@ -45,6 +45,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -75,6 +76,7 @@ from pdserve.proxy.decode import Decoder
 from pdserve.proxy.guard import LeaseGuard
 from pdserve.proxy.instance import Instance
 from pdserve.proxy.ledger import Handoff
+from pdserve.proxy.migrate import Migrator
 from pdserve.proxy.otel import RequestTracing
 from pdserve.proxy.placing import Placed, place
 from pdserve.proxy.prefill import Prefiller
@@ -111,6 +113,7 @@ class Flow:
         self._prefiller = Prefiller(state, config, self._chooser)
         self._decoder = Decoder(config, LeaseGuard(state, state.ledger))
         self._releaser = Releaser(state, config.kv_lease_s)
+        self._migrator = Migrator(state, config.retries, config.timeouts.decode)
         self._tracing = tracing
         # decode's context length (its /v1/models), once known: max_tokens beyond it is refused up front
         self.max_model_len: int | None = None
@@ -147,8 +150,9 @@ class Flow:
             headers["Authorization"] = auth
         deadline = time.monotonic() + self._t.request
         timeline = Timeline(arrived, admitted, itl=self._state.stats.timings.itl)
+        body, progress = self._migrator.watch(endpoint, body, is_stream)
         call = Call(endpoint, body, headers, out, trace, is_stream, deadline, self._t.request,
-                    self._prompt(body), timeline)  # fmt: skip
+                    self._prompt(body), timeline, progress)  # fmt: skip
         slot = HandoffSlot(self._state.ledger, out.request_id)
         span = None
         if self._tracing is not None:
@@ -158,11 +162,14 @@ class Flow:
         begun = time.perf_counter()
         try:
             await self._serve(call, slot)
-        except UpstreamError as exc:
-            log.warning("request %s failed: %s", out.request_id, exc)
-            retry_after = getattr(exc, "retry_after_s", None)
-            extra = [(b"retry-after", str(retry_after).encode())] if retry_after else []
-            await out.error(exc.status, str(exc), exc.error_type, extra=extra)
+        except UpstreamError as failed:
+            # A stream that broke after the client had tokens may go on elsewhere (migrate.py).
+            told = await self._migrator.resume(call, failed, self._serve) if out.started else failed
+            if told is not None:
+                log.warning("request %s failed: %s", out.request_id, told)
+                retry_after = getattr(told, "retry_after_s", None)
+                extra = [(b"retry-after", str(retry_after).encode())] if retry_after else []
+                await out.error(told.status, str(told), told.error_type, extra=extra)
         finally:
             timeline.ended = time.perf_counter()
             outcome = _outcome(out)
@@ -181,26 +188,28 @@ class Flow:
                               "pdserve.retries": len(trace.retries)}  # fmt: skip
                 self._tracing.finish(span, timeline, arrived_ns, attributes, trace.error)
 
-    async def _serve(self, call: Call, slot: HandoffSlot) -> None:
+    async def _serve(self, call: Call, slot: HandoffSlot, avoid: Sequence[Instance] = ()) -> None:
         """The attempts, in order, until the client has its answer; an ``UpstreamError`` says why not.
-        In an elastic pool the router places the request first and hears when it ends."""
+        In an elastic pool the router places the request first and hears when it ends. ``avoid``: decodes
+        a migrated stream's continuation does not go back to."""
         local_reason = (
             "colocated: no split" if self._config.colocated else protocol.needs_local_prefill(call.body)
         )
         router = self._state.elastic
         if router is None:
-            await self._attempts(call, slot, local_reason, None)
+            await self._attempts(call, slot, local_reason, None, avoid)
             return
         placed, local_reason = place(router, self._chooser.members(), call, local_reason)
         try:
-            await self._attempts(call, slot, local_reason, placed)
+            await self._attempts(call, slot, local_reason, placed, avoid)
         finally:
             router.done(placed.placement)
 
     async def _attempts(
-        self, call: Call, slot: HandoffSlot, local_reason: str | None, placed: Placed | None
-    ) -> None:
-        retries = DecodeTries()
+        self, call: Call, slot: HandoffSlot, local_reason: str | None, placed: Placed | None,
+        avoid: Sequence[Instance] = (),
+    ) -> None:  # fmt: skip
+        retries = DecodeTries(tried=list(avoid))
         while True:
             # Decode is picked first: what it caches decides whether prefill is worth a hop. After a
             # stale connection it is the same one again (``_once_more_on_a_fresh_connection``). In an

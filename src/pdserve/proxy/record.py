@@ -34,6 +34,8 @@ class Trace:
     error: str | None = None  # the error the client received, if any
     stream_error_event: bool = False  # decode streamed vLLM's own error event
     retries: list[str] = field(default_factory=list)  # each failed attempt, and why
+    # each time the stream went on from another instance after its decode failed (migrate.py)
+    migrations: list[dict[str, Any]] = field(default_factory=list)
     outcome: str | None = None  # the label /metrics counted the request under (state.Outcome)
     timeline: Timeline | None = None  # its moments; /requests shows each phase in ms (timeline.py)
     trace_id: str | None = None  # the OpenTelemetry trace, when tracing is on
