@@ -166,4 +166,6 @@ async def test_any_body_is_refused_cleanly_before_any_call_or_passed_on_with_onl
         assert "min_tokens" not in to_prefill and "stream_options" not in to_prefill
         assert _without_ids_asked(decode_calls[0], client) == {**client, "kv_transfer_params": PARAMS}
     else:
-        assert _without_ids_asked(decode_calls[0], client) == client  # served whole by decode (batch, n > 1, prompt logprobs)
+        assert (
+            _without_ids_asked(decode_calls[0], client) == client
+        )  # served whole by decode (batch, n > 1, prompt logprobs)
