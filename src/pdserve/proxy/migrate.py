@@ -205,7 +205,7 @@ class Migrator:
         resumed = Resumed(
             endpoint=call.endpoint, template=template, num_prompt_tokens=len(prompt_ids), num_sent=len(sent),
             text=text, num_chars_sent=len(text_sent), next_text_offset=_next_offset(kept),
-            show_ids=body.get("return_token_ids") is True, include_usage=bool(options.get("include_usage")),
+            show_ids=progress.shows_ids, include_usage=bool(options.get("include_usage")),
             continuous_usage=bool(options.get("continuous_usage_stats")),
         )  # fmt: skip
         min_tokens = body.get("min_tokens") or 0

@@ -116,6 +116,11 @@ class Progress:
         return [int(t) for t in self._prompt_slice.split(b",")] if self._prompt_slice else []
 
     @property
+    def shows_ids(self) -> bool:
+        """The client asked for token ids itself (decode's body says so either way: the proxy asked)."""
+        return self._show_ids
+
+    @property
     def has_pending(self) -> bool:
         return bool(self._pending)
 
