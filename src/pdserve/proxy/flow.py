@@ -23,7 +23,8 @@ Retries, before the client has received a byte:
 - a kept-alive connection decode had closed before answering → the same decode once more, not the
   chooser's next pick, under a fresh prefill (``_once_more_on_a_fresh_connection`` says why); a second
   such loss counts as a failed attempt, as above.
-Once the client has bytes, a failure ends the stream with an error event; nothing is retried.
+Once the client has bytes, a stream whose decode fails goes on from another instance (migrate.py), or,
+where it cannot, ends with an error event.
 
 The lease guard (guard.py): decode's answer is held back until it is known not to rest on KV prefill
 had already released; a suspect one is dropped and the request prefilled again (``LeaseSuspect``), at

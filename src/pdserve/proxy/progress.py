@@ -28,12 +28,15 @@ from pdserve import sse
 _IDS: Final = b'"token_ids":['
 _PROMPT_IDS: Final = b'"prompt_token_ids":['
 _END: Final = b"\n\n"
+_IDS_LAST: Final = b"]}]}\n\n"  # the ids end the choice, the choice the event: a token's event as vLLM writes it
+_NULL_LAST: Final = b"null}]}\n\n"
 
 
 class Progress:
     """Feed it decode's chunks in order; it returns what the client gets and remembers what went."""
 
-    __slots__ = ("_id_slices", "_pending", "_prompt_slice", "_show_ids", "first", "kept", "last_tokens")
+    __slots__ = ("_id_slices", "_is_plain", "_pending", "_prompt_slice", "_show_ids", "first", "kept",
+                 "last_tokens")  # fmt: skip
 
     def __init__(self, show_ids: bool, keep_chunks: bool) -> None:
         self._show_ids = show_ids  # the client asked for token ids itself: pass them on
@@ -43,14 +46,35 @@ class Progress:
         self.first: bytes | None = None  # the first chunk the client got: the stream's template
         self.last_tokens: bytes | None = None  # the last chunk that carried token ids
         self.kept: list[bytes] | None = [] if keep_chunks else None  # every chunk the client got
+        # The common case from the first token event on: nothing pending, nothing kept, prompt ids seen.
+        self._is_plain = False
 
     def feed(self, chunk: bytes) -> bytes:
-        """``chunk`` as the client gets it (b"" while an event is incomplete)."""
+        """``chunk`` as the client gets it (b"" while an event is incomplete).
+
+        The fast path is one event whole in its chunk (its first newline is the blank line that ends it:
+        JSON holds no raw newline) whose ids close it, as vLLM writes a token's event: a backward search
+        finds them at once, and the ids and the client's bytes are one slice each."""
+        if not self._is_plain or chunk.find(b"\n") != len(chunk) - 2:
+            return self._feed_any(chunk)
+        at = chunk.rfind(_IDS)
+        if at < 0 or not chunk.endswith(_IDS_LAST):
+            return self._feed_any(chunk)
+        self._id_slices.append(chunk[at + 13 : -6])
+        if not self._show_ids:
+            chunk = chunk[: at + 12] + _NULL_LAST
+        self.last_tokens = chunk
+        return chunk
+
+    def _feed_any(self, chunk: bytes) -> bytes:
+        """Any chunk: an event cut by its edge, several events, the first ones (prompt ids), or a stream
+        whose chunks are kept."""
         if self._pending:
             chunk, self._pending = self._pending + chunk, b""
         if not chunk.endswith(_END):
             cut = chunk.rfind(_END) + 2 if _END in chunk else 0
             chunk, self._pending = chunk[:cut], chunk[cut:]
+            self._is_plain = False
             if not chunk:
                 return b""
         if self._prompt_slice is None and (at := chunk.find(_PROMPT_IDS)) >= 0:
@@ -58,6 +82,7 @@ class Progress:
         if (at := chunk.find(_IDS)) >= 0:
             chunk = self._cut_ids(chunk, at)
             self.last_tokens = chunk
+        self._is_plain = self.last_tokens is not None and not self._pending and self.kept is None
         if self.first is None:
             self.first = chunk
         if self.kept is not None:
