@@ -3,6 +3,8 @@ not asked for token ids, however the chunks are cut, and every id kept."""
 
 from __future__ import annotations
 
+import itertools
+
 import orjson
 import pytest
 from hypothesis import given
@@ -33,7 +35,7 @@ def stream(asked: bool) -> list[bytes]:
 
 def cut(data: bytes, points: list[int]) -> list[bytes]:
     edges = sorted({p % (len(data) + 1) for p in points} | {0, len(data)})
-    return [data[a:b] for a, b in zip(edges, edges[1:], strict=False) if b > a]
+    return [data[a:b] for a, b in itertools.pairwise(edges) if b > a]
 
 
 @given(st.lists(st.integers(min_value=0, max_value=2000), max_size=12))
