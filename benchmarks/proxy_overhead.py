@@ -66,7 +66,9 @@ _TOKEN = _HEAD + b'" tok"' + _MID
 _TOKEN_CHUNK = b"%x\r\n" % len(_TOKEN) + _TOKEN + b"\r\n"
 # Asked for ``return_token_ids`` (a proxy that may continue a stream elsewhere asks), vLLM puts each
 # event's ids in its choice and the prompt's (60 tokens here) in the first.
-_IDS_MID = b',"logprobs":null,"finish_reason":null,"stop_reason":null,"prompt_token_ids":%s,"token_ids":[%d]}]}\n\n'
+_IDS_MID = (
+    b',"logprobs":null,"finish_reason":null,"stop_reason":null,"prompt_token_ids":%s,"token_ids":[%d]}]}\n\n'
+)
 _PROMPT_IDS = b"[" + b",".join(b"%d" % (1000 + i) for i in range(60)) + b"]"
 
 

@@ -28,7 +28,9 @@ from pdserve import sse
 _IDS: Final = b'"token_ids":['
 _PROMPT_IDS: Final = b'"prompt_token_ids":['
 _END: Final = b"\n\n"
-_IDS_LAST: Final = b"]}]}\n\n"  # the ids end the choice, the choice the event: a token's event as vLLM writes it
+_IDS_LAST: Final = (
+    b"]}]}\n\n"  # the ids end the choice, the choice the event: a token's event as vLLM writes it
+)
 _NULL_LAST: Final = b"null}]}\n\n"
 
 
