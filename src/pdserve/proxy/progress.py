@@ -31,7 +31,7 @@ _END: Final = b"\n\n"
 _IDS_LAST: Final = (
     b"]}]}\n\n"  # the ids end the choice, the choice the event: a token's event as vLLM writes it
 )
-_NULL_LAST: Final = b"null}]}\n\n"
+_NULL_LAST: Final = b'"token_ids":null}]}\n\n'
 
 
 class Progress:
@@ -42,7 +42,8 @@ class Progress:
 
     def __init__(self, show_ids: bool, keep_chunks: bool) -> None:
         self._show_ids = show_ids  # the client asked for token ids itself: pass them on
-        self._id_slices: list[bytes] = []  # each event's ids, as the digits and commas decode sent
+        # each event's ids as decode sent them: digits and commas, maybe followed by "]" and the event's end
+        self._id_slices: list[bytes] = []
         self._prompt_slice: bytes | None = None
         self._pending = b""  # an event not yet ended by its blank line
         self.first: bytes | None = None  # the first chunk the client got: the stream's template
@@ -55,16 +56,17 @@ class Progress:
         """``chunk`` as the client gets it (b"" while an event is incomplete).
 
         The fast path is one event whole in its chunk (its first newline is the blank line that ends it:
-        JSON holds no raw newline) whose ids close it, as vLLM writes a token's event: a backward search
-        finds them at once, and the ids and the client's bytes are one slice each."""
+        JSON holds no raw newline) whose ids close it, as vLLM writes a token's event: one backward
+        partition finds them, the tail after the key is kept as it is (its ids end at its first ``]``)
+        and the client's bytes are the head and a constant."""
         if not self._is_plain or chunk.find(b"\n") != len(chunk) - 2:
             return self._feed_any(chunk)
-        at = chunk.rfind(_IDS)
-        if at < 0 or not chunk.endswith(_IDS_LAST):
+        head, _, tail = chunk.rpartition(_IDS)
+        if not tail.endswith(_IDS_LAST):
             return self._feed_any(chunk)
-        self._id_slices.append(chunk[at + 13 : -6])
+        self._id_slices.append(tail)
         if not self._show_ids:
-            chunk = chunk[: at + 12] + _NULL_LAST
+            chunk = head + _NULL_LAST
         self.last_tokens = chunk
         return chunk
 
@@ -132,7 +134,8 @@ class Progress:
     @property
     def token_ids(self) -> list[int]:
         """Every token id the client has been sent, in order."""
-        joined = b",".join(s for s in self._id_slices if s)
+        ids = (s.split(b"]", 1)[0] for s in self._id_slices)
+        joined = b",".join(s for s in ids if s)
         return [int(t) for t in joined.split(b",")] if joined else []
 
     @property
