@@ -59,8 +59,18 @@ class CannotMigrate(Exception):
     """This stream cannot go on elsewhere; the message says why (the client gets today's error)."""
 
 
+# The fields any reason not to migrate reads: a body with none of them (most) is told apart in one step.
+_READ = frozenset(("n", "best_of", "use_beam_search", "echo", "prompt_logprobs", "prompt", "prompt_embeds",
+                   "presence_penalty", "frequency_penalty", "seed", "response_format", "tools", "logprobs",
+                   *_STRUCTURED))  # fmt: skip
+
+
 def why_not(endpoint: Endpoint, body: dict[str, Any]) -> str | None:
     """Why a stream with this body may not migrate, or None when it may."""
+    if body.keys().isdisjoint(_READ) or (
+        len(body.keys() & _READ) == 1 and isinstance(body.get("prompt"), str)
+    ):
+        return None
     for field in ("n", "best_of"):
         value = body.get(field)
         if isinstance(value, int) and value > 1:
