@@ -339,7 +339,12 @@ def test_decode_killed_mid_stream_the_stream_goes_on_with_one_instances_text_and
     load = kill.load()
     with load:
         stream = kill.quick_client.completions.create(
-            model=model_name, prompt=prompt, max_tokens=MIGRATED_TOKENS, temperature=0, stream=True, logprobs=20
+            model=model_name,
+            prompt=prompt,
+            max_tokens=MIGRATED_TOKENS,
+            temperature=0,
+            stream=True,
+            logprobs=20,
         )
         received, texts, killed_at = 0, [], 0.0
         finish = None
