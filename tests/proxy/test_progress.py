@@ -75,3 +75,13 @@ def test_a_chat_stream_gives_its_prompt_ids_on_the_role_event() -> None:
     out = progress.feed(sse.event(orjson.dumps(role)) + sse.event(orjson.dumps(token)))
     assert b"[5,6]" not in out and b"[42]" not in out and out.count(b"null") >= 2
     assert progress.prompt_ids == [5, 6] and progress.token_ids == [42]
+
+
+@pytest.mark.parametrize("show", [False, True])
+def test_several_whole_events_in_one_chunk_as_a_proxy_behind_decode_reads_them(show: bool) -> None:
+    asked, unasked = stream(asked=True), stream(asked=False)
+    progress = Progress(show_ids=show, keep_chunks=False)
+    first = progress.feed(asked[0])
+    rest = progress.feed(b"".join(asked[1:]))
+    assert first + rest == b"".join(asked if show else unasked)
+    assert progress.token_ids == [11, 20, 21, 22, 30]

@@ -59,18 +59,15 @@ class CannotMigrate(Exception):
     """This stream cannot go on elsewhere; the message says why (the client gets today's error)."""
 
 
-# The fields any reason not to migrate reads: a body with none of them (most) is told apart in one step.
-_READ = frozenset(("n", "best_of", "use_beam_search", "echo", "prompt_logprobs", "prompt", "prompt_embeds",
-                   "presence_penalty", "frequency_penalty", "seed", "response_format", "tools", "logprobs",
-                   *_STRUCTURED))  # fmt: skip
+# Every field a reason not to migrate reads or that changes how a stream is followed, but the prompt: a
+# body with none of these and a text prompt (or messages) is the common case, told apart in one set test.
+_WATCHED = frozenset(("n", "best_of", "use_beam_search", "echo", "prompt_logprobs", "prompt_embeds",
+                      "presence_penalty", "frequency_penalty", "seed", "response_format", "tools", "logprobs",
+                      "return_token_ids", "stop", *_STRUCTURED))  # fmt: skip
 
 
 def why_not(endpoint: Endpoint, body: dict[str, Any]) -> str | None:
     """Why a stream with this body may not migrate, or None when it may."""
-    if body.keys().isdisjoint(_READ) or (
-        len(body.keys() & _READ) == 1 and isinstance(body.get("prompt"), str)
-    ):
-        return None
     for field in ("n", "best_of"):
         value = body.get(field)
         if isinstance(value, int) and value > 1:
@@ -110,7 +107,11 @@ class Migrator:
     ) -> tuple[dict[str, Any], Progress | None]:
         """The body decode gets and the ``Progress`` that follows the stream, for a stream that may
         migrate; otherwise ``body`` as it is and None (nothing on the stream's path)."""
-        if not is_stream or not self._max or why_not(endpoint, body) is not None:
+        if not is_stream or not self._max:
+            return body, None
+        if body.keys().isdisjoint(_WATCHED) and not isinstance(body.get("prompt"), list):  # most bodies
+            return {**body, "return_token_ids": True}, Progress(show_ids=False, keep_chunks=False)
+        if why_not(endpoint, body) is not None:
             return body, None
         shows_ids = body.get("return_token_ids") is True
         keep = bool(body.get("stop")) or body.get("logprobs") is not None

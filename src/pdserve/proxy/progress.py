@@ -65,10 +65,25 @@ class Progress:
         call costs here: each is a sizeable share of what relaying the chunk costs."""
         parts = chunk.split(_IDS)
         if len(parts) != 2 or not self._is_plain or not (tail := parts[1]).endswith(_IDS_LAST):
+            if len(parts) > 2 and self._is_plain and chunk.endswith(_END):
+                return self._several(chunk, parts)
             return self._feed_any(chunk)
         self._id_slices.append(tail)
         if not self._show_ids:
             chunk = parts[0] + _NULL_LAST
+        self.last_tokens = chunk
+        return chunk
+
+    def _several(self, chunk: bytes, parts: list[bytes]) -> bytes:
+        """Several whole events, as a proxy reading slower than decode writes gets them (a whole short
+        answer, often): each part after the first begins with its event's ids."""
+        slices, rests = self._id_slices, [parts[0]]
+        for part in parts[1:]:
+            end = part.index(93)  # "]"
+            slices.append(part[:end])
+            rests.append(part[end + 1 :])
+        if not self._show_ids:
+            chunk = _NULL_IDS.join(rests)
         self.last_tokens = chunk
         return chunk
 
