@@ -161,6 +161,9 @@ class HealthChecks:
     # act sooner through the circuit breaker
     breaker_threshold: int = 3  # consecutive failures that open an instance's circuit
     breaker_cooldown_s: float = 10.0  # open circuit → one trial request after this long
+    # A returning instance's NIXL handshake canaries with its peers (proxy/warmup.py) may take this
+    # long before it serves anyway; 0: no warm-up, it serves at once
+    warmup_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         check_positive(
@@ -172,6 +175,8 @@ class HealthChecks:
         )
         if self.breaker_cooldown_s < 0:
             raise ConfigError(f"proxy.health.breaker_cooldown_s must be >= 0, got {self.breaker_cooldown_s}")
+        if self.warmup_timeout_s < 0:
+            raise ConfigError(f"proxy.health.warmup_timeout_s must be >= 0, got {self.warmup_timeout_s}")
 
 
 @dataclass(frozen=True)

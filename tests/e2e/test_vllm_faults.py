@@ -25,7 +25,7 @@ from pdserve.engines.backend import LocalEngines
 from pdserve.engines.placement import InstanceSpec
 from pdserve.engines.transfers import transfer_counts
 from pdserve.events import InstanceEvent
-from pdserve.prometheus import KV_USAGE, scrape
+from pdserve.prometheus import KV_USAGE, scrape, scrape_text
 from pdserve.proxy.thread import ProxyThread
 from pdserve.stack import Stack, wait_http_ok
 
@@ -85,6 +85,11 @@ def _serves_again(
     assert wait_http_ok(f"{stack.proxy_url}/health", timeout=60), (
         "the proxy never saw both roles healthy again"
     )
+    if decode_alone is not None:
+        # The proxy's warm-up canary pulled once; vLLM may publish that count only with a later engine
+        # step, so decode steps once (a whole request, no pull) before the counting starts.
+        decode_alone.completions.create(model=model, prompt="flush", max_tokens=1)
+        time.sleep(1.0)
     for _ in range(num):
         prompt = _prompt("again")
         before = transfer_counts(stack.urls("decode"))
@@ -316,8 +321,23 @@ def test_prefill_killed_mid_request_leaves_every_request_to_decode_until_up_rest
     errors = load.assert_answered_or_clearly_refused()
     assert not [e for e in errors if "KV transfer" not in str(e)], errors
     assert len(errors) <= 2, errors
-    # The new prefill has a new NIXL engine id: decode handshakes again and pulls from it.
+    # The new prefill has a new NIXL engine id: decode met it through the proxy's canary before prefill
+    # took a request, and pulls from it.
+    _warmed_up(stack)
     _serves_again(stack, client, model_name, decode_alone, num=3)
+
+
+def _warmed_up(stack: Stack, timeout: float = 60.0) -> None:
+    """The proxy's canary handoff met the returning instance's peers (``pdserve_warmups_total``)."""
+    deadline = time.monotonic() + timeout
+    line = ""
+    while time.monotonic() < deadline:
+        text = scrape_text(stack.proxy_url)
+        line = next((ln for ln in text.splitlines() if ln.startswith("pdserve_warmups_total{")), "")
+        if line:
+            break
+        time.sleep(0.5)
+    assert line.startswith('pdserve_warmups_total{result="ok"}'), line or "no warm-up within the timeout"
 
 
 MIGRATED_TOKENS = 400

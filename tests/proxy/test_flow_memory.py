@@ -229,3 +229,45 @@ async def test_an_instance_ray_restarted_on_another_node_is_served_at_its_new_ad
     assert [i.url for i in state.pool("decode").instances] == ["http://d9:1"]
     answer = await system.ask(COMPLETION)
     assert answer.status == 200 and b" new node" in answer.body
+
+
+def failing_when_split(status: int, text: str) -> Script:
+    """A decode whose KV pull fails (vLLM's 500 with ``kv_load_failure_policy=fail``) but which computes
+    a prompt it is given whole."""
+
+    def answer(body: dict[str, Any]) -> Answer:
+        if "kv_transfer_params" in body:
+            return Answer(status=status, body=b'{"error":{"message":"Internal server error","code":500}}')
+        return decode_text(text)(body)
+
+    return answer
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_the_only_decode_failing_its_pull_computes_the_prompt_itself_once(stream: bool) -> None:
+    """Prefill died while decode pulled its KV: decode answers 500 and no prefill can stand in, so the
+    client gets decode's own answer to the whole request instead of the 500."""
+    no_stand_in = Retries(first_backoff_s=0, prefill_stands_in=False)  # as if prefill were gone
+    system = System([prefill_ok], [failing_when_split(500, " computed here")], retries=no_stand_in)
+    answer = await system.ask({**COMPLETION, "stream": stream})
+    assert answer.status == 200 and b" computed here" in answer.body
+    split, whole = system.calls("http://d0:1")
+    assert "kv_transfer_params" in split and "kv_transfer_params" not in whole
+    # A failed pull may leave blocks in decode's cache under the prompt's hashes: the redo matches none.
+    assert whole["cache_salt"].startswith("pdserve-redo-")
+    assert system.state.stats.retries["decode"] == 1
+
+
+async def test_a_decode_failing_whole_too_is_the_clients_500_after_one_redo() -> None:
+    broken = lambda body: Answer(status=500, body=b'{"error":{"message":"boom"}}')  # noqa: E731
+    system = System([prefill_ok], [broken], retries=Retries(first_backoff_s=0, prefill_stands_in=False))
+    answer = await system.ask(COMPLETION)
+    assert answer.status == 500 and b"boom" in answer.body
+    assert len(system.calls("http://d0:1")) == 2
+
+
+async def test_a_decode_refusing_a_split_request_is_not_asked_again() -> None:
+    system = System([prefill_ok], [failing_when_split(400, " never")])
+    answer = await system.ask(COMPLETION)
+    assert answer.status == 400
+    assert len(system.calls("http://d0:1")) == 1

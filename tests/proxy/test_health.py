@@ -40,8 +40,10 @@ class StubUpstream:
 
 
 def one_instance(upstream: StubUpstream, unhealthy_after_checks: int = 3) -> tuple[ProxyState, Instance]:
-    """A ProxyState whose one decode instance talks to ``upstream``."""
-    config = ProxyConfig(("http://p:1",), (upstream.url,), health=HealthChecks(unhealthy_after_checks=unhealthy_after_checks),
+    """A ProxyState whose one decode instance talks to ``upstream`` (back from unhealthy it serves at
+    once: its warm-up with prefill is test_warmup's)."""
+    health = HealthChecks(unhealthy_after_checks=unhealthy_after_checks, warmup_timeout_s=0)
+    config = ProxyConfig(("http://p:1",), (upstream.url,), health=health,
                          routing=Routing(decode_policy="prefix_aware"))  # fmt: skip
     policies = {"prefill": make_policy("round_robin"), "decode": make_policy("prefix_aware")}
     state = ProxyState(

@@ -142,8 +142,12 @@ async def test_what_the_launcher_learns_reaches_every_worker(
             states = {i["url"]: i["state"] for i in orjson.loads(await _own(path, "/instances"))}
             assert states[d0] == "restarting"
         proxy.deliver(InstanceEvent(d0, "ready"))
-        for path in proxy.sockets:
-            states = {i["url"]: i["state"] for i in orjson.loads(await _own(path, "/instances"))}
+        for path in proxy.sockets:  # each worker meets the prefill (its warm-up canary), then serves
+            for _ in range(50):
+                states = {i["url"]: i["state"] for i in orjson.loads(await _own(path, "/instances"))}
+                if states[d0] != "warming":
+                    break
+                await asyncio.sleep(0.1)
             assert states[d0] == "serving"
 
 

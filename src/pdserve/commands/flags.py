@@ -232,11 +232,15 @@ def add_health(p: argparse.ArgumentParser) -> None:
                    help="consecutive failed requests that open an instance's circuit")  # fmt: skip
     g.add_argument("--breaker-cooldown", type=float, default=d.breaker_cooldown_s, metavar="S",
                    help="seconds an open circuit waits before one trial request")  # fmt: skip
+    g.add_argument("--warmup-timeout", type=float, default=d.warmup_timeout_s, metavar="S",
+                   help="seconds a returning instance may spend meeting its peers (a canary handoff per "
+                        "pair warms the NIXL handshakes) before it takes requests; 0: no warm-up")  # fmt: skip
 
 
 def health_from_args(a: argparse.Namespace) -> HealthChecks:
     return _part(HealthChecks, a, interval_s="health_interval", timeout_s="health_timeout",
-                 unhealthy_after_checks="", breaker_threshold="", breaker_cooldown_s="breaker_cooldown")  # fmt: skip
+                 unhealthy_after_checks="", breaker_threshold="", breaker_cooldown_s="breaker_cooldown",
+                 warmup_timeout_s="warmup_timeout")  # fmt: skip
 
 
 def add_api_keys(p: argparse.ArgumentParser) -> None:

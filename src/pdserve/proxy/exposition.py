@@ -72,6 +72,9 @@ def render(state: ProxyState, admission: Admission) -> str:
              (({"result": r}, n) for r, n in sorted(stats.migrations.items())))  # fmt: skip
     t.metric("pdserve_stand_ins_total", "counter", "Requests a prefill instance served whole because no decode "
              "instance was in service.", [({}, stats.num_stand_ins)])  # fmt: skip
+    t.metric("pdserve_warmups_total", "counter", "Returning instances that met their peers (a canary handoff "
+             "per pair) before taking requests, by result (ok, failed: it serves anyway).",
+             (({"result": r}, n) for r, n in sorted(stats.warmups.items())))  # fmt: skip
     t.metric("pdserve_requests_running", "gauge", "Requests holding an admission slot.",
              [({}, admission.num_running)])  # fmt: skip
     t.metric("pdserve_requests_queued", "gauge", "Requests waiting for an admission slot.",

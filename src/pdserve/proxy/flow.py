@@ -20,6 +20,9 @@ Retries, before the client has received a byte:
   the failed decode never received them (connect error) and are younger than half the lease: a decode
   that did receive them may have pulled the blocks, which prefill then frees, and a second pull of
   freed blocks is not detected by vLLM (observed on 0.32: it "succeeds" and reads whatever is there).
+- the last decode answered a split request with a 5xx (or an error event first) and no prefill can
+  stand in → that decode once more, computing the prompt itself under a fresh ``cache_salt``: it is
+  alive, and such an answer is most often its KV pull failing (the prefill holding the KV died).
 - a kept-alive connection decode had closed before answering → the same decode once more, not the
   chooser's next pick, under a fresh prefill (``_once_more_on_a_fresh_connection`` says why); a second
   such loss counts as a failed attempt, as above.
@@ -86,7 +89,7 @@ from pdserve.proxy.record import Trace
 from pdserve.proxy.release import Releaser
 from pdserve.proxy.responder import Responder
 from pdserve.proxy.state import Outcome, ProxyState
-from pdserve.proxy.survivors import DecodeTries, elastic_retry, stand_in
+from pdserve.proxy.survivors import DecodeTries, computes_itself, elastic_retry, stand_in
 from pdserve.proxy.timeline import Timeline
 from pdserve.proxy.tokens import PromptTokenizer
 from pdserve.proxy.upstream import Reply
@@ -277,12 +280,23 @@ class Flow:
                     if has_others or placed is not None
                     else stand_in(self._state, self._chooser, slot, decode, retries, self._config.retries)
                 )
-                if stood_in is None:
+                failed = f"decode {decode.url} failed ({describe(decoded.failure)})"
+                if stood_in is not None:
+                    local_reason = f"{failed}: served whole by prefill"
+                    call.trace.retries.append(f"{failed}; a prefill stands in")
+                elif (
+                    handoff is not None
+                    and placed is None
+                    and computes_itself(slot, decode, decoded.failure, retries, self._config.retries)
+                ):
+                    local_reason = f"{failed} on a split request: it computes the prompt itself"
+                    call.trace.retries.append(f"{failed}; once more, computing the prompt")
+                    self._state.stats.retried("decode")
+                    salt = f"redo-{uuid.uuid4().hex[:16]}"
+                    call = replace(call, body=protocol.with_fresh_cache_salt(call.body, salt))
+                else:
                     await self._give_up("decode", decode.url, decoded.failure, call)
                     return
-                failed = f"decode {decode.url} failed ({describe(decoded.failure)})"
-                local_reason = f"{failed}: served whole by prefill"
-                call.trace.retries.append(f"{failed}; a prefill stands in")
             else:
                 call = await self._before_retry(call, slot, decode, decoded, retries, has_others)
 

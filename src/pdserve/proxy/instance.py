@@ -6,12 +6,14 @@ The lifecycle, and who moves it:
        │                                                                  (reported: it may have restarted)
        ├── the launcher saw it exit ──▶ restarting ──the launcher has it back──▶ serving (breaker reset)
        │                                    └──the launcher gave up──▶ unhealthy
+       ├── back (ready, or a passed check after unhealthy) ──▶ warming ──its canaries done──▶ serving
        └── admin drain / remove ──▶ draining ──in-flight reaches 0 (remove)──▶ removed
 
 Health checks (health.py) report through ``check_passed``/``check_failed``; the launcher (through
 ``ProxyState.on_event``) through ``restarting``/``restarted``/``gave_up``; requests through
 ``dispatched``/``succeeded``/``failed``, which feed the circuit breaker; the admin API through
-``ProxyState`` (state.py), which owns membership. Nobody else writes these fields.
+``ProxyState`` (state.py), which owns membership; ``ProxyState`` also through ``warming``/``warmed``
+around a returning instance's handshake canaries (warmup.py). Nobody else writes these fields.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class Lifecycle(enum.Enum):
     UNHEALTHY = "unhealthy"
     RESTARTING = "restarting"  # its process exited; the launcher is starting it again
     DRAINING = "draining"  # takes no new requests; in-flight ones finish
+    WARMING = "warming"  # back, and meeting its peers (NIXL handshakes) before it takes requests
     REMOVED = "removed"
 
 
@@ -70,6 +73,7 @@ class Instance:
         self._is_draining = False
         self._is_removed = False
         self._is_restarting = False
+        self._is_warming = False
         self._num_in_flight = 0
         self._load = EngineLoad()
         self._has_load = False  # a /metrics scrape has succeeded (since the last restart)
@@ -95,15 +99,18 @@ class Instance:
             return Lifecycle.DRAINING
         if self._is_restarting:
             return Lifecycle.RESTARTING
-        return Lifecycle.SERVING if self._is_healthy else Lifecycle.UNHEALTHY
+        if not self._is_healthy:
+            return Lifecycle.UNHEALTHY
+        return Lifecycle.WARMING if self._is_warming else Lifecycle.SERVING
 
     def is_available(self, now: float) -> bool:
         return self.lifecycle is Lifecycle.SERVING and self.breaker.allows(now)
 
     @property
     def is_panic_candidate(self) -> bool:
-        """Out of service by its health or its circuit, not by intent (draining, removed, restarting)."""
-        return self.lifecycle in (Lifecycle.SERVING, Lifecycle.UNHEALTHY)
+        """Out of service by its health, its circuit or its warm-up, not by intent (draining, removed,
+        restarting): a request no instance in service can take goes to one of these."""
+        return self.lifecycle in (Lifecycle.SERVING, Lifecycle.UNHEALTHY, Lifecycle.WARMING)
 
     @property
     def failure_score(self) -> tuple[int, int]:
@@ -170,6 +177,13 @@ class Instance:
         self._last_error = None
         self._load, self._has_load = EngineLoad(), False
         self.breaker.reset()
+
+    def warming(self) -> None:
+        """Back, but out of service until its canaries have met its peers (``warmed``)."""
+        self._is_warming = True
+
+    def warmed(self) -> None:
+        self._is_warming = False
 
     def gave_up(self, detail: str) -> None:
         """The launcher stopped restarting it; health checks still readmit it if someone starts it."""

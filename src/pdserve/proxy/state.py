@@ -26,6 +26,7 @@ from pdserve.proxy.record import Trace
 from pdserve.proxy.routing import Policy
 from pdserve.proxy.timeline import Timeline, Timings
 from pdserve.proxy.upstream import HTTPUpstream, Upstream
+from pdserve.proxy.warmup import pairs_of, warm
 
 log = logging.getLogger("pdserve.proxy")
 
@@ -82,6 +83,7 @@ class Stats:
         self.releases: Counter[str] = Counter()  # result → prefill blocks released after decode refused
         self.num_stand_ins = 0  # requests a prefill instance served whole: no decode was in service
         self.migrations: Counter[str] = Counter()  # result → streams continued after decode failed
+        self.warmups: Counter[str] = Counter()  # result → returning instances' handshake warm-ups
         self.timings = Timings()
 
     def finished(self, endpoint: Endpoint, outcome: Outcome) -> None:
@@ -104,6 +106,9 @@ class Stats:
 
     def released(self, result: str) -> None:
         self.releases[result] += 1
+
+    def warmed_up(self, result: str) -> None:
+        self.warmups[result] += 1
 
     def timed(self, timeline: Timeline) -> None:
         phases = self.timings.phases
@@ -135,7 +140,7 @@ class ProxyState:
         self.ledger = Ledger(config.kv_lease_s)
         self.stats = Stats()
         self._traces: deque[Trace] = deque(maxlen=num_traces)
-        self._removals: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[None]] = set()  # removals and warm-ups: close() cancels them
 
     def _http_upstream(self, role: Role, url: str) -> Upstream:
         return HTTPUpstream(
@@ -189,9 +194,9 @@ class ProxyState:
             await instance.upstream.open()
 
     async def close(self) -> None:
-        for task in self._removals:
+        for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*self._removals, return_exceptions=True)
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         await asyncio.gather(*(i.upstream.close() for i in self.instances))
 
     def add(self, instance: Instance) -> None:
@@ -211,8 +216,8 @@ class ProxyState:
         self.drain(instance)
         self.forget_cache(instance)
         task = asyncio.create_task(self._remove_when_idle(instance))
-        self._removals.add(task)
-        task.add_done_callback(self._removals.discard)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _remove_when_idle(self, instance: Instance) -> None:
         waited = 0.0
@@ -239,6 +244,7 @@ class ProxyState:
         elif event.kind == "ready":
             instance.restarted()
             self.forget_cache(instance)  # a new process: an empty prefix cache
+            self._warm_up(instance)
         elif event.kind == "gave_up":
             instance.gave_up(f"not restarted: {event.detail}")
         elif event.kind == "moved":
@@ -258,17 +264,54 @@ class ProxyState:
             self.remove(instance)
 
         task = asyncio.create_task(replace())
-        self._removals.add(task)
-        task.add_done_callback(self._removals.discard)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def check_passed(self, instance: Instance, load: EngineLoad | None) -> None:
         if instance.check_passed(load):
             # Back from unhealthy: it may have restarted, and a restarted engine's prefix cache is
-            # empty, whatever the proxy remembers having sent there.
+            # empty, whatever the proxy remembers having sent there; its peers may not know it.
             self.forget_cache(instance)
+            self._warm_up(instance)
 
     def check_failed(self, instance: Instance, error: str) -> None:
         instance.check_failed(error)
+
+    def _warm_up(self, instance: Instance) -> None:
+        """Out of service while a canary per pair meets its peers (warmup.py), then in."""
+        timeout_s = self._config.health.warmup_timeout_s
+        if self._config.colocated or timeout_s <= 0:
+            return  # nothing moves between instances: nothing to meet
+        other: Role = "decode" if instance.role == "prefill" else "prefill"
+        pairs = pairs_of(instance, self._pools[other].available(), self.elastic is not None)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # told outside the proxy's loop (a test's state alone): nothing could send canaries
+        if not pairs:
+            return  # no peer in service to meet: the first handoff will do it
+        key = self._config.api_keys.upstream
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        instance.warming()
+
+        async def run() -> None:
+            started = time.monotonic()
+            try:
+                errors = await warm(pairs, headers, timeout_s)
+            finally:
+                instance.warmed()
+            self.stats.warmed_up("failed" if errors else "ok")
+            took = time.monotonic() - started
+            if errors:
+                log.warning("%s instance %s serves after its warm-up failed (%.1f s): %s",
+                            instance.role, instance.url, took, "; ".join(errors))  # fmt: skip
+            else:
+                log.info("%s instance %s met %d peer pair(s) in %.2f s; in service",
+                         instance.role, instance.url, len(pairs), took)  # fmt: skip
+
+        task = loop.create_task(run())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def forget_cache(self, instance: Instance) -> None:
         for policy in self._policies.values():

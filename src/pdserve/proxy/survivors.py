@@ -2,6 +2,9 @@
 
 - ``stand_in``: a fixed pool whose only decode failed before the client's first byte (or none is in
   service): a prefill instance in service serves the request whole, as any vLLM instance can.
+- ``computes_itself``: a fixed pool's last decode answered a split request with a 5xx (alive, but its
+  pull failed: the prefill holding the KV died or freed it) and no prefill can stand in: that decode
+  serves the request whole, once.
 - ``elastic_retry``: an elastic pool's decode retry goes to another instance, with the unread handoff
   when that is not the instance holding the KV, else whole.
 
@@ -13,11 +16,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve.configparts import Retries
-from pdserve.errors import NoInstanceAvailable
+from pdserve.errors import NoInstanceAvailable, UpstreamError
 from pdserve.proxy.attempt import Call, HandoffSlot
 from pdserve.proxy.choice import Chooser
 from pdserve.proxy.instance import Instance
 from pdserve.proxy.state import ProxyState
+from pdserve.proxy.upstream import Reply
 
 
 @dataclass
@@ -30,6 +34,7 @@ class DecodeTries:
     num_stale: int = 0  # decode attempts lost to a kept-alive connection the instance had closed
     again: Instance | None = None  # the decode the next attempt goes to, instead of the chooser's pick
     stood_in: bool = False  # a prefill instance has taken the request whole (no decode could)
+    computed_itself: bool = False  # the failed decode has been asked again, computing the prompt
 
     @property
     def is_first(self) -> bool:
@@ -54,6 +59,25 @@ def stand_in(
     slot.abandon(f"decode {decode.url} failed: a prefill stands in", "decode_failed")
     state.stats.retried("decode")
     return retries.again
+
+
+def computes_itself(
+    slot: HandoffSlot, decode: Instance, failure: UpstreamError | Reply, retries: DecodeTries, config: Retries
+) -> bool:
+    """Whether ``decode``, whose answer to the split request was a 5xx (or an error event before any
+    token), is asked once more to serve it
+    whole: it answered, so it is alive, and a split request's 5xx is most often its KV pull failing
+    (vLLM's ``kv_load_failure_policy=fail``: the prefill holding the blocks died mid-pull, or freed
+    them). The flow asks again under a fresh ``cache_salt``: a failed pull may have left blocks in
+    decode's prefix cache under the prompt's hashes."""
+    if retries.computed_itself or not config.fallback_to_local_prefill:
+        return False
+    if not isinstance(failure, Reply) or 200 < failure.status < 500:
+        return False  # a Reply here is a 5xx, or a 200 stream whose first event was an error
+    retries.computed_itself = True
+    retries.again = decode
+    slot.abandon(f"decode {decode.url} answered {failure.status}: it computes the prompt", "decode_failed")
+    return True
 
 
 def elastic_retry(
