@@ -392,4 +392,6 @@ def test_decode_killed_mid_stream_the_stream_goes_on_with_one_instances_text_and
     # The stream's KV was pulled before its first token, and the load's handoffs that died with decode
     # are released by their lease: prefill ends up holding nothing.
     assert _wait_until(lambda: _kv_usage(prefill) == 0.0, timeout=LEASE_S + 15)
+    # The returning decode met prefill through the proxy's canary (its pull is counted) before it served.
+    _warmed_up(stack)
     _serves_again(stack, client, model_name, decode_alone, num=3)
