@@ -64,6 +64,20 @@ _HEAD = b'data: {"id":"cmpl-fake","object":"text_completion","created":1,"model"
 _MID = b',"logprobs":null,"finish_reason":null,"stop_reason":null,"prompt_token_ids":null,"token_ids":null}]}\n\n'
 _TOKEN = _HEAD + b'" tok"' + _MID
 _TOKEN_CHUNK = b"%x\r\n" % len(_TOKEN) + _TOKEN + b"\r\n"
+# Asked for ``return_token_ids`` (a proxy that may continue a stream elsewhere asks), vLLM puts each
+# event's ids in its choice and the prompt's (60 tokens here) in the first.
+_IDS_MID = (
+    b',"logprobs":null,"finish_reason":null,"stop_reason":null,"prompt_token_ids":%s,"token_ids":[%d]}]}\n\n'
+)
+_PROMPT_IDS = b"[" + b",".join(b"%d" % (1000 + i) for i in range(60)) + b"]"
+
+
+def _chunk(event: bytes) -> bytes:
+    return b"%x\r\n" % len(event) + event + b"\r\n"
+
+
+_FIRST_IDS_CHUNK = _chunk(_HEAD + b'" tok"' + _IDS_MID % (_PROMPT_IDS, 1234))
+_IDS_CHUNK = _chunk(_HEAD + b'" tok"' + _IDS_MID % (b"null", 1234))
 _DONE_CHUNK = b"%x\r\n" % len(b"data: [DONE]\n\n") + b"data: [DONE]\n\n\r\n0\r\n\r\n"
 _MODELS = orjson.dumps(
     {"object": "list", "data": [{"id": "fake-model", "object": "model", "max_model_len": 4096}]}
@@ -139,19 +153,21 @@ class _FakeInstance(asyncio.Protocol):
             if kv.get("do_remote_decode"):
                 transport.write(_PREFILL)
             elif body.get("stream"):
-                self._task = asyncio.get_running_loop().create_task(self._stream(transport, num_tokens))
+                ids = body.get("return_token_ids") is True
+                self._task = asyncio.get_running_loop().create_task(self._stream(transport, num_tokens, ids))
             else:
                 if num_tokens not in self._wholes:
                     self._wholes[num_tokens] = _whole(_answer(num_tokens, None))
                 transport.write(self._wholes[num_tokens])
 
-    async def _stream(self, transport: asyncio.Transport, num_tokens: int) -> None:
-        transport.write(_STREAM_HEAD + _TOKEN_CHUNK)
+    async def _stream(self, transport: asyncio.Transport, num_tokens: int, ids: bool) -> None:
+        transport.write(_STREAM_HEAD + (_FIRST_IDS_CHUNK if ids else _TOKEN_CHUNK))
         if num_tokens >= _HOLD_TOKENS:
             await asyncio.Event().wait()  # until the connection goes
+        chunk = _IDS_CHUNK if ids else _TOKEN_CHUNK
         for _ in range(num_tokens - 1):
             await asyncio.sleep(0)  # one event per loop turn: the proxy sees them one by one
-            transport.write(_TOKEN_CHUNK)
+            transport.write(chunk)
         transport.write(_DONE_CHUNK)
 
 

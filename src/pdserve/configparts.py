@@ -85,8 +85,14 @@ class Retries:
     # No decode can serve (none in service, or the only one failed before the client's first byte) → a
     # prefill instance serves the request whole. Off: the client gets decode's error.
     prefill_stands_in: bool = True
+    # A stream whose decode fails after the client has tokens goes on from another instance, at most
+    # max_migrations times (proxy/migrate.py). Off: the stream ends with an error event.
+    migrate_streams: bool = True
+    max_migrations: int = 2
 
     def __post_init__(self) -> None:
+        if self.max_migrations < 0:
+            raise ConfigError(f"proxy.retries.max_migrations must be >= 0, got {self.max_migrations}")
         check_positive(
             "proxy.retries",
             max_prefill_attempts=self.max_prefill_attempts,

@@ -20,7 +20,8 @@
     ├── UpstreamError          a call from the proxy to an instance failed; carries phase and URL
     │   ├── UpstreamUnavailable    the connection broke, or the instance answered 5xx
     │   │   ├── UpstreamConnectError   could not connect: the instance never saw the request
-    │   │   └── UpstreamStaleConnection a kept-alive connection closed before any answer byte
+    │   │   ├── UpstreamStaleConnection a kept-alive connection closed before any answer byte
+    │   │   └── UpstreamSuspectAnswer  what was already streamed may rest on KV released too early
     │   ├── UpstreamTimeout        a per-phase limit or the request's deadline ran out
     │   ├── UpstreamProtocolError  the instance answered, but not as the NixlConnector protocol says
     │   └── NoInstanceAvailable    every instance of a role is unhealthy, draining or circuit-open
@@ -161,6 +162,11 @@ class UpstreamConnectError(UpstreamUnavailable):
 class UpstreamStaleConnection(UpstreamUnavailable):
     """A reused keep-alive connection closed before a byte of the answer came: most likely the instance
     had closed it while idle and never read the request, but an instance that died on it reads the same."""
+
+
+class UpstreamSuspectAnswer(UpstreamUnavailable):
+    """Prefill's log discredited a stream already under way: its text may rest on released KV, so it
+    ends with an error and is not continued elsewhere (proxy/migrate.py)."""
 
 
 class UpstreamTimeout(UpstreamError):

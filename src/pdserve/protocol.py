@@ -42,8 +42,9 @@ REQUIRED_DECODE_KEYS: Final[tuple[str, ...]] = (
 )
 
 # Client fields that only make sense for the real generation; prefill must not see them
-# (min_tokens > max_tokens=1 is rejected; stream_options without stream is rejected).
-_DECODE_ONLY_FIELDS: Final[tuple[str, ...]] = ("stream_options", "min_tokens")
+# (min_tokens > max_tokens=1 is rejected; stream_options without stream is rejected; token ids would only
+# lengthen prefill's answer, which the proxy parses).
+_DECODE_ONLY_FIELDS: Final[tuple[str, ...]] = ("stream_options", "min_tokens", "return_token_ids")
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:

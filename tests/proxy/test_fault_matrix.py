@@ -171,7 +171,9 @@ CASES = [
         id="every-decode-dies-mid-answer-strict-streams-end-with-an-error-event",
     ),
     pytest.param(
-        _prefill_stands_in(drop_rate=1), id="every-decode-dies-mid-answer-a-prefill-serves-whole-requests"
+        # Each decode in turn breaks the stream; the prefill, standing in, serves the continuation whole.
+        Case(_on_both("decode", drop_rate=1), OK_QUICK, OK_QUICK),
+        id="every-decode-dies-mid-answer-a-prefill-serves-whole-requests-and-continues-streams",
     ),
     pytest.param(_one("decode", pull_fail_rate=1), id="one-decode-cannot-pull-kv-others-answer"),
     pytest.param(
@@ -191,13 +193,13 @@ CASES = [
         id="tokens-slower-than-the-idle-timeout-strict-end-with-an-error-not-a-stall",
     ),
     pytest.param(
+        # A stream stalls past the idle limit on each decode in turn and goes on from the prefill.
         Case(
             _on_both("decode", token_delay_s=T.idle + 0.4),
-            Expect("stream_error", T.first_token + T.idle),
+            Expect("ok", T.first_token + 2 * T.idle),
             Expect("ok", 2 * T.decode),
-            max_error_gap_s=T.idle,
         ),
-        id="tokens-slower-than-the-idle-timeout-streams-end-with-an-error-whole-ones-from-a-prefill",
+        id="tokens-slower-than-the-idle-timeout-streams-go-on-and-whole-ones-come-from-a-prefill",
     ),
     pytest.param(_one("prefill", down=True), id="one-prefill-down-routed-around"),
     pytest.param(_no_prefill_left(OK_QUICK, down=True), id="every-prefill-down-decode-computes-the-prompt"),
@@ -208,6 +210,15 @@ CASES = [
         id="every-prefill-down-no-fallback-client-gets-502-naming-prefill",
     ),
     pytest.param(_one("decode", down=True), id="one-decode-down-routed-around"),
+    # A decode that dies mid-answer at several points: a stream goes on from the other decode (a
+    # migration, docs/migration.md), a whole request is retried there from the start; both end whole.
+    *(
+        pytest.param(
+            _one("decode", drop_rate=1, drop_after_tokens=k),
+            id=f"one-decode-dies-after-{k}-tokens-the-answer-goes-on",
+        )
+        for k in (1, MAX_TOKENS // 2, MAX_TOKENS - 1)
+    ),
 ]
 
 MATRIX: list[str] = []  # one line per request, printed at the end of the module (pytest -s or -rA)
@@ -310,7 +321,13 @@ async def _ask_and_check(
         for t in (await proxy_json(http, url + "/requests", ADMIN_KEY))["requests"]
         if t["request_id"] == request_id
     ]
-    if case.retried is not None and not any(r.startswith(case.retried) for r in trace["retries"]):
+    # A stream that had tokens goes on from another decode by a migration, not a retry (migrate.py).
+    migrated = case.retried == "decode" and any(m["result"] == "ok" for m in trace["migrations"])
+    if (
+        case.retried is not None
+        and not migrated
+        and not any(r.startswith(case.retried) for r in trace["retries"])
+    ):
         problems.append(f"not retried on another {case.retried} instance (the fault was not met?): {trace}")
     problems += await _open_handoffs_after(http, url)
     return answer, problems

@@ -65,6 +65,14 @@ CASES = [
     ),
     pytest.param(Case({0: {"down": True}}, "ok", QUICK_S), id="decode-down-another-serves"),
     pytest.param(Case({0: {"pull_fail_rate": 1}}, "ok", QUICK_S), id="decode-cannot-pull-another-serves"),
+    # Decode dies with the answer under way: a stream goes on from another instance (docs/migration.md).
+    *(
+        pytest.param(
+            Case({0: {"drop_rate": 1, "drop_after_tokens": k}}, "ok", QUICK_S),
+            id=f"decode-dies-after-{k}-tokens-another-goes-on",
+        )
+        for k in (1, MAX_TOKENS - 2)
+    ),
     pytest.param(
         Case({1: {"down": True}, 2: {"down": True}}, "ok", QUICK_S), id="no-prefill-left-decode-computes"
     ),

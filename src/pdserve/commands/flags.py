@@ -176,11 +176,17 @@ def add_retries(p: argparse.ArgumentParser) -> None:
                    help="when no decode can serve (none in service, or the only one failed before the first "
                         "byte), a prefill instance serves the request whole (--no-prefill-stands-in: the "
                         "client gets decode's error)")  # fmt: skip
+    g.add_argument("--migrate-streams", action=argparse.BooleanOptionalAction, default=d.migrate_streams,
+                   help="a stream whose decode fails after the client has tokens goes on from another instance "
+                        "(--no-migrate-streams: it ends with an error event)")  # fmt: skip
+    g.add_argument("--max-migrations", type=int, default=d.max_migrations, metavar="N",
+                   help="times one stream may go on from another instance")  # fmt: skip
 
 
 def retries_from_args(a: argparse.Namespace) -> Retries:
     return _part(Retries, a, first_backoff_s="retry_backoff", max_prefill_attempts="", max_decode_attempts="",
-                 fallback_to_local_prefill="", prefill_stands_in="")  # fmt: skip
+                 fallback_to_local_prefill="", prefill_stands_in="", migrate_streams="",
+                 max_migrations="")  # fmt: skip
 
 
 def add_admission(p: argparse.ArgumentParser) -> None:

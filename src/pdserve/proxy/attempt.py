@@ -24,6 +24,7 @@ from pdserve import protocol
 from pdserve.errors import UpstreamError, UpstreamTimeout
 from pdserve.protocol import Endpoint
 from pdserve.proxy.ledger import Handoff, Ledger
+from pdserve.proxy.progress import Progress
 from pdserve.proxy.record import Trace
 from pdserve.proxy.responder import Responder
 from pdserve.proxy.timeline import Timeline
@@ -52,6 +53,7 @@ class Call(NamedTuple):
     request_s: float  # that limit, for the messages that name it
     timeline: Timeline
     prompt: Prompt | None = None
+    progress: Progress | None = None  # what a stream that may migrate has sent (migrate.py)
 
     @property
     def path(self) -> str:

@@ -23,6 +23,7 @@ from pdserve.errors import (
     UpstreamConnectError,
     UpstreamError,
     UpstreamStaleConnection,
+    UpstreamSuspectAnswer,
     UpstreamTimeout,
     UpstreamUnavailable,
 )
@@ -149,7 +150,7 @@ class Decoder:
         first thing (e.g. the KV pull failed) can still be retried elsewhere unless this is the last
         try, and the lease guard has its say before any byte goes out.
         """
-        out = call.out
+        out, progress = call.out, call.progress
         watch = sse.StreamWatch()
         async for chunk in resp.chunks(first_timeout, self._t.idle, self._t.first_token):
             is_error = watch.feed(chunk)
@@ -172,6 +173,8 @@ class Decoder:
                     log.warning("request %s: decode %s streamed an error event", call.request_id, decode.url)
             if watch.has_done:
                 await self._recheck_before_the_end(decode, slot)
+            if progress is not None and not (chunk := progress.feed(chunk)):
+                continue  # an event cut by the chunk's edge: the rest comes next (progress.py)
             await out.chunk(chunk)
             call.timeline.chunk(time.perf_counter())
         if not watch.has_done:
@@ -189,7 +192,7 @@ class Decoder:
             return
         slot.suspect("log_during_stream", why)
         await self._guard.purge(decode)
-        raise UpstreamUnavailable("decode", decode.url, f"KV lease: {why}; this answer may be wrong")
+        raise UpstreamSuspectAnswer("decode", decode.url, f"KV lease: {why}; this answer may be wrong")
 
 
 def _close_handoff(slot: HandoffSlot, decode: Instance, status: int) -> None:

@@ -66,6 +66,10 @@ def render(state: ProxyState, admission: Admission) -> str:
              "Handoffs whose blocks decode was made to pull after it refused the client's request, by "
              "result (ok, refused, failed): prefill frees them then, not when the lease runs out.",
              (({"result": r}, n) for r, n in sorted(stats.releases.items())))  # fmt: skip
+    t.metric("pdserve_migrations_total", "counter", "Streams whose decode failed after the client had tokens, "
+             "by what followed: ok (went on elsewhere to its end), broken (the continuation failed in turn), "
+             "failed (none could begin), ineligible (not one that can go on), exhausted (--max-migrations).",
+             (({"result": r}, n) for r, n in sorted(stats.migrations.items())))  # fmt: skip
     t.metric("pdserve_stand_ins_total", "counter", "Requests a prefill instance served whole because no decode "
              "instance was in service.", [({}, stats.num_stand_ins)])  # fmt: skip
     t.metric("pdserve_warmups_total", "counter", "Returning instances that met their peers (a canary handoff "

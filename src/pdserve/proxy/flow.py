@@ -26,7 +26,8 @@ Retries, before the client has received a byte:
 - a kept-alive connection decode had closed before answering → the same decode once more, not the
   chooser's next pick, under a fresh prefill (``_once_more_on_a_fresh_connection`` says why); a second
   such loss counts as a failed attempt, as above.
-Once the client has bytes, a failure ends the stream with an error event; nothing is retried.
+Once the client has bytes, a stream whose decode fails goes on from another instance (migrate.py), or,
+where it cannot, ends with an error event.
 
 The lease guard (guard.py): decode's answer is held back until it is known not to rest on KV prefill
 had already released; a suspect one is dropped and the request prefilled again (``LeaseSuspect``), at
@@ -48,7 +49,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from typing import Any
 
 from pdserve import protocol
@@ -79,6 +80,7 @@ from pdserve.proxy.elastic import ElasticRouter
 from pdserve.proxy.guard import LeaseGuard
 from pdserve.proxy.instance import Instance
 from pdserve.proxy.ledger import Handoff
+from pdserve.proxy.migrate import Migrator
 from pdserve.proxy.otel import RequestTracing
 from pdserve.proxy.placing import Placed, place
 from pdserve.proxy.prefill import Prefiller
@@ -115,6 +117,7 @@ class Flow:
         self._prefiller = Prefiller(state, config, self._chooser)
         self._decoder = Decoder(config, LeaseGuard(state, state.ledger))
         self._releaser = Releaser(state, config.kv_lease_s)
+        self._migrator = Migrator(state, config.retries, config.timeouts.decode)
         self._tracing = tracing
         # decode's context length (its /v1/models), once known: max_tokens beyond it is refused up front
         self.max_model_len: int | None = None
@@ -151,8 +154,9 @@ class Flow:
             headers["Authorization"] = auth
         deadline = time.monotonic() + self._t.request
         timeline = Timeline(arrived, admitted, itl=self._state.stats.timings.itl)
+        body, progress = self._migrator.watch(endpoint, body, is_stream)
         call = Call(endpoint, body, headers, out, trace, is_stream, deadline, self._t.request, timeline,
-                    self._prompt(body))  # fmt: skip
+                    self._prompt(body), progress)  # fmt: skip
         slot = HandoffSlot(self._state.ledger, out.request_id)
         span = None
         if self._tracing is not None:
@@ -162,11 +166,14 @@ class Flow:
         begun = time.perf_counter()
         try:
             await self._serve(call, slot)
-        except UpstreamError as exc:
-            log.warning("request %s failed: %s", out.request_id, exc)
-            retry_after = getattr(exc, "retry_after_s", None)
-            extra = [(b"retry-after", str(retry_after).encode())] if retry_after else []
-            await out.error(exc.status, str(exc), exc.error_type, extra=extra)
+        except UpstreamError as failed:
+            # A stream that broke after the client had tokens may go on elsewhere (migrate.py).
+            told = await self._migrator.resume(call, failed, self._serve) if out.started else failed
+            if told is not None:
+                log.warning("request %s failed: %s", out.request_id, told)
+                retry_after = getattr(told, "retry_after_s", None)
+                extra = [(b"retry-after", str(retry_after).encode())] if retry_after else []
+                await out.error(told.status, str(told), told.error_type, extra=extra)
         finally:
             timeline.ended = time.perf_counter()
             outcome = _outcome(out)
@@ -185,31 +192,37 @@ class Flow:
                               "pdserve.retries": len(trace.retries)}  # fmt: skip
                 self._tracing.finish(span, timeline, arrived_ns, attributes, trace.error)
 
-    def _serve(self, call: Call, slot: HandoffSlot) -> Awaitable[None]:
+    def _serve(self, call: Call, slot: HandoffSlot, avoid: Sequence[Instance] = ()) -> Awaitable[None]:
         """The attempts, in order, until the client has its answer; an ``UpstreamError`` says why not.
-        In an elastic pool the router places the request first and hears when it ends. (Not a
-        coroutine itself: a fixed pool's request awaits the attempts with one frame fewer.)"""
+        In an elastic pool the router places the request first and hears when it ends. ``avoid``: decodes
+        a migrated stream's continuation does not go back to. (Not a coroutine itself: a fixed pool's
+        request awaits the attempts with one frame fewer.)"""
         local_reason = (
             "colocated: no split" if self._config.colocated else protocol.needs_local_prefill(call.body)
         )
         router = self._state.elastic
         if router is None:
-            return self._attempts(call, slot, local_reason, None)
-        return self._placed(router, call, slot, local_reason)
+            return self._attempts(call, slot, local_reason, None, avoid)
+        return self._placed(router, call, slot, local_reason, avoid)
 
     async def _placed(
-        self, router: ElasticRouter, call: Call, slot: HandoffSlot, local_reason: str | None
-    ) -> None:
+        self, router: ElasticRouter, call: Call, slot: HandoffSlot, local_reason: str | None,
+        avoid: Sequence[Instance],
+    ) -> None:  # fmt: skip
         placed, local_reason = place(router, self._chooser.members(), call, local_reason)
         try:
-            await self._attempts(call, slot, local_reason, placed)
+            await self._attempts(call, slot, local_reason, placed, avoid)
         finally:
             router.done(placed.placement)
 
     async def _attempts(
-        self, call: Call, slot: HandoffSlot, local_reason: str | None, placed: Placed | None
-    ) -> None:
+        self, call: Call, slot: HandoffSlot, local_reason: str | None, placed: Placed | None,
+        avoid: Sequence[Instance] = (),
+    ) -> None:  # fmt: skip
         retries = DecodeTries()
+        if avoid:  # a migrated stream's continuation: not back to the decode that failed it
+            retries.tried.extend(avoid)
+            retries.is_first = False
         while True:
             # Decode is picked first: what it caches decides whether prefill is worth a hop. After a
             # stale connection it is the same one again (``_once_more_on_a_fresh_connection``). In an

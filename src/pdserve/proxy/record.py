@@ -30,6 +30,9 @@ class Trace:
     total_ms: float | None = None
     error: str | None = None  # the error the client received, if any
     stream_error_event: bool = False  # decode streamed vLLM's own error event
+    # each time the stream went on from another instance after its decode failed (migrate.py, through
+    # ``migrated``): a tuple shared by every request until the first
+    migrations: tuple[dict[str, Any], ...] = ()
     outcome: str | None = None  # the label /metrics counted the request under (state.Outcome)
     timeline: Timeline | None = None  # its moments; /requests shows each phase in ms (timeline.py)
     trace_id: str | None = None  # the OpenTelemetry trace, when tracing is on
@@ -41,6 +44,9 @@ class Trace:
         self.started = time.time()
         self.retries: list[str] = []  # each failed attempt, and why
 
+    def migrated(self, entry: dict[str, Any]) -> None:
+        self.migrations = (*self.migrations, entry)
+
     def as_dict(self) -> dict[str, Any]:
         # The phases in ms only when asked for: the request path stores the Timeline as it is.
         out = {name: getattr(self, name) for name in _FIELDS}
@@ -51,4 +57,4 @@ class Trace:
 # What /requests shows of a trace, in this order.
 _FIELDS = ("request_id", "endpoint", "stream", "started", "prefill_url", "prefill_status", "prefill_ms",
            "kv_transfer_params", "local_prefill_reason", "placement", "decode_url", "decode_status",
-           "total_ms", "error", "stream_error_event", "retries", "outcome", "timeline", "trace_id")  # fmt: skip
+           "total_ms", "error", "stream_error_event", "retries", "migrations", "outcome", "timeline", "trace_id")  # fmt: skip

@@ -94,6 +94,7 @@ class Stats:
         self.purges: Counter[str] = Counter()  # result → decode prefix-cache resets after a late pull
         self.releases: Counter[str] = Counter()  # result → prefill blocks released after decode refused
         self.num_stand_ins = 0  # requests a prefill instance served whole: no decode was in service
+        self.migrations: Counter[str] = Counter()  # result → streams continued after decode failed
         self.warmups: Counter[str] = Counter()  # result → returning instances' handshake warm-ups
         self.timings = Timings()
 
@@ -108,6 +109,9 @@ class Stats:
 
     def purged(self, result: str) -> None:
         self.purges[result] += 1
+
+    def migrated(self, result: str) -> None:
+        self.migrations[result] += 1
 
     def stood_in(self) -> None:
         self.num_stand_ins += 1

@@ -6,8 +6,8 @@ requests fail, so fault tests are deterministic.
 
 - ``error_rate``: answered like vLLM's unexpected failures: 500 ``InternalServerError``.
 - ``hang_rate``: never answered; the request waits until the client hangs up (then it is aborted).
-- ``drop_rate``: the connection is closed mid-response: after half the tokens when streaming, after
-  part of the body otherwise (the process "died" while answering).
+- ``drop_rate``: the connection is closed mid-response: after half the tokens when streaming (after
+  ``drop_after_tokens`` if set), after part of the body otherwise (the process "died" while answering).
 - ``token_delay_s``: every token waits this much longer (a slow or overloaded instance).
 - ``pull_fail_rate``: this instance's KV pulls fail, as a NIXL read error does; the decode request then
   fails like vLLM's (500, or 200 + an error event). The holder keeps the blocks until its lease runs out.
@@ -45,8 +45,11 @@ class FaultSpec:
     # Not a fault but run-to-run noise: every reported logprob is moved by up to this much, as bf16
     # kernels whose reductions follow the batch's shape move them (the answer oracle must tolerate it).
     logprob_noise: float = 0.0
+    drop_after_tokens: int = 0  # a dropped stream's tokens before the cut; 0: half of max_tokens
 
     def __post_init__(self) -> None:
+        if isinstance(self.drop_after_tokens, bool) or not isinstance(self.drop_after_tokens, int):
+            raise ConfigError(f"fault drop_after_tokens must be an integer, got {self.drop_after_tokens!r}")
         for name in (*_RATES, "token_delay_s", "logprob_noise"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float):

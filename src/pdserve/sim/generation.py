@@ -171,7 +171,8 @@ class GenerationEndpoint:
         except ValueError as exc:
             await out.whole(400, error_body(str(exc), "BadRequestError", 400))
             return
-        drop_after = max(1, req.max_tokens // 2) if fault is RequestFault.DROP else -1
+        cut = self._inst.faults.spec.drop_after_tokens or max(1, req.max_tokens // 2)
+        drop_after = cut if fault is RequestFault.DROP else -1
         answer = _Answer(req, response_id, sim_req, out, t0, drop_after)
         reason = "abort"
         try:
@@ -198,6 +199,7 @@ class GenerationEndpoint:
             inst.model_name,
             inst.system_fingerprint,
             req.include_usage,
+            req.prompt_token_ids if req.return_token_ids else None,
         )
         delay = inst.faults.spec.token_delay_s
         stop = _Stop(req.stop) if req.stop else None
@@ -236,7 +238,7 @@ class GenerationEndpoint:
                         text += stop.flush()
                     text_json = orjson.dumps(text)
                 if finish is None:
-                    await out.chunk(head + fmt.token(text_json))
+                    await out.chunk(head + fmt.token(text_json, event.token_id))
                     if num_tokens == answer.drop_after:
                         out.drop()
                         return "abort"
@@ -244,7 +246,9 @@ class GenerationEndpoint:
                 tail = b""
                 if req.include_usage:
                     tail = fmt.usage(len(req.prompt_token_ids), num_tokens, self._cached_tokens(req, cached))
-                await out.end(head + fmt.final(text_json, finish, stop_reason) + tail + sse.DONE)
+                await out.end(
+                    head + fmt.final(text_json, finish, stop_reason, event.token_id) + tail + sse.DONE
+                )
                 return finish
         return "abort"  # the engine ended the stream without a finish reason (stopped)
 

@@ -161,9 +161,13 @@ def whole_answer(
 
 
 class StreamFormat:
-    """One streamed request's SSE chunks; everything but the token text is encoded once, up front."""
+    """One streamed request's SSE chunks; everything but the token text is encoded once, up front.
 
-    __slots__ = ("_final_fp", "_head", "_mid_tail", "_object", "_prefix", "fingerprint", "role_chunk")
+    With ``return_token_ids`` (``prompt_ids`` given) each token's choice carries its id, and the first
+    event the prompt's ids, as vLLM writes them."""
+
+    __slots__ = ("_final_fp", "_head", "_ids_tail", "_mid_tail", "_object", "_prefix", "_prompt", "fingerprint",
+                 "role_chunk")  # fmt: skip
 
     def __init__(
         self,
@@ -173,6 +177,7 @@ class StreamFormat:
         model: str,
         fingerprint: str,
         include_usage: bool,
+        prompt_ids: tuple[int, ...] | None = None,
     ) -> None:
         obj = "text_completion" if endpoint == "completions" else "chat.completion.chunk"
         self._object = obj
@@ -183,6 +188,9 @@ class StreamFormat:
         )  # fmt: skip
         # The last token chunk carries the fingerprint only when no usage chunk follows it.
         self._final_fp = b"" if include_usage else b',"system_fingerprint":' + orjson.dumps(fingerprint)
+        # The prompt's ids, where the first event carries them (a completion's first token, a chat's role).
+        self._prompt = b"null" if prompt_ids is None else orjson.dumps(list(prompt_ids))
+        self._ids_tail = prompt_ids is not None
         if endpoint == "completions":
             self._head = self._prefix + b',"choices":[{"index":0,"text":'
             self._mid_tail = b',"logprobs":null,"finish_reason":null,"stop_reason":null,"prompt_token_ids":null,"token_ids":null}]}\n\n'
@@ -192,20 +200,37 @@ class StreamFormat:
             self._mid_tail = b'},"logprobs":null,"finish_reason":null,"token_ids":null}]}\n\n'
             self.role_chunk = (
                 self._prefix + b',"choices":[{"index":0,"delta":{"role":"assistant","content":""},'
-                b'"logprobs":null,"finish_reason":null}],"prompt_token_ids":null,"prompt_text":null}\n\n'
+                b'"logprobs":null,"finish_reason":null}],"prompt_token_ids":'
+                + self._prompt
+                + b',"prompt_text":null}\n\n'
             )
+            self._prompt = b"null"
 
-    def token(self, text_json: bytes) -> bytes:
-        return self._head + text_json + self._mid_tail
+    def _ids(self, token_id: int) -> bytes:
+        """``"prompt_token_ids":…,"token_ids":…`` of a completion's token (a chat's lacks the first)."""
+        prompt, self._prompt = self._prompt, b"null"
+        ids = b"[%d]" % token_id if self._ids_tail else b"null"
+        return (b'"prompt_token_ids":' + prompt + b"," if self._object == "text_completion" else b"") + (
+            b'"token_ids":' + ids
+        )
 
-    def final(self, text_json: bytes, finish_reason: str, stop_reason: str | None) -> bytes:
+    def token(self, text_json: bytes, token_id: int = 0) -> bytes:
+        if not self._ids_tail:
+            return self._head + text_json + self._mid_tail
+        if self._object == "text_completion":
+            middle = b',"logprobs":null,"finish_reason":null,"stop_reason":null,'
+        else:
+            middle = b'},"logprobs":null,"finish_reason":null,'
+        return self._head + text_json + middle + self._ids(token_id) + b"}]}\n\n"
+
+    def final(
+        self, text_json: bytes, finish_reason: str, stop_reason: str | None, token_id: int = 0
+    ) -> bytes:
         reason = b'"' + finish_reason.encode() + b'","stop_reason":' + orjson.dumps(stop_reason)
         if self._object == "text_completion":
-            tail = (
-                b',"logprobs":null,"finish_reason":' + reason + b',"prompt_token_ids":null,"token_ids":null}]'
-            )
+            tail = b',"logprobs":null,"finish_reason":' + reason + b"," + self._ids(token_id) + b"}]"
         else:
-            tail = b'},"logprobs":null,"finish_reason":' + reason + b',"token_ids":null}]'
+            tail = b'},"logprobs":null,"finish_reason":' + reason + b"," + self._ids(token_id) + b"}]"
         return self._head + text_json + tail + self._final_fp + b"}\n\n"
 
     def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> bytes:
