@@ -36,6 +36,10 @@ _KV = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids":
        "remote_port": 5600, "tp_size": 1, "remote_prefill_cached_tokens": 0}  # fmt: skip
 _TOKEN = (b'data: {"id":"cmpl-fake","object":"text_completion","created":1,"model":"fake-model","choices":'
           b'[{"index":0,"text":" tok","logprobs":null,"finish_reason":null,"stop_reason":null}]}\n\n')  # fmt: skip
+# With ``return_token_ids`` (a stream that may migrate asks for them) vLLM writes each event's ids.
+_TOKEN_IDS = _TOKEN.replace(
+    b'"stop_reason":null}', b'"stop_reason":null,"prompt_token_ids":null,"token_ids":[1234]}'
+)
 _NUM_TOKENS = 16
 
 
@@ -54,13 +58,16 @@ class _Stream:
     status = 200
     content_type = "text/event-stream; charset=utf-8"
 
+    def __init__(self, token: bytes) -> None:
+        self._token = token
+
     async def read_all(self, timeout: float) -> bytes:
         return b""
 
     async def chunks(self, first_timeout: float, idle_timeout: float, first_budget: float | None = None
                      ) -> AsyncIterator[bytes]:  # fmt: skip
         for _ in range(_NUM_TOKENS):
-            yield _TOKEN
+            yield self._token
         yield b"data: [DONE]\n\n"
 
 
@@ -91,7 +98,7 @@ class _Instance:
     @contextlib.asynccontextmanager
     async def open_stream(self, path: str, body: bytes, headers: Mapping[str, str], phase: str, timeout: float
                           ) -> AsyncIterator[_Stream]:  # fmt: skip
-        yield _Stream()
+        yield _Stream(_TOKEN_IDS if b'"return_token_ids":true' in body else _TOKEN)
 
 
 async def _serve(mode: str, num_requests: int, num_warm: int, rounds: int) -> list[float]:

@@ -144,15 +144,28 @@ async def test_no_warmup_when_it_is_off() -> None:
     assert system.calls("http://p0:1") == []
 
 
-async def test_an_instance_back_from_unhealthy_warms_too() -> None:
+async def test_an_instance_back_from_unreachable_warms_too() -> None:
+    """Restarted by something other than pdserve's launcher: its checks could not connect, then pass."""
     system = System([prefill()], [decode()])
     state, instance = system.state, system.state.find("http://p0:1")
     assert instance is not None
-    state.check_failed(instance, "no answer")  # it never answered: out at once
+    state.check_failed(instance, "cannot connect", unreachable=True)  # never answered: out at once
     state.check_passed(instance, None)
     assert instance.lifecycle is Lifecycle.WARMING
     await system.settle()
     assert instance.lifecycle is Lifecycle.SERVING and len(system.calls("http://d0:1")) == 1
+
+
+async def test_a_stalled_instance_back_from_unhealthy_serves_at_once() -> None:
+    """A stopped process still accepts connections, its checks time out: the same process, already met."""
+    system = System([prefill()], [decode()])
+    state, instance = system.state, system.state.find("http://p0:1")
+    assert instance is not None
+    state.check_failed(instance, "no answer within 5 s")
+    state.check_passed(instance, None)
+    assert instance.lifecycle is Lifecycle.SERVING
+    await system.settle()
+    assert system.calls("http://d0:1") == []
 
 
 async def test_an_elastic_instance_meets_every_other_in_both_directions() -> None:

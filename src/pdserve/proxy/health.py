@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from pdserve.errors import UpstreamError
+from pdserve.errors import UpstreamConnectError, UpstreamError
 from pdserve.proxy.instance import EngineLoad, Instance
 from pdserve.proxy.state import ProxyState
 
@@ -22,13 +22,14 @@ class HealthChecker:
 
     async def check(self, instance: Instance) -> None:
         """One check: /health decides health; /metrics, when it answers, refreshes load."""
+        unreachable = False
         try:
             reply = await instance.upstream.get("/health", "health", self._timeout_s)
             error = None if reply.status == 200 else f"/health answered {reply.status}"
         except UpstreamError as exc:
-            error = exc.detail
+            error, unreachable = exc.detail, isinstance(exc, UpstreamConnectError)
         if error is not None:
-            self._state.check_failed(instance, error)
+            self._state.check_failed(instance, error, unreachable)
             return
         load = None
         with contextlib.suppress(UpstreamError):

@@ -6,7 +6,7 @@ The lifecycle, and who moves it:
        │                                                                  (reported: it may have restarted)
        ├── the launcher saw it exit ──▶ restarting ──the launcher has it back──▶ serving (breaker reset)
        │                                    └──the launcher gave up──▶ unhealthy
-       ├── back (ready, or a passed check after unhealthy) ──▶ warming ──its canaries done──▶ serving
+       ├── back (ready, or a passed check after unreachable) ──▶ warming ──its canaries done──▶ serving
        └── admin drain / remove ──▶ draining ──in-flight reaches 0 (remove)──▶ removed
 
 Health checks (health.py) report through ``check_passed``/``check_failed``; the launcher (through
@@ -74,6 +74,7 @@ class Instance:
         self._is_removed = False
         self._is_restarting = False
         self._is_warming = False
+        self._was_unreachable = False
         self._num_in_flight = 0
         self._load = EngineLoad()
         self._has_load = False  # a /metrics scrape has succeeded (since the last restart)
@@ -137,6 +138,12 @@ class Instance:
         return self._is_healthy
 
     @property
+    def was_unreachable(self) -> bool:
+        """A failed check since the last passed one could not connect: if it answers again, it is a new
+        process (its peers have not met it)."""
+        return self._was_unreachable
+
+    @property
     def load(self) -> EngineLoad:
         return self._load
 
@@ -155,6 +162,7 @@ class Instance:
             return False  # the old process's port may still answer a moment; the launcher says when
         recovered = not self._is_healthy
         self._is_healthy, self._has_answered, self._num_failed_checks = True, True, 0
+        self._was_unreachable = False
         self._last_error = None
         if load is not None:
             if not self._has_load or load.num_tokens != self._load.num_tokens:
@@ -162,8 +170,11 @@ class Instance:
             self._load, self._has_load = load, True
         return recovered
 
-    def check_failed(self, error: str) -> None:
+    def check_failed(self, error: str, unreachable: bool = False) -> None:
+        """A health check failed; ``unreachable``: nothing accepted the connection (the process is gone,
+        not stalled: a stopped process's socket still accepts)."""
         self._last_error = error
+        self._was_unreachable = self._was_unreachable or unreachable
         self._num_failed_checks += 1
         if not self._has_answered or self._num_failed_checks >= self._unhealthy_after_checks:
             self._is_healthy = False

@@ -283,14 +283,17 @@ class ProxyState:
         task.add_done_callback(self._tasks.discard)
 
     def check_passed(self, instance: Instance, load: EngineLoad | None) -> None:
+        was_down = instance.was_unreachable
         if instance.check_passed(load):
             # Back from unhealthy: it may have restarted, and a restarted engine's prefix cache is
-            # empty, whatever the proxy remembers having sent there; its peers may not know it.
+            # empty, whatever the proxy remembers having sent there. If it was down (not merely
+            # stalled), it is a new process that its peers have not met.
             self.forget_cache(instance)
-            self._warm_up(instance)
+            if was_down:
+                self._warm_up(instance)
 
-    def check_failed(self, instance: Instance, error: str) -> None:
-        instance.check_failed(error)
+    def check_failed(self, instance: Instance, error: str, unreachable: bool = False) -> None:
+        instance.check_failed(error, unreachable)
 
     def _warm_up(self, instance: Instance) -> None:
         """Out of service while a canary per pair meets its peers (warmup.py), then in."""

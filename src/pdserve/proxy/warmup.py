@@ -6,8 +6,8 @@ round trip for the agent metadata, then UCX's connection) and waits for it (Nixl
 afresh, and without a warm-up the first requests after a restart each pay that on their TTFT, at the
 moment the pool is busiest (the requests the outage held back arrive together).
 
-So an instance that comes back (the launcher says "ready", or a health check passes after it was
-unhealthy) is ``warming``: one canary handoff per pair with the instances of the other role in
+So an instance that comes back (the launcher says "ready", or a health check passes after checks
+that could not connect: a new process; one that merely stalled keeps its handshakes) is ``warming``: one canary handoff per pair with the instances of the other role in
 service (a short prompt through the prefill side with ``do_remote_decode``, one token pulled and
 computed on the decode side), then it serves. In an elastic pool, where any instance takes either
 side, both directions with every other instance. A canary that fails is logged and counted, never
