@@ -20,9 +20,8 @@ Retries, before the client has received a byte:
   the failed decode never received them (connect error) and are younger than half the lease: a decode
   that did receive them may have pulled the blocks, which prefill then frees, and a second pull of
   freed blocks is not detected by vLLM (observed on 0.32: it "succeeds" and reads whatever is there).
-- the last decode answered a split request with a 5xx (or an error event first) and no prefill can
-  stand in → that decode once more, computing the prompt itself under a fresh ``cache_salt``: it is
-  alive, and such an answer is most often its KV pull failing (the prefill holding the KV died).
+- the last decode answered a split request with a 5xx and no prefill can stand in → that decode once
+  more, computing the prompt itself: most often its KV pull failed (``survivors.computes_itself``).
 - a kept-alive connection decode had closed before answering → the same decode once more, not the
   chooser's next pick, under a fresh prefill (``_once_more_on_a_fresh_connection`` says why); a second
   such loss counts as a failed attempt, as above.
@@ -176,7 +175,7 @@ class Flow:
                 await out.error(told.status, str(told), told.error_type, extra=extra)
         finally:
             timeline.ended = time.perf_counter()
-            outcome = _outcome(out)
+            outcome = Outcome.of(out)
             is_client_gone = outcome is Outcome.CLIENT_DISCONNECTED
             error = "client disconnected" if is_client_gone else out.failure
             trace.total_ms = (timeline.ended - begun) * 1000
@@ -294,16 +293,9 @@ class Flow:
                 if stood_in is not None:
                     local_reason = f"{failed}: served whole by prefill"
                     call.trace.retries.append(f"{failed}; a prefill stands in")
-                elif (
-                    handoff is not None
-                    and placed is None
-                    and computes_itself(slot, decode, decoded.failure, retries, self._config.retries)
-                ):
-                    local_reason = f"{failed} on a split request: it computes the prompt itself"
-                    call.trace.retries.append(f"{failed}; once more, computing the prompt")
-                    self._state.stats.retried("decode")
-                    salt = f"redo-{uuid.uuid4().hex[:16]}"
-                    call = call._replace(body=protocol.with_fresh_cache_salt(call.body, salt))
+                elif redo := computes_itself(self._state, call, slot, decode, decoded, retries,
+                                             self._config.retries, handoff is not None and placed is None):  # fmt: skip
+                    call, local_reason = redo, f"{failed} on a split request: it computes the prompt itself"
                 else:
                     await self._give_up("decode", decode.url, decoded.failure, call)
                     return
@@ -401,13 +393,3 @@ class Flow:
         if isinstance(failure, UpstreamError):
             raise failure
         await relay_rejection(phase, url, failure, call.out)
-
-
-def _outcome(out: Responder) -> Outcome:
-    """The label /metrics counts a finished request under, from what its client was sent."""
-    if not out.finished and out.failure is None:
-        return Outcome.CLIENT_DISCONNECTED
-    if out.has_error_event or (out.status == 200 and out.failure is not None):
-        return Outcome.STREAM_ERROR
-    code = out.status or 0
-    return Outcome.OK if code == 200 else Outcome.CLIENT_ERROR if code < 500 else Outcome.ERROR

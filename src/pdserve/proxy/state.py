@@ -23,6 +23,7 @@ from pdserve.proxy.elastic import ElasticRouter
 from pdserve.proxy.instance import EngineLoad, Instance
 from pdserve.proxy.ledger import Ledger
 from pdserve.proxy.record import Trace
+from pdserve.proxy.responder import Responder
 from pdserve.proxy.routing import Policy
 from pdserve.proxy.timeline import Timeline, Timings
 from pdserve.proxy.upstream import HTTPUpstream, Upstream
@@ -48,6 +49,16 @@ class Outcome(enum.Enum):
     # Counted per request under (endpoint, outcome): hashed by identity, as members compare, instead of
     # Enum's hash of the name (a Python call each time).
     __hash__ = object.__hash__
+
+    @staticmethod
+    def of(out: Responder) -> Outcome:
+        """The label a finished request is counted under, from what its client was sent."""
+        if not out.finished and out.failure is None:
+            return Outcome.CLIENT_DISCONNECTED
+        if out.has_error_event or (out.status == 200 and out.failure is not None):
+            return Outcome.STREAM_ERROR
+        code = out.status or 0
+        return Outcome.OK if code == 200 else Outcome.CLIENT_ERROR if code < 500 else Outcome.ERROR
 
 
 class Pool:

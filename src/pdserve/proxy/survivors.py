@@ -13,9 +13,12 @@
 
 from __future__ import annotations
 
+import uuid
+
+from pdserve import protocol
 from pdserve.configparts import Retries
-from pdserve.errors import NoInstanceAvailable, UpstreamError
-from pdserve.proxy.attempt import Call, HandoffSlot
+from pdserve.errors import NoInstanceAvailable
+from pdserve.proxy.attempt import Call, DecodeFailed, HandoffSlot
 from pdserve.proxy.choice import Chooser
 from pdserve.proxy.instance import Instance
 from pdserve.proxy.state import ProxyState
@@ -68,22 +71,34 @@ def stand_in(
 
 
 def computes_itself(
-    slot: HandoffSlot, decode: Instance, failure: UpstreamError | Reply, retries: DecodeTries, config: Retries
-) -> bool:
-    """Whether ``decode``, whose answer to the split request was a 5xx (or an error event before any
-    token), is asked once more to serve it
-    whole: it answered, so it is alive, and a split request's 5xx is most often its KV pull failing
-    (vLLM's ``kv_load_failure_policy=fail``: the prefill holding the blocks died mid-pull, or freed
-    them). The flow asks again under a fresh ``cache_salt``: a failed pull may have left blocks in
-    decode's prefix cache under the prompt's hashes."""
-    if retries.computed_itself or not config.fallback_to_local_prefill:
-        return False
+    state: ProxyState,
+    call: Call,
+    slot: HandoffSlot,
+    decode: Instance,
+    decoded: DecodeFailed,
+    retries: DecodeTries,
+    config: Retries,
+    was_split: bool,
+) -> Call | None:
+    """The call to send ``decode`` once more, whole, after its answer to a split request (a fixed pool's:
+    ``was_split``) was a 5xx or an error event before any token; None: not this time. It answered, so
+    it is alive, and a split request's 5xx is most often its KV pull failing (vLLM's ``kv_load_failure_policy=fail``: the prefill
+    holding the blocks died mid-pull, or freed them). Under a fresh ``cache_salt``: a failed pull may
+    have left blocks in decode's prefix cache under the prompt's hashes."""
+    failure = decoded.failure
+    if not was_split or retries.computed_itself or not config.fallback_to_local_prefill:
+        return None
     if not isinstance(failure, Reply) or 200 < failure.status < 500:
-        return False  # a Reply here is a 5xx, or a 200 stream whose first event was an error
+        return None  # a Reply here is a 5xx, or a 200 stream whose first event was an error
     retries.computed_itself = True
     retries.again = decode
     slot.abandon(f"decode {decode.url} answered {failure.status}: it computes the prompt", "decode_failed")
-    return True
+    state.stats.retried("decode")
+    call.trace.retries.append(
+        f"decode {decode.url} answered {failure.status}; once more, computing the prompt"
+    )
+    salt = f"redo-{uuid.uuid4().hex[:16]}"
+    return call._replace(body=protocol.with_fresh_cache_salt(call.body, salt))
 
 
 def elastic_retry(
