@@ -21,6 +21,7 @@ import pytest
 from pdserve import httpclient
 from pdserve.commands.verify import wait_for_transfers
 from pdserve.config import ProxyConfig, Timeouts
+from pdserve.configparts import HealthChecks
 from pdserve.engines.backend import LocalEngines
 from pdserve.engines.placement import InstanceSpec
 from pdserve.engines.transfers import transfer_counts
@@ -66,9 +67,17 @@ def _kv_usage(url: str) -> float:
 
 @pytest.fixture
 def quick(stack: Stack) -> Iterator[tuple[ProxyThread, openai.OpenAI]]:
-    """A proxy with short timeouts in front of the session's instances."""
+    """A proxy with short timeouts in front of the session's instances. It leaves the warm-up of a
+    returning instance to the session's proxy: a second canary, sent whenever this proxy's own checks
+    see the instance back, would land among the transfers a test counts."""
     proxy = ProxyThread(
-        ProxyConfig(tuple(stack.urls("prefill")), tuple(stack.urls("decode")), port=18020, timeouts=QUICK)
+        ProxyConfig(
+            tuple(stack.urls("prefill")),
+            tuple(stack.urls("decode")),
+            port=18020,
+            timeouts=QUICK,
+            health=HealthChecks(warmup_timeout_s=0),
+        )
     )
     proxy.start()
     try:
