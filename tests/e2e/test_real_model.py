@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from stall import ask_with_decode_stalled, suspects
+from warmed import wait_warmed_up, warmups
 
 from pdserve import httpclient
 from pdserve.commands.verify import verify, wait_for_transfers
@@ -94,6 +95,7 @@ def test_a_killed_prefill_comes_back_and_the_answer_is_the_same(real: Stack) -> 
     spec = next(s for s in real.specs if s.role == "prefill")
     pgid = real.group.pid(spec)
     assert pgid is not None
+    warmups_before = warmups(real)
     killed_at = time.monotonic()
     os.killpg(pgid, signal.SIGKILL)
     deadline = killed_at + RESTART_S
@@ -103,5 +105,7 @@ def test_a_killed_prefill_comes_back_and_the_answer_is_the_same(real: Stack) -> 
         assert time.monotonic() < deadline, f"prefill not back within {RESTART_S:.0f} s"
         time.sleep(0.5)
     assert wait_http_ok(f"{real.proxy_url}/health", timeout=60)
-    # The new prefill has a new NIXL engine id: decode handshakes again and pulls from it.
+    # The new prefill has a new NIXL engine id: decode met it through the proxy's canary before prefill
+    # took a request (that canary is one transfer of its own), and pulls from it.
+    wait_warmed_up(real, warmups_before)
     _paris_through_pd_equal_to_one_instance(real)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import openai
 import pytest
+from warmed import wait_warmed_up, warmups
 
 from pdserve import httpclient
 from pdserve.commands.verify import wait_for_transfers
@@ -26,7 +27,7 @@ from pdserve.engines.backend import LocalEngines
 from pdserve.engines.placement import InstanceSpec
 from pdserve.engines.transfers import transfer_counts
 from pdserve.events import InstanceEvent
-from pdserve.prometheus import KV_USAGE, scrape, scrape_text
+from pdserve.prometheus import KV_USAGE, scrape
 from pdserve.proxy.thread import ProxyThread
 from pdserve.stack import Stack, wait_http_ok
 
@@ -307,6 +308,7 @@ def test_prefill_killed_mid_request_leaves_every_request_to_decode_until_up_rest
     once prefill is back the transfers resume."""
     stack, client, decode_alone, model_name = kill.stack, kill.client, kill.decode_alone, kill.model_name
     spec, pgid = kill.victim("prefill")
+    warmups_before = warmups(stack)
     load = kill.load()
     with load:
         time.sleep(2.0)  # the load is under way
@@ -332,21 +334,8 @@ def test_prefill_killed_mid_request_leaves_every_request_to_decode_until_up_rest
     assert len(errors) <= 2, errors
     # The new prefill has a new NIXL engine id: decode met it through the proxy's canary before prefill
     # took a request, and pulls from it.
-    _warmed_up(stack)
+    wait_warmed_up(stack, warmups_before)
     _serves_again(stack, client, model_name, decode_alone, num=3)
-
-
-def _warmed_up(stack: Stack, timeout: float = 60.0) -> None:
-    """The proxy's canary handoff met the returning instance's peers (``pdserve_warmups_total``)."""
-    deadline = time.monotonic() + timeout
-    line = ""
-    while time.monotonic() < deadline:
-        text = scrape_text(stack.proxy_url)
-        line = next((ln for ln in text.splitlines() if ln.startswith("pdserve_warmups_total{")), "")
-        if line:
-            break
-        time.sleep(0.5)
-    assert line.startswith('pdserve_warmups_total{result="ok"}'), line or "no warm-up within the timeout"
 
 
 MIGRATED_TOKENS = 400
@@ -360,6 +349,7 @@ def test_decode_killed_mid_stream_the_stream_goes_on_with_one_instances_text_and
     answer one instance gives alone: no error, no repeat, no gap."""
     stack, client, decode_alone, model_name = kill.stack, kill.client, kill.decode_alone, kill.model_name
     spec, pgid = kill.victim("decode")
+    warmups_before = warmups(stack)
     prefill = stack.urls("prefill")[0]
     prompt = _prompt("midstream", 16)
     alone = decode_alone.completions.create(
@@ -402,5 +392,5 @@ def test_decode_killed_mid_stream_the_stream_goes_on_with_one_instances_text_and
     # are released by their lease: prefill ends up holding nothing.
     assert _wait_until(lambda: _kv_usage(prefill) == 0.0, timeout=LEASE_S + 15)
     # The returning decode met prefill through the proxy's canary (its pull is counted) before it served.
-    _warmed_up(stack)
+    wait_warmed_up(stack, warmups_before)
     _serves_again(stack, client, model_name, decode_alone, num=3)
