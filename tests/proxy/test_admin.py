@@ -96,6 +96,39 @@ async def test_instances_are_added_drained_and_removed_at_run_time(
         assert status == 400 and "refusing" in refused["error"]["message"]
 
 
+async def test_a_removed_prefill_stays_until_no_decode_has_its_kv_left_to_pull(
+    rig: Rig, http: aiohttp.ClientSession
+) -> None:
+    """Stopping a prefill whose KV a decode has yet to pull fails that request's pull: a drain counts
+    those handoffs, and the removal waits for them to be pulled or let go."""
+    rig.decode.fault = "hang"  # decode holds the request: prefill's KV for it is not pulled yet
+    with running_proxy([rig.prefill_url], [rig.decode_url], api_keys=ApiKeys(admin="admin-secret")) as url:
+        waiting = asyncio.ensure_future(post(http, url + "/v1/completions", COMPLETION))
+        for _ in range(250):
+            if rig.decode.generations():
+                break
+            await asyncio.sleep(0.02)
+        assert rig.decode.generations(), "the request never reached decode"
+
+        status, removing = await call(
+            http, "DELETE", url + "/admin/instances", {"url": rig.prefill_url}, ADMIN
+        )
+        assert status == 202
+        assert (removing["in_flight"], removing["kv_held"], removing["drained"]) == (0, 1, False)
+        await asyncio.sleep(0.5)
+        _, listing = await call(http, "GET", url + "/admin/instances", headers=ADMIN)
+        [prefill] = [i for i in listing if i["url"] == rig.prefill_url]
+        assert (prefill["state"], prefill["kv_held"], prefill["drained"]) == ("draining", 1, False)
+
+        waiting.cancel()  # the client goes: its handoff is let go, and nothing holds the prefill any more
+        for _ in range(100):
+            _, listing = await call(http, "GET", url + "/admin/instances", headers=ADMIN)
+            if rig.prefill_url not in [i["url"] for i in listing]:
+                break
+            await asyncio.sleep(0.05)
+        assert rig.prefill_url not in [i["url"] for i in listing]
+
+
 async def test_overload_answers_429_with_retry_after(rig: Rig, http: aiohttp.ClientSession) -> None:
     rig.prefill.fault = "hang"
     with running_proxy(

@@ -27,7 +27,7 @@ from pdserve.configparts import ApiKeys, HealthChecks, Routing
 from pdserve.errors import ProxyStartError
 from pdserve.events import InstanceEvent
 from pdserve.prometheus import parse_prometheus, parse_samples
-from pdserve.proxy.peers import Peers, socket_path
+from pdserve.proxy.peers import Peers, merge_descriptions, socket_path
 from pdserve.proxy.workers import ProxyWorkers
 
 KEY = "admin-key"
@@ -130,6 +130,16 @@ async def test_an_admin_change_made_through_either_worker_is_made_by_both(
         for path in proxy.sockets:
             states = {i["url"]: i["state"] for i in orjson.loads(await _own(path, "/instances"))}
             assert states[d0] == "draining"
+
+
+def test_an_instance_reads_drained_only_when_no_worker_has_a_request_or_kv_waiting_there() -> None:
+    # Each worker holds its own requests' handoffs: one worker's quiet view must not call it drained.
+    own = [{"url": "http://p:1", "draining": True, "in_flight": 0, "kv_held": 0, "drained": True}]
+    other = {"url": "http://p:1", "draining": True, "in_flight": 0, "kv_held": 2, "drained": False}
+    [merged] = merge_descriptions(own, [[other]])
+    assert (merged["in_flight"], merged["kv_held"], merged["drained"]) == (0, 2, False)
+    [quiet] = merge_descriptions(own, [[{**other, "kv_held": 0}]])
+    assert quiet["drained"] is True
 
 
 async def test_what_the_launcher_learns_reaches_every_worker(

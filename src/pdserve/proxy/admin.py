@@ -3,7 +3,8 @@
     GET    /admin/instances           every instance with health, circuit, load
     POST   /admin/instances           {"role": "prefill"|"decode", "url": ...}: add (model must match)
     POST   /admin/instances/drain     {"url": ...}: take no new requests, finish in-flight ones
-    DELETE /admin/instances           {"url": ...}: drain, then remove once nothing is in flight
+    DELETE /admin/instances           {"url": ...}: drain, then remove once drained: nothing in flight
+                                      and no KV held for a decode that has yet to pull it
     GET    /admin/ledger              open and recent KV handoffs, counts by outcome
 
 All need "Authorization: Bearer <admin_api_key>"; without a configured key the admin API is off (403).
@@ -103,7 +104,7 @@ async def add(request: Request) -> Response:
         )
         return error_response(400, f"refusing {url}: it {why}", "BadRequestError")
     ctx.state.add(instance)
-    return JSONResponse(instance.describe(), status_code=201)
+    return JSONResponse(ctx.state.describe_instance(instance), status_code=201)
 
 
 async def drain(request: Request) -> Response:
@@ -121,7 +122,7 @@ async def _on_named(request: Request, change: Callable[[Instance], None], status
     except (ConfigError, LookupError) as exc:
         return error_response(404, f"no such instance: {exc}", "NotFoundError")
     change(instance)
-    return JSONResponse(instance.describe(), status_code=status)
+    return JSONResponse(context(request).state.describe_instance(instance), status_code=status)
 
 
 async def ledger(request: Request) -> Response:

@@ -152,6 +152,12 @@ class Ledger:
     def open_handoffs(self) -> list[Handoff]:
         return list(self._open.values())
 
+    def num_held_at(self, prefill_url: str) -> int:
+        """Open handoffs from ``prefill_url``: KV it holds for a decode that has not pulled it yet. Each
+        closes when decode answers or the request lets it go, so a drain that waits on this is bounded
+        by the requests' own deadlines."""
+        return sum(1 for h in self._open.values() if h.prefill_url == prefill_url)
+
     def num_overdue(self) -> int:
         """Open handoffs older than the lease: prefill has (or soon will) let their blocks go."""
         return sum(1 for h in self._open.values() if h.age_s() > h.lease_s)

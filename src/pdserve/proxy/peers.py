@@ -237,18 +237,23 @@ class _SharingPolicy:
 
 
 def merge_descriptions(own: Described, others: Sequence[Described]) -> Described:
-    """This worker's view of its instances, with the requests every worker has in flight at each."""
-    in_flight: Counter[object] = Counter()
+    """This worker's view of its instances, with the requests every worker has in flight at each and
+    the KV each holds for every worker's decodes (so drained means drained for the whole proxy)."""
+    sums: dict[str, Counter[object]] = {"in_flight": Counter(), "kv_held": Counter()}
     for view in others:
         for d in view:
-            count = d.get("in_flight")
-            if isinstance(count, int):
-                in_flight[d.get("url")] += count
+            for key, counts in sums.items():
+                count = d.get(key)
+                if isinstance(count, int):
+                    counts[d.get("url")] += count
     merged = []
     for d in own:
-        count = d.get("in_flight")
-        total = (count if isinstance(count, int) else 0) + in_flight[d.get("url")]
-        merged.append({**d, "in_flight": total})
+        totals = {}
+        for key, counts in sums.items():
+            count = d.get(key)
+            totals[key] = (count if isinstance(count, int) else 0) + counts[d.get("url")]
+        drained = bool(d.get("draining")) and not totals["in_flight"] and not totals["kv_held"]
+        merged.append({**d, **totals, "drained": drained})
     return merged
 
 

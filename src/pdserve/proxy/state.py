@@ -193,10 +193,17 @@ class ProxyState:
         return all(self._pools[role].available() for role in roles)
 
     def describe(self) -> list[dict[str, object]]:
-        if self.elastic is None:
-            return [i.describe() for i in self.instances]
-        router = self.elastic
-        return [{**i.describe(), "role": "elastic", "side": router.side(i.url)} for i in self.instances]
+        return [self.describe_instance(i) for i in self.instances]
+
+    def describe_instance(self, instance: Instance) -> dict[str, object]:
+        """``Instance.describe`` with what the pool knows of it: the KV it holds for decodes, whether a
+        drain is complete, and in an elastic pool the side it leans to."""
+        held = self.ledger.num_held_at(instance.url)
+        about = {**instance.describe(), "kv_held": held,
+                 "drained": instance.is_draining and not instance.num_in_flight and not held}  # fmt: skip
+        if self.elastic is not None:
+            about.update(role="elastic", side=self.elastic.side(instance.url))
+        return about
 
     @property
     def traces(self) -> Sequence[Trace]:
@@ -245,9 +252,14 @@ class ProxyState:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def is_drained(self, instance: Instance) -> bool:
+        """Nothing left there: no request in flight and no KV held for a decode still to pull it
+        (stopping the process sooner would fail those requests' pulls)."""
+        return not instance.num_in_flight and not self.ledger.num_held_at(instance.url)
+
     async def _remove_when_idle(self, instance: Instance) -> None:
         waited = 0.0
-        while instance.num_in_flight and waited < _DRAIN_LIMIT_S:
+        while not self.is_drained(instance) and waited < _DRAIN_LIMIT_S:
             await asyncio.sleep(_DRAIN_POLL_S)
             waited += _DRAIN_POLL_S
         instance.mark_removed()
