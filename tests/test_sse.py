@@ -61,6 +61,20 @@ def test_watch_sees_an_error_event_however_the_chunks_fall(cut: int) -> None:
     assert any(seen)
 
 
+def test_watch_sees_the_error_event_exactly_once_and_done_however_three_chunks_fall() -> None:
+    # Whole events take a shortcut (no marker search) only where the last chunk ended one: every way of
+    # cutting the stream in three, blank lines split included, must see what one chunk sees.
+    stream = TOKEN + b"\n" + TOKEN + ERROR + sse.DONE
+    for first in range(len(stream) + 1):
+        for second in range(first, len(stream) + 1, 3):
+            watch = sse.StreamWatch()
+            seen = [watch.feed(c) for c in (stream[:first], stream[first:second], stream[second:])]
+            assert sum(seen) == 1 and watch.has_done, (first, second, seen)
+    watch = sse.StreamWatch()
+    assert [watch.feed(TOKEN), watch.feed(TOKEN), watch.feed(sse.DONE)] == [False, False, False]
+    assert watch.has_done
+
+
 def test_watch_sees_an_error_event_once_and_done_when_it_comes() -> None:
     watch = sse.StreamWatch()
     assert watch.feed(ERROR) is True
