@@ -9,7 +9,11 @@ run lengths, subtracted, so start-up cancels). Each src/ runs in its own process
 each ``--baseline-src`` in turn, round after round.
 
     .venv/bin/python benchmarks/request_cost.py [--baseline-src /tmp/pdserve-base/src] [--modes whole,stream]
-        [--requests 5000] [--rounds 3] [--callgrind]
+        [--requests 5000] [--rounds 3] [--callgrind] [--no-migrate-streams]
+
+``--no-migrate-streams`` adds a row: the current src/ served as ``pdserve proxy --no-migrate-streams``
+serves (decode not asked for token ids, nothing cut from its events), to tell that feature's cost from
+the rest's.
 
 The instances answer as vLLM's PD pair does (prefill's ``kv_transfer_params``, decode 16 tokens whole or
 as 16 SSE events); garbage collection is tuned as the proxy's process tunes it (server.tune_gc).
@@ -101,13 +105,20 @@ class _Instance:
         yield _Stream(_TOKEN_IDS if b'"return_token_ids":true' in body else _TOKEN)
 
 
-async def _serve(mode: str, num_requests: int, num_warm: int, rounds: int) -> list[float]:
+async def _serve(
+    mode: str, num_requests: int, num_warm: int, rounds: int, migrate: bool = True
+) -> list[float]:
     """CPU µs per request of each round, after ``num_warm`` requests to warm up."""
     from pdserve.config import ProxyConfig
     from pdserve.proxy.app import ProxyApp, create_app
 
+    options: dict[str, Any] = {}
+    if not migrate:
+        from pdserve.configparts import Retries
+
+        options["retries"] = Retries(migrate_streams=False)
     config = ProxyConfig(prefill_urls=("http://p:1",), decode_urls=("http://d:1",), host="127.0.0.1", port=1,
-                         max_connections_per_upstream=4096)  # fmt: skip
+                         max_connections_per_upstream=4096, **options)  # fmt: skip
     starlette_app = create_app(config, _Instance)  # type: ignore[arg-type]
     ctx = starlette_app.state.pdserve
     ctx.flow.max_model_len = 4096  # as the proxy learns it from decode's /v1/models
@@ -147,28 +158,29 @@ async def _serve(mode: str, num_requests: int, num_warm: int, rounds: int) -> li
 
 
 def _child(args: argparse.Namespace) -> int:
-    costs = asyncio.run(_serve(args.mode, args.requests, args.warm, args.rounds))
+    costs = asyncio.run(_serve(args.mode, args.requests, args.warm, args.rounds, not args.no_migrate_streams))
     print(" ".join(f"{c:.2f}" for c in costs))
     return 0
 
 
-def _run(src: str, mode: str, requests: int, warm: int, rounds: int, callgrind_out: str | None = None) -> str:
+def _run(src: str, mode: str, requests: int, warm: int, rounds: int, callgrind_out: str | None = None,
+         extra: tuple[str, ...] = ()) -> str:  # fmt: skip
     cmd = [sys.executable, __file__, "--child", "--mode", mode, "--requests", str(requests), "--warm", str(warm),
-           "--rounds", str(rounds)]  # fmt: skip
+           "--rounds", str(rounds), *extra]  # fmt: skip
     if callgrind_out is not None:
         cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={callgrind_out}", *cmd]
     env = {**os.environ, "PYTHONPATH": src}
     return subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
 
 
-def _instructions(src: str, mode: str) -> float:
+def _instructions(src: str, mode: str, extra: tuple[str, ...] = ()) -> float:
     """Instructions per request: two run lengths under callgrind, subtracted."""
     totals = []
     short, long = 300, 1300
     with tempfile.TemporaryDirectory() as tmp:
         for n in (short, long):
             out = str(Path(tmp) / f"cg.{n}")
-            _run(src, mode, n, 300, 1, out)
+            _run(src, mode, n, 300, 1, out, extra)
             summary = [line for line in Path(out).read_text().splitlines() if line.startswith("summary:")]
             totals.append(int(summary[0].split()[1]))
     return (totals[1] - totals[0]) / (long - short)
@@ -186,6 +198,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3, help="rounds of each src, interleaved")
     parser.add_argument("--warm", type=int, default=2000, help="requests before the measured ones")
     parser.add_argument("--callgrind", action="store_true", help="also count instructions (valgrind)")
+    parser.add_argument(
+        "--no-migrate-streams", action="store_true", help="also the current src/ without migration"
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", default="whole", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -194,6 +209,10 @@ def main() -> int:
     here = str(Path(__file__).resolve().parent.parent / "src")
     srcs = {"this": os.environ.get("PYTHONPATH") or here, **{f"baseline {i + 1}": s for i, s in
                                                              enumerate(args.baseline_src)}}  # fmt: skip
+    extras: dict[str, tuple[str, ...]] = dict.fromkeys(srcs, ())
+    if args.no_migrate_streams:
+        srcs["this, --no-migrate-streams"] = srcs["this"]
+        extras["this, --no-migrate-streams"] = ("--no-migrate-streams",)
     print(
         f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} cores; "
         + ", ".join(f"{k}: {v}" for k, v in srcs.items())
@@ -204,9 +223,10 @@ def main() -> int:
         costs: dict[str, list[float]] = {name: [] for name in srcs}
         for _ in range(args.rounds):  # one round of each src in turn, so drifting load hits all alike
             for name, src in srcs.items():
-                costs[name] += [float(c) for c in _run(src, mode, args.requests, args.warm, 1).split()]
+                out = _run(src, mode, args.requests, args.warm, 1, extra=extras[name])
+                costs[name] += [float(c) for c in out.split()]
         for name, src in srcs.items():
-            count = f"{_instructions(src, mode):,.0f}" if args.callgrind else "-"
+            count = f"{_instructions(src, mode, extras[name]):,.0f}" if args.callgrind else "-"
             print(f"| {mode} | {name} | {statistics.median(costs[name]):.1f} | {count} |")
     return 0
 
