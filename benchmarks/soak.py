@@ -1,8 +1,9 @@
 """Soak: mixed traffic through `pdserve up`'s Stack on real vLLM while faults are injected on a schedule.
 
-    flock /tmp/pdserve-vllm.lock .venv/bin/python benchmarks/soak.py [--duration 600] [--kv-lease 8]
+    flock /tmp/pdserve-vllm.lock .venv/bin/python benchmarks/soak.py [--duration 600] [--kv-lease 8] [--elastic 2]
 
-1P1D on the embedded tiny model (`Topology(kv_lease_s=8)`, supervised: exited instances are restarted).
+1P1D on the embedded tiny model (`Topology(kv_lease_s=8)`, supervised: exited instances are restarted), or
+with ``--elastic N`` an elastic pool of N instances that each take any role (the proxy decides per request).
 Workers send completions and chat, streamed or not, short to long prompts, 4 to 32 tokens out, greedy;
 some streamed clients hang up after their first chunks. Every prompt carries a fresh ``cache_salt``, so
 no request finds another's blocks in a prefix cache and every one moves its KV, while the greedy answer
@@ -11,10 +12,11 @@ go through pdserve's load generator (bench/load.py ``send``), which keeps each a
 
 Injected in turn, with a quiet gap after each one's recovery: SIGSTOP of decode's EngineCore for
 lease + 6 s, the same for prefill, SIGKILL of prefill's process group, the same for decode (the
-supervisor restarts them; the next fault waits until it has). Reported (JSON on stdout and in --out):
+supervisor restarts them; the next fault waits until the proxy has every instance in service again); in an elastic pool the same four on its
+last instance, its first, its first and its last. Reported (JSON on stdout and in --out):
 requests by outcome, errors by kind, wrong answers (must be 0), hung requests (no end within the client's
-deadline; must be 0), suspect handoffs the proxy caught (/metrics), the ledger's open handoffs and
-prefill's KV usage at the end, and vLLM's lease counters.
+deadline; must be 0), suspect handoffs the proxy caught and streams it migrated (/metrics), the ledger's
+open handoffs and the instances' KV usage at the end, and vLLM's lease counters.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from pdserve import prometheus
 from pdserve.bench.load import Job, send, text_of
 from pdserve.config import ProxySettings, RoleSpec, Timeouts, Topology
 from pdserve.configparts import ApiKeys
+from pdserve.engines.placement import InstanceSpec
 from pdserve.errors import MetricsUnreadable
 from pdserve.stack import Stack
 
@@ -48,6 +51,8 @@ WORDS = [
     "ferry", "grey", "water", "harbour", "lantern", "copper", "north", "wind", "river", "stone", "orchard",
     "winter", "signal", "bridge", "market", "tide", "island", "gull", "rope", "anchor", "cedar", "meadow",
 ]  # fmt: skip
+VLLM_COUNTERS = {"kv_expired": prometheus.KV_EXPIRED, "notifications_after_expiry": prometheus.NOTIFS_AFTER_EXPIRY,
+                 "transfers": prometheus.XFER_COUNT, "failed_transfers": prometheus.XFER_FAILED}  # fmt: skip
 # (words in the prompt, tokens out): short prompts to ones of several 128-token blocks.
 SHAPES = ((12, 8), (40, 16), (120, 24), (260, 32), (420, 16), (30, 4))
 
@@ -189,64 +194,86 @@ async def worker(client: Client, ts: list[Template], stop_at: float, rng: random
         await client.one(rng.choice(ts), stream, hang_up=stream and rng.random() < 0.12)
 
 
-async def stall(stack: Stack, role: str, seconds: float) -> dict[str, Any]:
-    spec = next(s for s in stack.specs if s.role == role)
+def schedule(stack: Stack) -> list[tuple[str, InstanceSpec]]:
+    """The faults in turn: (stall | kill, the instance)."""
+    if stack.topology.is_elastic:
+        first, last = stack.specs[0], stack.specs[-1]
+        return [("stall", last), ("stall", first), ("kill", first), ("kill", last)]
+    prefill, decode = (next(s for s in stack.specs if s.role == r) for r in ("prefill", "decode"))
+    return [("stall", decode), ("stall", prefill), ("kill", prefill), ("kill", decode)]
+
+
+async def stall(stack: Stack, spec: InstanceSpec, seconds: float) -> dict[str, Any]:
     core = stack.group.engine_core_pid(spec)
     if core is None:
-        return {"fault": f"stall {role}", "skipped": "no EngineCore found"}
+        return {"fault": f"stall {spec.name}", "skipped": "no EngineCore found"}
     os.kill(core, signal.SIGSTOP)
     try:
         await asyncio.sleep(seconds)
     finally:
         os.kill(core, signal.SIGCONT)
-    return {"fault": f"stall {role}", "seconds": seconds}
+    return {"fault": f"stall {spec.name}", "seconds": seconds}
 
 
-async def kill(stack: Stack, role: str, limit_s: float) -> dict[str, Any]:
-    spec = next(s for s in stack.specs if s.role == role)
+async def kill(stack: Stack, spec: InstanceSpec, limit_s: float) -> dict[str, Any]:
     since = time.monotonic()
     stack.group.kill(spec)
     while time.monotonic() - since < limit_s:
         await asyncio.sleep(1.0)
         back = [e for at, e in list(stack.instance_events) if at >= since and e.url == spec.url]
         if any(e.kind == "ready" for e in back):
-            return {"fault": f"kill {role}", "back_after_s": round(time.monotonic() - since, 1)}
+            return {"fault": f"kill {spec.name}", "back_after_s": round(time.monotonic() - since, 1)}
         if any(e.kind == "gave_up" for e in back):
-            return {"fault": f"kill {role}", "gave_up": [e.detail for e in back]}
-    return {"fault": f"kill {role}", "not_back_within_s": limit_s}
+            return {"fault": f"kill {spec.name}", "gave_up": [e.detail for e in back]}
+    return {"fault": f"kill {spec.name}", "not_back_within_s": limit_s}
 
 
 async def faults(
     stack: Stack, client: Client, probes: list[Template], lease: float, start: float, stop_at: float,
     gap_s: float,
 ) -> None:  # fmt: skip
-    """The schedule. A decode stall also sends ``probes`` (long prompts, whole and streamed) as it
-    begins, so requests of several KV blocks certainly meet it."""
+    """The schedule. The first stall (decode's) also sends ``probes`` (long prompts, whole and
+    streamed) as it begins, so requests of several KV blocks certainly meet it."""
     sent: list[asyncio.Task[str]] = []
-    schedule = [("stall", "decode"), ("stall", "prefill"), ("kill", "prefill"), ("kill", "decode")]
+    turns = schedule(stack)
     i = 0
     await asyncio.sleep(gap_s)
     while True:
-        action, role = schedule[i % len(schedule)]
+        action, spec = turns[i % len(turns)]
         # A kill costs a restart (~1 min on a 2-core machine): only when there is time to see it back.
         need = lease + 6 + gap_s if action == "stall" else 100.0
         if time.monotonic() + need > stop_at:
             await asyncio.gather(*sent)
             return
+        if not await all_serving(client, stop_at - need):
+            await asyncio.gather(*sent)
+            return
         begun = time.monotonic()
         if action == "stall":
-            stalling = asyncio.create_task(stall(stack, role, lease + 6))
-            if role == "decode":
+            stalling = asyncio.create_task(stall(stack, spec, lease + 6))
+            if i % len(turns) == 0:
                 await asyncio.sleep(0.5)
                 sent += [asyncio.create_task(client.one(t, s)) for t in probes for s in (False, True)]
             record = await stalling
         else:
-            record = await kill(stack, role, limit_s=300.0)
+            record = await kill(stack, spec, limit_s=300.0)
         record["at_s"] = round(begun - start, 1)
         client.tally.faults.append(record)
         print(f"[soak] {record}", flush=True)
         i += 1
         await asyncio.sleep(gap_s)
+
+
+async def all_serving(client: Client, until: float) -> bool:
+    """Wait until the proxy has every instance in service again (a restart on a loaded machine can
+    outlast ``kill``'s limit): a fault is never injected while another one's instance is still down."""
+    while time.monotonic() < until:
+        async with client.http.get(client.proxy_url + "/instances") as resp:
+            instances = await resp.json()
+        if all(i["state"] == "serving" for i in instances):
+            return True
+        await asyncio.sleep(1.0)
+    return False
 
 
 async def scrape(url: str) -> dict[str, float]:
@@ -259,13 +286,18 @@ async def scrape(url: str) -> dict[str, float]:
 
 async def soak(args: argparse.Namespace) -> dict[str, Any]:
     run_dir = Path(args.out).with_suffix("") if args.out else None
+    # A small pool makes prefill reuse released blocks at once, so a late pull reads another prompt's KV
+    # (with vLLM's own pool of thousands of blocks it mostly reads intact leftovers).
+    blocks = ("--num-gpu-blocks-override", str(args.prefill_blocks)) if args.prefill_blocks else ()
+    roles: dict[str, Any] = (
+        {"elastic": RoleSpec(count=args.elastic, args=blocks)}
+        if args.elastic
+        else {"prefill": RoleSpec(args=blocks)}
+    )
     topology = Topology(
         model="tiny",
         proxy_port=22500, first_port=22510, first_side_channel_port=22600, kv_lease_s=args.kv_lease,
-        on_instance_exit="restart", run_dir=str(run_dir) if run_dir else None,
-        # A small pool makes prefill reuse released blocks at once, so a late pull reads another
-        # prompt's KV (with vLLM's own pool of thousands of blocks it mostly reads intact leftovers).
-        prefill=RoleSpec(args=("--num-gpu-blocks-override", str(args.prefill_blocks)) if args.prefill_blocks else ()),
+        on_instance_exit="restart", run_dir=str(run_dir) if run_dir else None, **roles,
     )  # fmt: skip
     settings = ProxySettings(
         timeouts=Timeouts(connect=5, prefill=60, first_token=90, idle=60, decode=120, request=150),
@@ -276,7 +308,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         model = stack.model.served_model_name or stack.model.path
         ts = templates(args.seed)
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as http:
-            refs = await references(http, stack.urls("prefill")[0], ts, model)
+            refs = await references(http, stack.specs[0].url, ts, model)
             tally = Tally()
             start = time.monotonic()
             stop_at = start + args.duration
@@ -290,22 +322,26 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
                 faults(stack, client, probes, args.kv_lease, start, stop_at, args.gap), *workers
             )
             ran_s = time.monotonic() - start
-            # Everything answered: prefill's KV should be back to idle within a lease.
-            idle_after = None
+            # Everything answered: every instance's KV should be back to idle within a lease.
+            holders = [s.url for s in stack.specs if s.role != "decode"]
+            idle_after, usage = None, {}
             for _ in range(int(args.kv_lease * 4) + 20):
-                prefill_m = await scrape(stack.urls("prefill")[0])
+                usage = {url: (await scrape(url)).get("vllm:kv_cache_usage_perc") for url in holders}
                 async with http.get(stack.proxy_url + "/admin/ledger",
                                     headers={"Authorization": f"Bearer {ADMIN_KEY}"}) as resp:  # fmt: skip
                     ledger = await resp.json()
-                if prefill_m.get("vllm:kv_cache_usage_perc", 1.0) == 0.0 and not ledger["open"]:
+                if all(u == 0.0 for u in usage.values()) and not ledger["open"]:
                     idle_after = round(time.monotonic() - start - ran_s, 1)
                     break
                 await asyncio.sleep(0.5)
             proxy_m = await scrape(stack.proxy_url)
-            after = {role: await scrape(stack.urls(role)[0]) for role in ("prefill", "decode")}
+            after = [await scrape(s.url) for s in stack.specs]
+    # vLLM's counters reset when an instance restarts: these are of each one's last incarnation only.
+    counters = {key: sum(m.get(name, 0.0) for m in after) for key, name in VLLM_COUNTERS.items()}
     lat = sorted(tally.latencies)
     served = sum(tally.outcomes.values())
     return {
+        "pool": f"elastic {args.elastic}" if args.elastic else "1P1D",
         "duration_s": round(ran_s, 1), "kv_lease_s": args.kv_lease, "concurrency": args.concurrency,
         "prefill_blocks": args.prefill_blocks or "vLLM's own",
         "requests": served, "outcomes": dict(tally.outcomes), "errors_by_kind": dict(tally.errors.most_common()),
@@ -314,17 +350,13 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         "suspect_handoffs": proxy_m.get("pdserve_kv_handoffs_suspect_total", 0.0),
         "suspect_by_reason": ledger.get("suspect"), "ledger_abandoned": ledger.get("abandoned"),
         "ledger_issued": ledger.get("issued"), "ledger_open_at_end": len(ledger["open"]),
-        "prefill_kv_usage_at_end": prefill_m.get("vllm:kv_cache_usage_perc"),
-        "prefill_idle_after_s": idle_after,
+        "kv_usage_at_end": usage, "idle_after_s": idle_after,
         "faults": tally.faults,
         "template_prompt_tokens": {name: n for name, (_, n) in refs.items()},
         "lease_retried": [{"template": a, "prompt_tokens": b, "answer": c} for a, b, c in tally.lease_retried],
-        # vLLM's counters reset when an instance restarts: these are of the last incarnation only.
-        "prefill_kv_expired": after["prefill"].get("vllm:nixl_num_kv_expired_reqs_total"),
-        "prefill_notifications_after_expiry": after["prefill"].get("vllm:nixl_num_notifications_after_expiry_total"),
-        "decode_transfers": after["decode"].get("vllm:nixl_xfer_time_seconds_count"),
-        "decode_failed_transfers": after["decode"].get("vllm:nixl_num_failed_transfers_total"),
+        **counters,
         "proxy_retries": {k: v for k, v in proxy_m.items() if k.startswith("pdserve_retries")},
+        "migrations": proxy_m.get("pdserve_migrations_total", 0.0),
         "run_dir": str(stack.run_dir),
     }  # fmt: skip
 
@@ -338,6 +370,7 @@ def main() -> int:
     p.add_argument("--gap", type=float, default=20.0, help="quiet seconds after each fault's recovery")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prefill-blocks", type=int, default=0, help="prefill's KV pool in blocks (0: vLLM's)")
+    p.add_argument("--elastic", type=int, default=0, help="an elastic pool of N instances instead of 1P1D")
     p.add_argument("--out", help="write the JSON report here too (its stem names the run dir)")
     args = p.parse_args()
     report = asyncio.run(soak(args))
