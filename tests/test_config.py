@@ -19,6 +19,7 @@ from pdserve.config import (
 from pdserve.configparts import AdmissionLimits, ApiKeys, HealthChecks, Retries, Routing
 from pdserve.errors import ConfigError
 from pdserve.topologyfile import topology_from_mapping
+from pdserve.tppairing import KVShape
 
 # --- URLs --------------------------------------------------------------------------------------------
 
@@ -148,6 +149,39 @@ def test_default_timeouts_are_valid() -> None:
 
 
 # --- Topology ----------------------------------------------------------------------------------------
+
+
+def test_topology_refuses_tensor_parallel_sizes_vllm_cannot_pair() -> None:
+    with pytest.raises(
+        ConfigError, match=r"topology.prefill.args / topology.decode.args: prefill TP2 and decode TP3"
+    ):
+        Topology(prefill=RoleSpec(args=("--tensor-parallel-size", "2")), decode=RoleSpec(args=("-tp", "3")))
+
+
+def test_topology_accepts_a_heterogeneous_pair_vllm_supports_and_says_how_it_maps() -> None:
+    topology = Topology(
+        vllm_args=("--tensor-parallel-size", "2"), decode=RoleSpec(args=("--tensor-parallel-size", "4"))
+    )
+    pairing = topology.tp_pairing(KVShape(num_kv_heads=8))
+    assert pairing is not None and pairing.tp_ratio == 2
+    assert "each reading 2 of its 4 KV heads" in pairing.describe()
+
+
+def test_once_the_models_kv_heads_are_known_a_replicated_prefill_into_a_smaller_decode_is_refused() -> None:
+    topology = Topology(prefill=RoleSpec(args=("--tensor-parallel-size", "4")))  # any model might do
+    assert topology.tp_pairing() is not None
+    with pytest.raises(ConfigError, match="model's 2 KV heads"):
+        topology.tp_pairing(KVShape(num_kv_heads=2))
+
+
+def test_topology_refuses_block_sizes_vllm_cannot_pair() -> None:
+    with pytest.raises(ConfigError, match="decode --block-size 16 is not a multiple of prefill's 32"):
+        Topology(prefill=RoleSpec(args=("--block-size", "32")), decode=RoleSpec(args=("--block-size=16",)))
+
+
+def test_an_elastic_pool_shares_one_tp_and_has_no_pair_to_check() -> None:
+    pool = Topology(elastic=RoleSpec(count=2, args=("--tensor-parallel-size", "2")))
+    assert pool.tp_pairing() is None
 
 
 def test_topology_counts_its_instances() -> None:

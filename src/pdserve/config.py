@@ -26,6 +26,7 @@ from pdserve.configparts import (
     check_positive,
 )
 from pdserve.errors import ConfigError
+from pdserve.tppairing import UNKNOWN_SHAPE, KVShape, TPPairing, block_size, pair_tp, tensor_parallel_size
 
 # An instance's role: prefill or decode of a PD topology, or one of an elastic pool, which takes either
 # per request (or serves it whole) as the proxy decides (proxy/elastic.py).
@@ -303,6 +304,9 @@ class Topology:
     def __post_init__(self) -> None:
         self._check_elastic()
         self._check_ray()
+        # The model's KV heads are not known yet: the rules that need them run again once the stack has
+        # resolved the model (stack.py, Stack.start); here, those that hold for every model.
+        self.tp_pairing()
         if self.elastic is None and (self.prefill.count < 1 or self.decode.count < 1):
             raise ConfigError(
                 f"topology needs >= 1 prefill and >= 1 decode instance, got "
@@ -351,6 +355,25 @@ class Topology:
         """The spec of role ``name``; an elastic pool not asked for reads as the default spec."""
         spec: RoleSpec | None = getattr(self, name)
         return spec if spec is not None else RoleSpec()
+
+    def tp_pairing(self, shape: KVShape = UNKNOWN_SHAPE, default_tp: int = 1) -> TPPairing | None:
+        """How decode's tensor-parallel ranks read prefill's (tppairing.py), from the roles' vLLM arguments
+        (``vllm_args``, then the role's own; ``default_tp`` where neither sets --tensor-parallel-size).
+        ConfigError when vLLM's NixlConnector cannot pair them for a model of ``shape``. None for an
+        elastic pool, whose instances share one set of arguments."""
+        if self.elastic is not None:
+            return None
+        p_args, d_args = ((*self.vllm_args, *self.role(r).args) for r in ROLES)
+        try:
+            return pair_tp(
+                tensor_parallel_size(p_args, default_tp),
+                tensor_parallel_size(d_args, default_tp),
+                shape,
+                prefill_block_size=block_size(p_args),
+                decode_block_size=block_size(d_args),
+            )
+        except ConfigError as exc:
+            raise ConfigError(f"topology.prefill.args / topology.decode.args: {exc}") from None
 
     @property
     def is_elastic(self) -> bool:

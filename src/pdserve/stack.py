@@ -25,7 +25,7 @@ from pdserve import httpclient
 from pdserve.config import ProxySettings, Topology, lease_warnings
 from pdserve.engines.backend import EngineBackend, LocalEngines
 from pdserve.engines.launcher import DEFAULT_ENTRYPOINT, EngineGroup
-from pdserve.engines.model import ResolvedModel, resolve_model
+from pdserve.engines.model import ResolvedModel, model_kv_shape, resolve_model
 from pdserve.engines.placement import InstanceSpec, plan_instances, plan_sim_instances, visible_gpus
 from pdserve.engines.rayplacement import placeholder_gpu_ids
 from pdserve.engines.supervisor import RestartPolicy
@@ -35,6 +35,7 @@ from pdserve.events import InstanceEvent, KVLogEvent
 from pdserve.proxy.thread import ProxyThread, proxy_for
 from pdserve.proxy.workers import ProxyWorkers
 from pdserve.sim.profile import load_profile
+from pdserve.tppairing import KVShape
 
 _EMBEDDED_MAX_MODEL_LEN = 2048
 SIM_ENTRYPOINT = ("-m", "pdserve.sim")
@@ -114,6 +115,7 @@ class Stack:
         if self.topology.engine == "sim":
             specs = plan_sim_instances(self.topology)
             profile = load_profile(self.topology.sim_profile)
+            self._check_tp_pairing(profile.kv_shape, profile.tensor_parallel_size)
             self.model = ResolvedModel(profile.served_model_name, None, False)
             routing = dataclasses.replace(settings.routing, prefix_block_size=profile.block_size)
             self._say(f"simulator, profile {self.topology.sim_profile}; logs in {self.run_dir}/")
@@ -124,6 +126,8 @@ class Stack:
         self._say(f"warning: {warning}" if warning else f"vLLM {self.vllm_version} ({self.engine_python})")
         self._say("preparing model ...")
         self.model = resolve_model(self.topology.model, self.engine_python)
+        # Only now are the model's KV heads known (its config.json): the pairing rules that need them.
+        self._check_tp_pairing(model_kv_shape(self.model.path))
         topology = self.topology
         is_cpu = topology.device == "cpu"
         if self.model.is_embedded and is_cpu and not any(a.startswith("--dtype") for a in topology.vllm_args):
@@ -149,6 +153,14 @@ class Stack:
             settings.routing, tokenizer=tokenizer, prefix_block_size=_VLLM_BLOCK_SIZE[self.topology.device]
         )
         self._start(specs, DEFAULT_ENTRYPOINT, dataclasses.replace(settings, routing=routing))
+
+    def _check_tp_pairing(self, shape: KVShape, default_tp: int = 1) -> None:
+        """ConfigError before any instance starts when vLLM cannot pair the roles' tensor-parallel sizes
+        for this model (vLLM would fail every pull at decode's NIXL handshake); a heterogeneous pair it
+        supports is said, with how decode's ranks read prefill's."""
+        pairing = self.topology.tp_pairing(shape, default_tp)
+        if pairing is not None and pairing.tp_ratio != 1:
+            self._say(f"tensor parallel: {pairing.describe()}")
 
     def _start(
         self, specs: tuple[InstanceSpec, ...], entrypoint: tuple[str, ...], proxy: ProxySettings

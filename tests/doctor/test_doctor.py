@@ -224,6 +224,30 @@ def test_a_decode_started_as_kv_producer_fails_and_a_kv_consumer_prefill_passes(
     assert [c.what for c in pair.failures] == ["decode's KV role is kv_producer"]
 
 
+def _with_tp(tp: int) -> LogFacts:
+    return parse_log(
+        DECODE_LOG.replace("max_seq_len=2048,", f"max_seq_len=2048, tensor_parallel_size={tp},").splitlines()
+    )
+
+
+def test_the_logs_tensor_parallel_sizes_are_stated_with_how_decode_reads_prefill() -> None:
+    pair = PairReport("http://prefill", "http://decode")
+    compare(pair, _facts("prefill", log=_with_tp(2)), _facts("decode", log=_with_tp(4)))
+    assert pair.failures == []
+    [line] = [c.what for c in pair.checks if c.what.startswith("tensor parallel")]
+    assert line.startswith(
+        "tensor parallel: prefill TP2 → decode TP4: 2 decode ranks share each prefill rank"
+    )
+    assert parse_log(DECODE_LOG.splitlines()).tensor_parallel_size is None  # not in the line: unknown
+
+
+def test_tensor_parallel_sizes_vllm_cannot_pair_fail() -> None:
+    pair = PairReport("http://prefill", "http://decode")
+    compare(pair, _facts("prefill", log=_with_tp(2)), _facts("decode", log=_with_tp(3)))
+    [failure] = [c.what for c in pair.failures]
+    assert failure.startswith("tensor parallel: prefill TP2 and decode TP3 cannot pair")
+
+
 def _report(*pairs: PairReport) -> DoctorReport:
     report = DoctorReport("http://proxy", "m", [Check("pass", "the proxy lists 1 prefill instance(s)")])
     report.pairs.extend(pairs)

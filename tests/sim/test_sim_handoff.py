@@ -213,3 +213,48 @@ async def test_kv_pull_endpoint(sims: Sims, http: aiohttp.ClientSession) -> None
     assert status == 404
     status, _ = await post(http, f"{sims.prefill}/sim/kv/pull", b"{}")
     assert status == 400
+
+
+@pytest.fixture(scope="module")
+def tp2_decode() -> Iterator[str]:
+    """A decode of tensor-parallel size 2, serving a model of 8 KV heads, in a cluster of its own."""
+    profile = dataclasses.replace(PROFILE, tensor_parallel_size=2, num_kv_heads=8)
+    with sim_in_thread([SimInstanceSpec("decode")], profile) as cluster:
+        yield cluster.urls[0]
+
+
+@pytest.fixture(scope="module")
+def tp2_prefill() -> Iterator[str]:
+    """A prefill of tensor-parallel size 2 serving the session's model (1 KV head: each rank a copy)."""
+    profile = dataclasses.replace(PROFILE, tensor_parallel_size=2)
+    with sim_in_thread([SimInstanceSpec("prefill")], profile) as cluster:
+        yield cluster.urls[0]
+
+
+async def test_a_decode_of_a_larger_tp_pulls_from_a_smaller_prefill_as_vllm_pairs_them(
+    sims: Sims, tp2_decode: str, http: aiohttp.ClientSession
+) -> None:
+    params = (await prefill(http, sims.prefill, "tp1-to-tp2"))["kv_transfer_params"]
+    assert params["tp_size"] == 1
+    decoded = await completion(http, tp2_decode, max_tokens=5, kv_transfer_params=params)
+    direct = await completion(http, sims.both, max_tokens=5)
+    assert decoded["choices"][0]["text"] == direct["choices"][0]["text"]
+    assert await metric(http, tp2_decode, "vllm:nixl_xfer_time_seconds_count") >= 1
+
+
+async def test_a_decode_refuses_a_prefill_tp_vllm_cannot_pair_as_its_failed_handshake_does(
+    sims: Sims, tp2_prefill: str, http: aiohttp.ClientSession
+) -> None:
+    # Prefill TP2 of a 1-KV-head model holds that head on both ranks; vLLM reads no replicated KV into a
+    # decode of TP1: its handshake fails, and with it the request, whole or streamed.
+    params = (await prefill(http, tp2_prefill, "tp2-to-tp1"))["kv_transfer_params"]
+    assert params["tp_size"] == 2
+    held = (await stats(http, tp2_prefill))["num_held"]
+    failed_before = await metric(http, sims.decode, "vllm:nixl_num_failed_transfers_total")
+    body = {"prompt": PROMPT, "max_tokens": 2, "kv_transfer_params": params}
+    status, payload = await post(http, f"{sims.decode}/v1/completions", body)
+    assert status == 500 and orjson.loads(payload) == INTERNAL_ERROR
+    status, payload = await post(http, f"{sims.decode}/v1/completions", {**body, "stream": True})
+    assert status == 200 and payload == b"data: " + STREAM_ERROR + b"\n\ndata: [DONE]\n\n"
+    assert await metric(http, sims.decode, "vllm:nixl_num_failed_transfers_total") == failed_before + 2
+    assert (await stats(http, tp2_prefill))["num_held"] == held  # nothing was read: held until the lease

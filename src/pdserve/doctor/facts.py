@@ -18,8 +18,9 @@ from typing import Any
 from pdserve import httpclient
 from pdserve.doctor.logs import LogFacts, candidate_logs, read_log
 from pdserve.doctor.report import PairReport
-from pdserve.errors import MetricsUnreadable, Unreachable
+from pdserve.errors import ConfigError, MetricsUnreadable, Unreachable
 from pdserve.prometheus import CACHE_CONFIG_INFO, XFER_COUNT, labels_of, parse_prometheus, scrape_text
+from pdserve.tppairing import pair_tp
 
 _TIMEOUT = 10.0
 
@@ -128,6 +129,12 @@ def compare(pair: PairReport, p: InstanceFacts, d: InstanceFacts) -> None:
     no_log = " (only the instance logs say: --logs RUN_DIR)"
     _agree(pair, "dtype", pl.dtype if pl else None, dl.dtype if dl else None, no_log)
     _agree(pair, "KV layout", pl.kv_layout if pl else None, dl.kv_layout if dl else None, no_log)
+    tps = (pl.tensor_parallel_size, dl.tensor_parallel_size) if pl and dl else (None, None)
+    if tps[0] and tps[1]:
+        try:  # the model's KV heads are not in the log: the canary tries the rules that need them
+            pair.add("info", f"tensor parallel: {pair_tp(tps[0], tps[1]).describe()}")
+        except ConfigError as exc:
+            pair.check(False, f"tensor parallel: {exc}")
     if pl and dl:
         _agree(pair, "attention backend", pl.attention_backends, dl.attention_backends)
         _agree(pair, "KV buffer device", pl.kv_buffer_device, dl.kv_buffer_device)

@@ -1,5 +1,5 @@
-"""What an instance's log says that its HTTP API does not: dtype, KV layout, NIXL backend, UCX lanes,
-engine ids (one per start), handshakes and engine replacements.
+"""What an instance's log says that its HTTP API does not: dtype, tensor-parallel size, KV layout, NIXL
+backend, UCX lanes, engine ids (one per start), handshakes and engine replacements.
 
 Pure parsing of the text `pdserve up` writes per instance (engines/launcher.py: a ``# pdserve:`` header
 with the command and the env pdserve set, then vLLM's own output; a restart appends another header).
@@ -28,6 +28,7 @@ _ENGINE_CONFIG = re.compile(
 )
 _DTYPE = re.compile(r"(?:^|, )dtype=(?:torch\.)?(?P<v>\w+)")
 _KV_DTYPE = re.compile(r"kv_cache_dtype=(?P<v>\w+)")
+_TP = re.compile(r"tensor_parallel_size=(?P<v>\d+)")
 _LAYOUT = re.compile(r"Detected kv cache layout (?P<v>\w+)")
 _ATTN = re.compile(r"Detected attention backend\(s\) \[(?P<v>[^\]]*)\]")
 _WORKER = re.compile(r"Initializing NIXL worker (?P<v>[0-9a-f-]{36})")
@@ -70,6 +71,7 @@ class LogFacts:
     vllm_version: str | None = None
     dtype: str | None = None  # the model's compute dtype as the engine resolved it
     kv_cache_dtype: str | None = None
+    tensor_parallel_size: int | None = None
     kv_layout: str | None = None  # as the NixlConnector resolved it (cache_config_info says None)
     attention_backends: str | None = None
     kv_buffer_device: str | None = None
@@ -148,7 +150,7 @@ def parse_log(lines: Iterable[str], path: str = "") -> LogFacts:
         if (m := _ENGINE_CONFIG.search(line)) is not None:
             last["version"] = m.group("version")
             config = m.group("config")
-            for key, pattern in (("dtype", _DTYPE), ("kv_cache_dtype", _KV_DTYPE)):
+            for key, pattern in (("dtype", _DTYPE), ("kv_cache_dtype", _KV_DTYPE), ("tp", _TP)):
                 if (found := pattern.search(config)) is not None:
                     last[key] = found.group("v")
         elif (m := _LAYOUT.search(line)) is not None:
@@ -198,6 +200,7 @@ def parse_log(lines: Iterable[str], path: str = "") -> LogFacts:
         vllm_version=last.get("version"),
         dtype=last.get("dtype"),
         kv_cache_dtype=last.get("kv_cache_dtype"),
+        tensor_parallel_size=int(last["tp"]) if "tp" in last else None,
         kv_layout=last.get("layout"),
         attention_backends=last.get("attention"),
         kv_buffer_device=last.get("kv_buffer_device"),

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.errors import ModelBuildError
+from pdserve.tppairing import KVShape, kv_shape_from_config
 
 EMBEDDED_MODEL_NAME = "pdserve-tiny"  # served model name of the embedded model
 EMBEDDED_MODEL_VERSION = "v1"  # bump when tinymodel.py changes output: a new dir, never a stale cache
@@ -227,3 +229,13 @@ def resolve_model(model: str | None, engine_python: str, cache_dir: Path | None 
     if local.is_dir():
         return ResolvedModel(path=str(local.resolve()), served_model_name=None, is_embedded=False)
     return ResolvedModel(path=model, served_model_name=None, is_embedded=False)
+
+
+def model_kv_shape(model_path: str) -> KVShape:
+    """What the tensor-parallel pairing rules need of the model (tppairing.py): its KV heads and kind, from
+    its config.json. A hub name, or a config that cannot be read, is unknown (the rules then pass)."""
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return KVShape()
+    return kv_shape_from_config(config) if isinstance(config, dict) else KVShape()

@@ -36,6 +36,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, help="override the profile's max_model_len")
     p.add_argument("--kv-lease-s", type=float, help="override how long prefill holds un-pulled KV")
     p.add_argument(
+        "--tensor-parallel-size", "-tp", type=int,
+        help="override the profile's TP size: what prefill tells decode (tp_size), and what decode pairs "
+        "with it by vLLM's rules",
+    )  # fmt: skip
+    p.add_argument(
         "--enable-prompt-tokens-details",
         action="store_true",
         help="report usage.prompt_tokens_details.cached_tokens, as vLLM's flag of that name",
@@ -92,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             "served_model_name": args.served_model_name,
             "max_model_len": args.max_model_len,
             "kv_lease_s": args.kv_lease_s,
+            "tensor_parallel_size": args.tensor_parallel_size,
             "prompt_tokens_details": args.enable_prompt_tokens_details or None,
         }
         profile = dataclasses.replace(profile, **{k: v for k, v in overrides.items() if v is not None})

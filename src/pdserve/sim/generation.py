@@ -326,7 +326,12 @@ class GenerationEndpoint:
         kv_params = None
         if req.is_prefill and final is not None and final.held is not None:
             kv_params = render.kv_transfer_params(
-                final.held, inst.engine_id, inst.host, inst.port, answer.sim_req.request_id
+                final.held,
+                inst.engine_id,
+                inst.host,
+                inst.port,
+                answer.sim_req.request_id,
+                inst.profile.tensor_parallel_size,
             )
         body = render.whole_answer(
             req.endpoint, answer.response_id, int(time.time()), inst.model_name, inst.system_fingerprint, text,

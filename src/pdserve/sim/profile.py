@@ -25,6 +25,7 @@ import yaml
 
 from pdserve.costmodel import Costs
 from pdserve.errors import ConfigError
+from pdserve.tppairing import KVShape
 
 PROFILES_DIR = Path(__file__).with_name("profiles")
 
@@ -59,6 +60,12 @@ class Profile:
     async_scheduling: bool = False
     kv_bytes_per_token: int = 1024  # KV size of one token, for vllm:nixl_bytes_transferred (tiny model, fp32)
     served_model_name: str = "sim-model"
+    # The engine's --tensor-parallel-size (the step costs are for it; `pdserve sim --tensor-parallel-size`
+    # overrides it) and the model's KV shape: what vLLM's tensor-parallel pairing rules read when a decode
+    # pulls from a prefill of another TP (tppairing.py). Defaults: the tiny Llama, 1 KV head, on one rank.
+    tensor_parallel_size: int = 1
+    num_kv_heads: int = 1
+    use_mla: bool = False
     # vLLM's --enable-prompt-tokens-details: usage reports prompt_tokens_details.cached_tokens
     prompt_tokens_details: bool = False
 
@@ -67,9 +74,14 @@ class Profile:
             value = getattr(self, f.name)
             if isinstance(value, float | int) and not isinstance(value, bool) and value < 0:
                 raise ConfigError(f"profile {self.name!r}: {f.name} must be >= 0, got {value}")
-        for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+        for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                     "tensor_parallel_size", "num_kv_heads"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ConfigError(f"profile {self.name!r}: {name} must be >= 1")
+
+    @property
+    def kv_shape(self) -> KVShape:
+        return KVShape(num_kv_heads=self.num_kv_heads, is_mla=self.use_mla)
 
     @property
     def is_zero_cost(self) -> bool:

@@ -32,8 +32,11 @@ def stream_error(message: str, err_type: str, status: int) -> bytes:
     return b"data: " + json.dumps(payload).encode() + b"\n\n"
 
 
-def kv_transfer_params(held: HeldKV, engine_id: str, host: str, port: int, request_id: str) -> dict[str, Any]:
-    """Prefill's answer to a ``do_remote_decode`` request: exactly vLLM's NixlConnector field set."""
+def kv_transfer_params(
+    held: HeldKV, engine_id: str, host: str, port: int, request_id: str, tp_size: int = 1
+) -> dict[str, Any]:
+    """Prefill's answer to a ``do_remote_decode`` request: exactly vLLM's NixlConnector field set;
+    ``tp_size`` is prefill's tensor-parallel size, which decode pairs with its own."""
     return {
         "do_remote_prefill": True,
         "do_remote_decode": False,
@@ -42,7 +45,7 @@ def kv_transfer_params(held: HeldKV, engine_id: str, host: str, port: int, reque
         "remote_request_id": request_id,
         "remote_host": host,
         "remote_port": port,
-        "tp_size": 1,
+        "tp_size": tp_size,
         "dcp_size": 1,
         "pp_size": 1,
         "remote_num_tokens": held.num_tokens,

@@ -224,6 +224,7 @@ def _remote_kv(params: dict[str, Any], prompt_ids: tuple[int, ...]) -> RemoteKV 
             host=str(params["remote_host"]),
             port=int(params["remote_port"]),
             prompt_digest=hash(prompt_ids),
+            tp_size=int(params["tp_size"]),
         )
     except (TypeError, ValueError):
         return None

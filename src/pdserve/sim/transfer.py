@@ -1,5 +1,7 @@
 """How a sim decode reads a sim prefill's held KV: the simulator's NIXL.
 
+Before it reads, decode pairs its tensor-parallel size with the holder's (``tp_size`` in prefill's
+params) by vLLM's rules (tppairing.py): a pair vLLM cannot map fails the pull, as vLLM's handshake does.
 A pull goes to the holder named by ``remote_engine_id``: straight to its engine when that instance lives
 in this process (the registry), else over HTTP to ``http://remote_host:remote_port/sim/kv/pull`` on one
 pooled aiohttp session per process. Either way the holder releases the blocks as vLLM's prefill does once
@@ -22,11 +24,12 @@ from typing import Any, Final, Protocol
 import aiohttp
 import orjson
 
-from pdserve.errors import KVPullError
+from pdserve.errors import ConfigError, KVPullError
 from pdserve.sim.faults import Faults
 from pdserve.sim.profile import Profile
 from pdserve.sim.types import HeldKV, RemoteKV
 from pdserve.sim.vllm_metrics import SimMetrics
+from pdserve.tppairing import pair_tp
 
 log = logging.getLogger("pdserve.sim")
 
@@ -114,6 +117,7 @@ class PullSource:
 
     async def pull(self, remote: RemoteKV) -> bool:
         start = time.perf_counter()
+        self._handshake(remote)
         if self._faults.draw_pull_failure():
             raise KVPullError(f"injected pull failure for {remote.request_id}")
         holder = self._registry.holder(remote.engine_id)
@@ -129,6 +133,15 @@ class PullSource:
         # Blocks of another prompt read "successfully", as NIXL's do: decode computes on wrong KV.
         is_theirs = held.prompt_digest in (0, remote.prompt_digest) or not remote.prompt_digest
         return held.is_intact and is_theirs
+
+    def _handshake(self, remote: RemoteKV) -> None:
+        """vLLM's decode pairs its TP with prefill's at the NIXL handshake, before any read; a pair it
+        cannot map fails the handshake, and with it every request that pulls from that prefill."""
+        profile = self._profile
+        try:
+            pair_tp(remote.tp_size, profile.tensor_parallel_size, profile.kv_shape)
+        except ConfigError as exc:
+            raise KVPullError(f"NIXL handshake with {remote.engine_id} failed: {exc}") from None
 
     def heartbeat(self, engine_id: str, host: str, port: int, request_ids: tuple[str, ...]) -> None:
         holder = self._registry.holder(engine_id)

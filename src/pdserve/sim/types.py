@@ -23,6 +23,7 @@ class RemoteKV:
     host: str
     port: int  # where the holder can be asked to serve the pull (the sim's HTTP port)
     prompt_digest: int = 0  # hash of decode's own prompt ids: KV held for another prompt is wrong KV
+    tp_size: int = 1  # prefill's tensor-parallel size (tp_size), which decode must be able to pair with
 
 
 @dataclass(frozen=True)

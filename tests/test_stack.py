@@ -1,0 +1,38 @@
+"""The stack refuses, before it starts any instance, prefill and decode tensor-parallel sizes vLLM cannot
+pair for the model it serves, and says how a supported heterogeneous pair maps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pdserve.config import RoleSpec, Topology
+from pdserve.errors import ConfigError
+from pdserve.stack import Stack
+
+
+def _sim_topology(tmp_path: Path, decode_args: tuple[str, ...]) -> Topology:
+    # The profile's engine: Llama-3-70B (8 KV heads) at TP 4, which prefill keeps.
+    return Topology(
+        engine="sim",
+        sim_profile="llama3-70b-h100-tp4",
+        decode=RoleSpec(args=decode_args),
+        run_dir=str(tmp_path),
+    )
+
+
+def test_a_pair_vllm_cannot_map_is_refused_before_any_instance_starts(tmp_path: Path) -> None:
+    stack = Stack(_sim_topology(tmp_path, ("--tensor-parallel-size", "3")), say=lambda _: None)
+    with pytest.raises(ConfigError, match="prefill TP4 and decode TP3 cannot pair"):
+        stack.start()
+    assert stack.engines is None and stack.proxy is None
+
+
+def test_a_supported_heterogeneous_pair_starts_and_is_described(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(Stack, "_start", lambda *_: None)  # the instances themselves are not the point here
+    said: list[str] = []
+    Stack(_sim_topology(tmp_path, ("-tp", "8")), say=said.append).start()
+    assert any(line.startswith("tensor parallel: prefill TP4 → decode TP8: 2 decode ranks") for line in said)
