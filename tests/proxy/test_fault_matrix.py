@@ -120,10 +120,11 @@ def _both_decodes_fail(status: int, **fault: Any) -> Case:
     )
 
 
-def _prefill_stands_in(**fault: Any) -> Case:
-    """The fault on both decode instances, met at once: a stream that has begun ends with an SSE error
-    event; a whole request, which has no byte yet, is served whole by a prefill instead (the default)."""
-    return Case(_on_both("decode", **fault), Expect("stream_error", QUICK_S), OK_QUICK)
+def _decode_computes_it(**fault: Any) -> Case:
+    """The fault on both decode instances' pulls, met at once: vLLM's error (a 500, or streamed, an error
+    event before any token) never reaches the client; the last decode, alive, computes the prompt itself
+    (the default), before any prefill is asked to stand in."""
+    return Case(_on_both("decode", **fault), OK_QUICK, OK_QUICK)
 
 
 CASES = [
@@ -180,7 +181,7 @@ CASES = [
         _both_decodes_fail(500, pull_fail_rate=1), id="no-decode-can-pull-kv-strict-client-gets-vllms-error"
     ),
     pytest.param(
-        _prefill_stands_in(pull_fail_rate=1), id="no-decode-can-pull-kv-a-prefill-serves-whole-requests"
+        _decode_computes_it(pull_fail_rate=1), id="no-decode-can-pull-kv-the-last-computes-the-prompt-itself"
     ),
     pytest.param(
         Case(

@@ -258,6 +258,47 @@ async def test_the_only_decode_failing_its_pull_computes_the_prompt_itself_once(
     assert system.state.stats.retries["decode"] == 1
 
 
+def streaming_a_failed_pull(text: str) -> Script:
+    """A decode whose KV pull fails as vLLM streams that (200, an error event first, [DONE]) but which
+    computes a prompt it is given whole."""
+
+    def answer(body: dict[str, Any]) -> Answer:
+        if "kv_transfer_params" in body:
+            error = sse.event(
+                b'{"error": {"message": "Internal server error", "type": "InternalServerError"}}'
+            )
+            return Answer(chunks=[error, sse.DONE], content_type="text/event-stream")
+        return decode_text(text)(body)
+
+    return answer
+
+
+async def test_the_only_decode_streaming_its_failed_pull_computes_the_prompt_itself() -> None:
+    """A streamed request whose pull failed reaches the client as decode's answer to the whole prompt,
+    not as vLLM's error event, although this decode is the only one."""
+    system = System([prefill_ok], [streaming_a_failed_pull(" computed here")])
+    answer = await system.ask({**COMPLETION, "stream": True})
+    assert answer.status == 200 and b" computed here" in answer.body and b'"error"' not in answer.body
+    split, whole = system.calls("http://d0:1")
+    assert "kv_transfer_params" in split and whole["cache_salt"].startswith("pdserve-redo-")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_decode_whose_pull_failed_computes_the_prompt_before_a_prefill_is_asked_to_stand_in(
+    stream: bool,
+) -> None:
+    """The pull most often fails because the prefill holding the KV died: decode, which answered, serves
+    the prompt itself, and that prefill is not handed the whole request (it would fail it too)."""
+    failing = (
+        failing_when_split(500, " computed here") if not stream else streaming_a_failed_pull(" computed here")
+    )
+    system = System([prefill_ok], [failing], retries=Retries(first_backoff_s=0))
+    answer = await system.ask({**COMPLETION, "stream": stream})
+    assert answer.status == 200 and b" computed here" in answer.body
+    [to_prefill] = system.calls("http://p0:1")
+    assert to_prefill["max_tokens"] == 1 and system.state.stats.num_stand_ins == 0
+
+
 async def test_a_decode_failing_whole_too_is_the_clients_500_after_one_redo() -> None:
     broken = lambda body: Answer(status=500, body=b'{"error":{"message":"boom"}}')  # noqa: E731
     system = System([prefill_ok], [broken], retries=Retries(first_backoff_s=0, prefill_stands_in=False))

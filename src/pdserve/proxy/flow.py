@@ -20,8 +20,9 @@ Retries, before the client has received a byte:
   the failed decode never received them (connect error) and are younger than half the lease: a decode
   that did receive them may have pulled the blocks, which prefill then frees, and a second pull of
   freed blocks is not detected by vLLM (observed on 0.32: it "succeeds" and reads whatever is there).
-- the last decode answered a split request with a 5xx and no prefill can stand in → that decode once
-  more, computing the prompt itself: most often its KV pull failed (``survivors.computes_itself``).
+- the last decode answered a split request with a 5xx or an error event before any token → that decode
+  once more, computing the prompt itself: most often its KV pull failed because the prefill holding the
+  KV died (``survivors.computes_itself``); only then may a prefill stand in (``survivors.stand_in``).
 - a kept-alive connection decode had closed before answering → the same decode once more, not the
   chooser's next pick, under a fresh prefill (``_once_more_on_a_fresh_connection`` says why); a second
   such loss counts as a failed attempt, as above.
@@ -88,7 +89,7 @@ from pdserve.proxy.record import Trace
 from pdserve.proxy.release import Releaser
 from pdserve.proxy.responder import Responder
 from pdserve.proxy.state import Outcome, ProxyState
-from pdserve.proxy.survivors import DecodeTries, computes_itself, elastic_retry, stand_in
+from pdserve.proxy.survivors import DecodeTries, computes_itself, elastic_retry, may_compute_itself, stand_in
 from pdserve.proxy.timeline import Timeline
 from pdserve.proxy.tokens import PromptTokenizer
 from pdserve.proxy.upstream import Reply
@@ -275,7 +276,11 @@ class Flow:
             is_last = retries.num_failed + 1 >= self._config.retries.max_decode_attempts or not has_others
             call.trace.decode_url = decode.url
             handoff = slot.handoff
-            decoded = await self._decoder.attempt(call, decode, slot, is_last)
+            was_split = handoff is not None and placed is None
+            # An error event before any token is relayed only when nothing may follow: the only decode
+            # failing its pull (vLLM streams that as its first event) computes the prompt itself next.
+            may_redo = may_compute_itself(retries, self._config.retries, was_split)
+            decoded = await self._decoder.attempt(call, decode, slot, is_last and not may_redo)
             if isinstance(decoded, Served):
                 if handoff is not None and 400 <= (call.trace.decode_status or 0) < 500:
                     self._releaser.release(call, decode, handoff)  # decode refused: free prefill's KV
@@ -284,18 +289,17 @@ class Flow:
             if isinstance(decoded, DecodeFailed) and decoded.is_stale and not retries.num_stale:
                 self._once_more_on_a_fresh_connection(call, slot, decode, retries)
             elif isinstance(decoded, DecodeFailed) and is_last:
-                stood_in = (
-                    None
-                    if has_others or placed is not None
-                    else stand_in(self._state, self._chooser, slot, decode, retries, self._config.retries)
-                )
+                # Decode answered (alive) before a prefill is asked to stand in: its pull failing most
+                # often means the prefill holding the KV died, which would then fail the stand-in too.
                 failed = f"decode {decode.url} failed ({describe(decoded.failure)})"
-                if stood_in is not None:
+                if redo := computes_itself(self._state, call, slot, decode, decoded, retries,
+                                           self._config.retries, was_split):  # fmt: skip
+                    call, local_reason = redo, f"{failed} on a split request: it computes the prompt itself"
+                elif not (has_others or placed is not None) and stand_in(
+                    self._state, self._chooser, slot, decode, retries, self._config.retries
+                ):
                     local_reason = f"{failed}: served whole by prefill"
                     call.trace.retries.append(f"{failed}; a prefill stands in")
-                elif redo := computes_itself(self._state, call, slot, decode, decoded, retries,
-                                             self._config.retries, handoff is not None and placed is None):  # fmt: skip
-                    call, local_reason = redo, f"{failed} on a split request: it computes the prompt itself"
                 else:
                     await self._give_up("decode", decode.url, decoded.failure, call)
                     return

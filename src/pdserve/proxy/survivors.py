@@ -2,9 +2,10 @@
 
 - ``stand_in``: a fixed pool whose only decode failed before the client's first byte (or none is in
   service): a prefill instance in service serves the request whole, as any vLLM instance can.
-- ``computes_itself``: a fixed pool's last decode answered a split request with a 5xx (alive, but its
-  pull failed: the prefill holding the KV died or freed it) and no prefill can stand in: that decode
-  serves the request whole, once.
+- ``computes_itself``: a fixed pool's last decode answered a split request with a 5xx or, streamed, an
+  error event before any token (alive, but its pull failed: the prefill holding the KV died or freed
+  it): that decode serves the request whole, once, before any prefill is asked to stand in (the prefill
+  that held the KV is the likely casualty).
 - ``elastic_retry``: an elastic pool's decode retry goes to another instance, with the unread handoff
   when that is not the instance holding the KV, else whole.
 
@@ -58,8 +59,8 @@ def stand_in(
     retries: DecodeTries,
     config: Retries,
 ) -> Instance | None:
-    """The only decode failed before the client's first byte: a prefill instance in service takes
-    the request whole, once (None: none can, or one already did)."""
+    """The only decode failed before the client's first byte and cannot compute the prompt itself: a
+    prefill instance in service takes the request whole, once (None: none can, or one already did)."""
     if retries.stood_in or not config.prefill_stands_in or not state.pool("prefill").available():
         return None
     retries.stood_in = True
@@ -68,6 +69,11 @@ def stand_in(
     slot.abandon(f"decode {decode.url} failed: a prefill stands in", "decode_failed")
     state.stats.retried("decode")
     return retries.again
+
+
+def may_compute_itself(retries: DecodeTries, config: Retries, was_split: bool) -> bool:
+    """Whether a failure of this decode attempt may still be followed by ``computes_itself``."""
+    return was_split and not retries.computed_itself and config.fallback_to_local_prefill
 
 
 def computes_itself(
@@ -86,7 +92,7 @@ def computes_itself(
     holding the blocks died mid-pull, or freed them). Under a fresh ``cache_salt``: a failed pull may
     have left blocks in decode's prefix cache under the prompt's hashes."""
     failure = decoded.failure
-    if not was_split or retries.computed_itself or not config.fallback_to_local_prefill:
+    if not may_compute_itself(retries, config, was_split):
         return None
     if not isinstance(failure, Reply) or 200 < failure.status < 500:
         return None  # a Reply here is a 5xx, or a 200 stream whose first event was an error
