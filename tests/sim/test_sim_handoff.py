@@ -110,14 +110,23 @@ async def test_params_of_an_engine_id_not_served_fail_fast_like_vllm(
     sims: Sims, http: aiohttp.ClientSession
 ) -> None:
     answer = await prefill(http, sims.prefill, "renamed")
-    params = {**answer["kv_transfer_params"], "remote_engine_id": "old"}
-    failed_before = await metric(http, sims.decode, "vllm:nixl_num_failed_transfers_total")
+    await fails_as_vllm_fails_a_pull(
+        http, sims.decode, {**answer["kv_transfer_params"], "remote_engine_id": "old"}
+    )
+
+
+async def fails_as_vllm_fails_a_pull(
+    http: aiohttp.ClientSession, decode: str, params: dict[str, object]
+) -> None:
+    """``decode`` handed ``params`` answers as vLLM does when the pull fails: 500 whole, an error event
+    streamed, each counted as a failed transfer."""
+    failed_before = await metric(http, decode, "vllm:nixl_num_failed_transfers_total")
     body = {"prompt": PROMPT, "max_tokens": 2, "kv_transfer_params": params}
-    status, payload = await post(http, f"{sims.decode}/v1/completions", body)
+    status, payload = await post(http, f"{decode}/v1/completions", body)
     assert status == 500 and orjson.loads(payload) == INTERNAL_ERROR
-    status, payload = await post(http, f"{sims.decode}/v1/completions", {**body, "stream": True})
+    status, payload = await post(http, f"{decode}/v1/completions", {**body, "stream": True})
     assert status == 200 and payload == b"data: " + STREAM_ERROR + b"\n\ndata: [DONE]\n\n"
-    assert await metric(http, sims.decode, "vllm:nixl_num_failed_transfers_total") == failed_before + 2
+    assert await metric(http, decode, "vllm:nixl_num_failed_transfers_total") == failed_before + 2
 
 
 async def test_chat_stream_failing_its_pull_sends_the_role_chunk_first(
@@ -182,17 +191,22 @@ def other_process() -> Iterator[str]:
         yield cluster.urls[0]
 
 
+async def pulled_as_one_instance(http: aiohttp.ClientSession, sims: Sims, decode: str, tag: str) -> int:
+    """A fresh prompt prefilled by the session's prefill and decoded by ``decode``, whose text must be
+    one instance's alone; prefill's ``tp_size`` as its params said."""
+    params = (await prefill(http, sims.prefill, tag))["kv_transfer_params"]
+    decoded = await completion(http, decode, max_tokens=5, kv_transfer_params=params)
+    direct = await completion(http, sims.both, max_tokens=5)
+    assert decoded["choices"][0]["text"] == direct["choices"][0]["text"]
+    return int(params["tp_size"])
+
+
 async def test_decode_in_another_process_pulls_over_http(
     sims: Sims, other_process: str, http: aiohttp.ClientSession
 ) -> None:
-    params = (await prefill(http, sims.prefill, "remote1"))["kv_transfer_params"]
     held = (await stats(http, sims.prefill))["num_held"]
-    decoded = await completion(http, other_process, max_tokens=5, kv_transfer_params=params)
-    assert (
-        decoded["choices"][0]["text"]
-        == (await completion(http, sims.both, max_tokens=5))["choices"][0]["text"]
-    )
-    assert (await stats(http, sims.prefill))["num_held"] == held - 1
+    await pulled_as_one_instance(http, sims, other_process, "remote1")
+    assert (await stats(http, sims.prefill))["num_held"] == held  # held for the pull, released after it
     assert await metric(http, other_process, "vllm:nixl_xfer_time_seconds_count") >= 1
     assert await metric(http, other_process, "vllm:nixl_bytes_transferred_sum") > 0
 
@@ -234,11 +248,7 @@ def tp2_prefill() -> Iterator[str]:
 async def test_a_decode_of_a_larger_tp_pulls_from_a_smaller_prefill_as_vllm_pairs_them(
     sims: Sims, tp2_decode: str, http: aiohttp.ClientSession
 ) -> None:
-    params = (await prefill(http, sims.prefill, "tp1-to-tp2"))["kv_transfer_params"]
-    assert params["tp_size"] == 1
-    decoded = await completion(http, tp2_decode, max_tokens=5, kv_transfer_params=params)
-    direct = await completion(http, sims.both, max_tokens=5)
-    assert decoded["choices"][0]["text"] == direct["choices"][0]["text"]
+    assert await pulled_as_one_instance(http, sims, tp2_decode, "tp1-to-tp2") == 1
     assert await metric(http, tp2_decode, "vllm:nixl_xfer_time_seconds_count") >= 1
 
 
@@ -250,11 +260,5 @@ async def test_a_decode_refuses_a_prefill_tp_vllm_cannot_pair_as_its_failed_hand
     params = (await prefill(http, tp2_prefill, "tp2-to-tp1"))["kv_transfer_params"]
     assert params["tp_size"] == 2
     held = (await stats(http, tp2_prefill))["num_held"]
-    failed_before = await metric(http, sims.decode, "vllm:nixl_num_failed_transfers_total")
-    body = {"prompt": PROMPT, "max_tokens": 2, "kv_transfer_params": params}
-    status, payload = await post(http, f"{sims.decode}/v1/completions", body)
-    assert status == 500 and orjson.loads(payload) == INTERNAL_ERROR
-    status, payload = await post(http, f"{sims.decode}/v1/completions", {**body, "stream": True})
-    assert status == 200 and payload == b"data: " + STREAM_ERROR + b"\n\ndata: [DONE]\n\n"
-    assert await metric(http, sims.decode, "vllm:nixl_num_failed_transfers_total") == failed_before + 2
+    await fails_as_vllm_fails_a_pull(http, sims.decode, params)
     assert (await stats(http, tp2_prefill))["num_held"] == held  # nothing was read: held until the lease
