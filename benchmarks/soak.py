@@ -63,6 +63,15 @@ class Template:
     endpoint: str  # "completions" or "chat"
     prompt: str
     max_tokens: int
+    ignore_eos: bool = False  # the answer is max_tokens long whatever the model says
+
+
+# A stream still mid-answer LONG_STREAM_KILL_AFTER_S after it is sent (the tiny model streams a few
+# hundred tokens a second here), so that the decode killed then holds it.
+LONG_STREAM = Template(
+    "long-stream", "completions", "a long answer: " + " ".join(WORDS), 1200, ignore_eos=True
+)
+LONG_STREAM_KILL_AFTER_S = 1.0
 
 
 @dataclass
@@ -95,6 +104,8 @@ def body(t: Template, model: str, stream: bool, salt: str | None) -> dict[str, A
         b["messages"] = [{"role": "user", "content": t.prompt}]
     if salt is not None:
         b["cache_salt"] = salt
+    if t.ignore_eos:
+        b["ignore_eos"] = True
     return b
 
 
@@ -194,13 +205,16 @@ async def worker(client: Client, ts: list[Template], stop_at: float, rng: random
         await client.one(rng.choice(ts), stream, hang_up=stream and rng.random() < 0.12)
 
 
-def schedule(stack: Stack) -> list[tuple[str, InstanceSpec]]:
-    """The faults in turn: (stall | kill, the instance)."""
+def schedule(stack: Stack, rotate: int = 0) -> list[tuple[str, InstanceSpec]]:
+    """The faults in turn: (stall | kill, the instance), begun ``rotate`` turns in (on a small machine a
+    10-minute run may see only the first three: a kill's restart takes minutes while the survivor serves)."""
     if stack.topology.is_elastic:
         first, last = stack.specs[0], stack.specs[-1]
-        return [("stall", last), ("stall", first), ("kill", first), ("kill", last)]
-    prefill, decode = (next(s for s in stack.specs if s.role == r) for r in ("prefill", "decode"))
-    return [("stall", decode), ("stall", prefill), ("kill", prefill), ("kill", decode)]
+        turns = [("stall", last), ("stall", first), ("kill", first), ("kill", last)]
+    else:
+        prefill, decode = (next(s for s in stack.specs if s.role == r) for r in ("prefill", "decode"))
+        turns = [("stall", decode), ("stall", prefill), ("kill", prefill), ("kill", decode)]
+    return turns[rotate:] + turns[:rotate]
 
 
 async def stall(stack: Stack, spec: InstanceSpec, seconds: float) -> dict[str, Any]:
@@ -230,12 +244,14 @@ async def kill(stack: Stack, spec: InstanceSpec, limit_s: float) -> dict[str, An
 
 async def faults(
     stack: Stack, client: Client, probes: list[Template], lease: float, start: float, stop_at: float,
-    gap_s: float,
+    gap_s: float, rotate: int = 0,
 ) -> None:  # fmt: skip
     """The schedule. The first stall (decode's) also sends ``probes`` (long prompts, whole and
-    streamed) as it begins, so requests of several KV blocks certainly meet it."""
+    streamed) as it begins, so requests of several KV blocks certainly meet it. Decode's kill in a 1P1D
+    pool comes while a long stream (``LONG_STREAM``) is mid-answer there, which must migrate."""
     sent: list[asyncio.Task[str]] = []
-    turns = schedule(stack)
+    turns = schedule(stack, rotate)
+    probed = schedule(stack)[0]  # decode's stall (an elastic pool's last instance's)
     i = 0
     await asyncio.sleep(gap_s)
     while True:
@@ -251,11 +267,14 @@ async def faults(
         begun = time.monotonic()
         if action == "stall":
             stalling = asyncio.create_task(stall(stack, spec, lease + 6))
-            if i % len(turns) == 0:
+            if (action, spec) == probed:
                 await asyncio.sleep(0.5)
                 sent += [asyncio.create_task(client.one(t, s)) for t in probes for s in (False, True)]
             record = await stalling
         else:
+            if spec.role == "decode":  # an elastic pool's router decides where a stream decodes
+                sent.append(asyncio.create_task(client.one(LONG_STREAM, True)))
+                await asyncio.sleep(LONG_STREAM_KILL_AFTER_S)
             record = await kill(stack, spec, limit_s=300.0)
         record["at_s"] = round(begun - start, 1)
         client.tally.faults.append(record)
@@ -308,7 +327,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         model = stack.model.served_model_name or stack.model.path
         ts = templates(args.seed)
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as http:
-            refs = await references(http, stack.specs[0].url, ts, model)
+            refs = await references(http, stack.specs[0].url, [*ts, LONG_STREAM], model)
             tally = Tally()
             start = time.monotonic()
             stop_at = start + args.duration
@@ -319,7 +338,8 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
             ]
             probes = sorted(ts, key=lambda t: -refs[t.name][1])[:2]  # the two longest prompts
             await asyncio.gather(
-                faults(stack, client, probes, args.kv_lease, start, stop_at, args.gap), *workers
+                faults(stack, client, probes, args.kv_lease, start, stop_at, args.gap, args.begin_at_fault),
+                *workers,
             )
             ran_s = time.monotonic() - start
             # Everything answered: every instance's KV should be back to idle within a lease.
@@ -335,6 +355,12 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
                     break
                 await asyncio.sleep(0.5)
             proxy_m = await scrape(stack.proxy_url)
+            samples = prometheus.parse_samples(
+                await asyncio.to_thread(prometheus.scrape_text, stack.proxy_url)
+            )
+            migrations = {
+                m.labels.get("result", ""): m.value for m in samples if m.name == "pdserve_migrations_total"
+            }
             after = [await scrape(s.url) for s in stack.specs]
     # vLLM's counters reset when an instance restarts: these are of each one's last incarnation only.
     counters = {key: sum(m.get(name, 0.0) for m in after) for key, name in VLLM_COUNTERS.items()}
@@ -356,7 +382,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         "lease_retried": [{"template": a, "prompt_tokens": b, "answer": c} for a, b, c in tally.lease_retried],
         **counters,
         "proxy_retries": {k: v for k, v in proxy_m.items() if k.startswith("pdserve_retries")},
-        "migrations": proxy_m.get("pdserve_migrations_total", 0.0),
+        "migrations": migrations,
         "run_dir": str(stack.run_dir),
     }  # fmt: skip
 
@@ -370,6 +396,8 @@ def main() -> int:
     p.add_argument("--gap", type=float, default=20.0, help="quiet seconds after each fault's recovery")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prefill-blocks", type=int, default=0, help="prefill's KV pool in blocks (0: vLLM's)")
+    p.add_argument("--begin-at-fault", type=int, default=0, choices=range(4),
+                   help="start the schedule at this turn (3: decode's kill, with a stream mid-answer there)")  # fmt: skip
     p.add_argument("--elastic", type=int, default=0, help="an elastic pool of N instances instead of 1P1D")
     p.add_argument("--out", help="write the JSON report here too (its stem names the run dir)")
     args = p.parse_args()
