@@ -1,6 +1,7 @@
 """Soak: mixed traffic through `pdserve up`'s Stack on real vLLM while faults are injected on a schedule.
 
     flock /tmp/pdserve-vllm.lock .venv/bin/python benchmarks/soak.py [--duration 600] [--kv-lease 8] [--elastic 2]
+        [--begin-at-fault 3]
 
 1P1D on the embedded tiny model (`Topology(kv_lease_s=8)`, supervised: exited instances are restarted), or
 with ``--elastic N`` an elastic pool of N instances that each take any role (the proxy decides per request).
