@@ -169,7 +169,7 @@ def _check_block_sizes(
 
 def flag_value(args: Sequence[str], names: Sequence[str]) -> str | None:
     """The value the last of ``names`` is given in ``args`` (``--flag V`` or ``--flag=V``), as argparse
-    takes the last one; None if none is there."""
+    takes the last one; None if none is there. Any vLLM flag (the demo reads ``--dtype`` with it)."""
     value: str | None = None
     for i, arg in enumerate(args):
         flag, eq, inline = arg.partition("=")

@@ -19,6 +19,7 @@ from pdserve.config import Topology
 from pdserve.engines.backend import LocalEngines
 from pdserve.engines.transfers import transfer_counts
 from pdserve.stack import Stack
+from pdserve.tppairing import flag_value
 
 # Facts a person can check (the default model, SmolLM2-135M-Instruct, answers these right; not arithmetic).
 QUESTION = "What is the capital of France?"
@@ -79,10 +80,7 @@ def tolerance_of(stack: Stack) -> kvproof.Tolerance:
     """Exact where every instance computes in float32 (pdserve's own models on CPU); bf16's otherwise."""
     dtypes = set()
     for spec in stack.specs:
-        args = list(spec.args)
-        given = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--dtype"]
-        given += [a.split("=", 1)[1] for a in args if a.startswith("--dtype=")]
-        dtypes.add(given[-1] if given else None)
+        dtypes.add(flag_value(spec.args, ("--dtype",)))
     return kvproof.FLOAT32 if dtypes == {"float32"} else kvproof.BF16
 
 

@@ -1,0 +1,37 @@
+"""The demo's judge of its answers: exact text only where every instance computes in float32."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, cast
+
+from pdserve import kvproof
+from pdserve.commands.demo import tolerance_of
+
+
+@dataclass(frozen=True)
+class _Spec:
+    args: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class _Stack:
+    specs: tuple[_Spec, ...]
+
+
+def _tolerance(*args: tuple[str, ...]) -> kvproof.Tolerance:
+    return tolerance_of(cast(Any, _Stack(tuple(_Spec(a) for a in args))))
+
+
+def test_float32_on_every_instance_in_either_spelling_is_judged_exactly() -> None:
+    assert _tolerance(("--dtype", "float32"), ("--dtype=float32",)) == kvproof.FLOAT32
+
+
+def test_the_last_dtype_given_counts_as_vllm_reads_it() -> None:
+    assert _tolerance(("--dtype=bfloat16", "--dtype", "float32"), ("--dtype", "float32")) == kvproof.FLOAT32
+    assert _tolerance(("--dtype", "float32", "--dtype=bfloat16"), ("--dtype", "float32")) == kvproof.BF16
+
+
+def test_an_instance_of_another_or_no_stated_dtype_gets_bf16_bounds() -> None:
+    assert _tolerance(("--dtype", "float32"), ("--dtype", "bfloat16")) == kvproof.BF16
+    assert _tolerance(("--dtype", "float32"), ()) == kvproof.BF16
