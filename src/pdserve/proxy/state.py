@@ -198,9 +198,8 @@ class ProxyState:
     def describe_instance(self, instance: Instance) -> dict[str, object]:
         """``Instance.describe`` with what the pool knows of it: the KV it holds for decodes, whether a
         drain is complete, and in an elastic pool the side it leans to."""
-        held = self.ledger.num_held_at(instance.url)
-        about = {**instance.describe(), "kv_held": held,
-                 "drained": instance.is_draining and not instance.num_in_flight and not held}  # fmt: skip
+        about = {**instance.describe(), "kv_held": self.ledger.num_held_at(instance.url),
+                 "drained": instance.is_draining and self.is_drained(instance)}  # fmt: skip
         if self.elastic is not None:
             about.update(role="elastic", side=self.elastic.side(instance.url))
         return about
