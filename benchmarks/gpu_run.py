@@ -582,7 +582,10 @@ def load_rounds(
     rounds: list[dict[str, Any]] = []
     for number in range(run.a.load_rounds):
         arms: dict[str, Any] = {}
-        for name, url in arms_urls:
+        # Each round begins with the next arm: an arm that always ran first (a cold cache, clocks not yet
+        # ramped) or right after the heaviest one would carry that into its median.
+        turn = number % len(arms_urls)
+        for name, url in arms_urls[turn:] + arms_urls[:turn]:
             if run.left() < 70:
                 arms[name] = {"skipped": f"{run.left():.0f} s left"}
                 continue

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.bench.plan import PlanRequest, plan
-from pdserve.costmodel import Costs, Load, Model, Slo, rank_layouts
+from pdserve.costmodel import Calibration, Costs, Load, Model, Slo, rank_layouts
 from pdserve.errors import ConfigError
 from pdserve.sim.profile import load_profile
 
@@ -75,3 +75,16 @@ def test_a_load_and_an_slo_are_checked_when_they_are_made() -> None:
     with pytest.raises(ConfigError):
         Slo(ttft_ms=0)
     assert Slo.parse(["ttft:300", "tpot:20"]) == LOOSE
+
+
+def test_a_calibration_multiplies_each_kind_of_layout_and_its_capacity_follows() -> None:
+    load, slo = Load(5.6, 2000, 128), Slo(ttft_ms=1500, tpot_ms=15)
+    plain = {lay.describe(): lay for lay in rank_layouts(H200, 2, load, slo)}
+    slow = Calibration(whole_ttft=8.5, whole_tpot=2.7)
+    calibrated = rank_layouts(H200, 2, load, slo, slow)
+    assert calibrated[0].describe() == "1P1D"  # colocated no longer meets TPOT <= 15 ms
+    coloc = next(lay for lay in calibrated if not lay.is_split)
+    assert coloc.tpot_s == pytest.approx(plain["2 colocated"].tpot_s * 2.7)
+    assert not coloc.meets_slo and coloc.capacity is not None
+    assert coloc.capacity < plain["2 colocated"].capacity  # type: ignore[operator]
+    assert calibrated[0].tpot_s == plain["1P1D"].tpot_s  # split: untouched

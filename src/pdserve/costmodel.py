@@ -137,6 +137,29 @@ class Costs:
 
 
 @dataclass(frozen=True)
+class Calibration:
+    """What was measured over what the model predicted, per kind of layout (whole: colocated; split):
+    the factor each predicted TTFT and TPOT is multiplied by. It corrects what the step costs do not
+    know: another GPU than the profile's, instances sharing one GPU, arrivals in bursts."""
+
+    whole_ttft: float = 1.0
+    whole_tpot: float = 1.0
+    split_ttft: float = 1.0
+    split_tpot: float = 1.0
+
+    def __post_init__(self) -> None:
+        bad = {name: value for name, value in vars(self).items() if not value > 0}  # NaN included
+        if bad:
+            raise ConfigError(f"calibration factors must be > 0, got {bad}")
+
+    def factors(self, is_split: bool) -> tuple[float, float]:
+        """(TTFT, TPOT) factors of a layout that splits, or not."""
+        if is_split:
+            return self.split_ttft, self.split_tpot
+        return self.whole_ttft, self.whole_tpot
+
+
+@dataclass(frozen=True)
 class Load:
     """The traffic the model is asked about: ``rate`` requests/s of ``input_len`` prompt tokens (those not
     cached) asking ``output_len`` tokens each; ``attainment`` the share that must meet the SLO."""
@@ -163,10 +186,13 @@ class Model:
     """The arithmetic above for one engine's costs, one load and one SLO (``slo`` None: no capacity
     questions, latencies only)."""
 
-    def __init__(self, costs: Costs, req: Load, slo: Slo | None = None) -> None:
+    def __init__(
+        self, costs: Costs, req: Load, slo: Slo | None = None, calibration: Calibration | None = None
+    ) -> None:
         self.p = costs
         self.req = req
         self.slo = slo
+        self.calibration = calibration
         self.z = _Z.get(round(req.quantile, 3), 1.6449)
         p, n_in, n_out = self.p, req.input_len, req.output_len
         steps = math.ceil(n_in / p.max_num_batched_tokens)
@@ -231,20 +257,28 @@ class Model:
         return p.lone_request_overhead_s + residual + own, max(tpot, step)
 
     def latency(self, num_prefill: int, num_decode: int, rate: float) -> tuple[float, float]:
-        """(TTFT, TPOT) quantiles of a layout: ``num_prefill`` 0 is ``num_decode`` colocated instances."""
+        """(TTFT, TPOT) quantiles of a layout: ``num_prefill`` 0 is ``num_decode`` colocated instances;
+        times the calibration's factors when there is one."""
         if num_prefill == 0:
-            return self.colocated_latency(num_decode, rate)
-        return self.pd_latency(num_prefill, num_decode, rate)
+            ttft, tpot = self.colocated_latency(num_decode, rate)
+        else:
+            ttft, tpot = self.pd_latency(num_prefill, num_decode, rate)
+        if self.calibration is None:
+            return ttft, tpot
+        ttft_factor, tpot_factor = self.calibration.factors(num_prefill > 0)
+        return ttft * ttft_factor, tpot * tpot_factor
 
-    def _meets(self, latency: tuple[float, float]) -> bool:
+    def capacity(self, num_prefill: int, num_decode: int) -> float:
+        """The highest rate the layout serves within the SLO (``num_prefill`` 0: colocated)."""
         assert self.slo is not None, "capacity needs an SLO"
-        return self.slo.meets(*latency)
+        slo = self.slo
+        return _max_rate(lambda rate: slo.meets(*self.latency(num_prefill, num_decode, rate)))
 
     def pd_capacity(self, num_prefill: int, num_decode: int) -> float:
-        return _max_rate(lambda rate: self._meets(self.pd_latency(num_prefill, num_decode, rate)))
+        return self.capacity(num_prefill, num_decode)
 
     def colocated_capacity(self, num: int) -> float:
-        return _max_rate(lambda rate: self._meets(self.colocated_latency(num, rate)))
+        return self.capacity(0, num)
 
 
 def _wait_quantile(q: float, lam: float, service_s: float, phases: int) -> float:
@@ -331,7 +365,9 @@ class Layout:
         return f"{self.num_prefill}P{self.num_decode}D" if self.is_split else f"{self.num_decode} colocated"
 
 
-def rank_layouts(costs: Costs, num_instances: int, load: Load, slo: Slo | None) -> list[Layout]:
+def rank_layouts(
+    costs: Costs, num_instances: int, load: Load, slo: Slo | None, calibration: Calibration | None = None
+) -> list[Layout]:
     """Every layout of ``num_instances`` (colocated, 1P(N-1)D … (N-1)P1D), best first. With an SLO:
     those that meet it at this load, then the rest, each by capacity (the highest rate it serves within
     the SLO at these lengths). Capacity, not slack, orders those that meet it: traffic moves by its rate
@@ -340,7 +376,7 @@ def rank_layouts(costs: Costs, num_instances: int, load: Load, slo: Slo | None) 
     latency slack but three times the headroom absorbs it. Overloaded, the most requests within the SLO
     is the goodput left to save. Without an SLO: the lowest end-to-end latency. Ties go to colocation."""
     with_slo = slo is not None and slo.ttft_ms is not None and slo.tpot_ms is not None
-    m = Model(costs, load, slo if with_slo else None)
+    m = Model(costs, load, slo if with_slo else None, calibration)
     layouts = []
     for x in range(num_instances):
         n = num_instances - x
@@ -350,7 +386,7 @@ def rank_layouts(costs: Costs, num_instances: int, load: Load, slo: Slo | None) 
             assert slo is not None and slo.ttft_ms is not None and slo.tpot_ms is not None
             slack = min(slo.ttft_ms / 1000 / ttft if ttft > 0 else math.inf,
                         slo.tpot_ms / 1000 / tpot if tpot > 0 else math.inf)  # fmt: skip
-            capacity = m.colocated_capacity(n) if x == 0 else m.pd_capacity(x, n)
+            capacity = m.capacity(x, n)
         else:
             slack = -(ttft + (load.output_len - 1) * tpot)
         layouts.append(Layout(x, n, ttft, tpot, 0.0 if math.isnan(slack) else slack, capacity))

@@ -381,8 +381,13 @@ def test_decode_killed_mid_stream_the_stream_goes_on_with_one_instances_text_and
         assert killed_at, "the stream ended before decode could be killed"
         assert finish == alone.choices[0].finish_reason
         assert "".join(texts) == alone.choices[0].text  # the single instance's answer, across the seam
-        metrics = httpclient.get(str(kill.quick_client.base_url).removesuffix("/v1/") + "/metrics", 10).body
-        assert b'pdserve_migrations_total{result="ok"} 1' in metrics
+        # The proxy counts the migration once the seam has written the stream's end, which the client may
+        # read first.
+        metrics_url = str(kill.quick_client.base_url).removesuffix("/v1/") + "/metrics"
+        migrated = b'pdserve_migrations_total{result="ok"} 1'
+        assert _wait_until(lambda: migrated in httpclient.get(metrics_url, 10).body, timeout=10), [
+            line for line in httpclient.get(metrics_url, 10).body.splitlines() if b"migrations" in line
+        ]
         _restarted_by_the_supervisor(stack, spec, killed_at)
     # While decode restarted the prefill served whole requests in its place: the load's errors are the
     # requests decode held when it died (two load threads), none a refusal for want of a decode.

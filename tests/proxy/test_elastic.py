@@ -4,13 +4,14 @@ leaves is forgotten. Driven on a hand-moved clock, as the proxy's flow and the s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
 
 from pdserve.configparts import ElasticPool
 from pdserve.costmodel import Slo
-from pdserve.proxy.elastic import ElasticRouter, Placement
+from pdserve.proxy.elastic import ElasticRouter, Measured, Placement
 from pdserve.proxy.routing import Load
 from pdserve.sim.profile import load_profile
 
@@ -38,15 +39,17 @@ def pool(n: int = 8) -> list[Member]:
 
 
 def drive(router: ElasticRouter, clock: Clock, members: list[Member], rate: float, seconds: float,
-          prompt: int, output: int, finish: bool = True) -> list[Placement[Member]]:  # fmt: skip
-    """``rate`` requests/s for ``seconds``, each ending at once (``finish``) or left in flight."""
+          prompt: int, output: int, finish: bool = True,
+          measure: Callable[[Placement[Member]], Measured] | None = None) -> list[Placement[Member]]:  # fmt: skip
+    """``rate`` requests/s for ``seconds``, each ending at once (``finish``) or left in flight; each
+    measuring what ``measure`` says, if given."""
     placements = []
     for _ in range(round(rate * seconds)):
         clock.t += 1 / rate
         p = router.place(members, prompt, output)
         if finish:
             router.prefilled(p, prompt)
-            router.done(p)
+            router.done(p, measure(p) if measure is not None else None)
         placements.append(p)
     return placements
 
@@ -164,3 +167,36 @@ def test_a_proxy_worker_seeing_half_the_traffic_plans_for_all_of_it() -> None:
     drive(half, half_clock, pool(), 45, 12, 2000, 128)
     assert half.layout == whole.layout
     assert half.describe()["load"]["rate"] == pytest.approx(90, rel=0.1)  # type: ignore[index]
+
+
+def test_measurements_move_the_pool_off_a_layout_the_profile_wrongly_believes_meets_the_slo() -> None:
+    """Both instances on one H100 with an H200's profile: colocated measured 530 ms TTFT and 18.3 ms TPOT
+    where the model said 62 and 6.7, so it misses TPOT <= 15 ms on every request; 1P1D measured 11.5 ms.
+    The pool moves to 1P1D once colocated has shown what it measures, and stays there."""
+    r, clock = router(slo=Slo(ttft_ms=1500, tpot_ms=15))
+    members = pool(2)
+    on_this_gpu = {False: Measured(0.53, 0.0183), True: Measured(0.78, 0.0115)}
+    first = drive(r, clock, members, 5.6, 2, 2000, 128, measure=lambda p: on_this_gpu[p.is_split])
+    assert not first[0].is_split  # the profile alone says colocated
+    later = drive(r, clock, members, 5.6, 120, 2000, 128, measure=lambda p: on_this_gpu[p.is_split])
+    assert r.layout == "1P1D"
+    assert sum(p.is_split for p in later) >= len(later) - 2  # moved within the first second, never back
+    assert "measured x" in later[-1].reason
+    calibration = r.describe()["calibration"]
+    assert calibration["whole_tpot"] * 6.7 > 15  # type: ignore[index]  # colocated measured to miss
+    assert calibration["split_tpot"] == pytest.approx(11.5 / 5.3, rel=0.15)  # type: ignore[index]
+
+
+def test_measurements_that_match_the_model_change_nothing() -> None:
+    r, clock = router()
+    members = pool()
+    drive(r, clock, members, 90, 12, 2000, 128)
+    as_planned = r.layout
+    again, clock = router()
+
+    def as_predicted(p: Placement[Member]) -> Measured:
+        assert p.predicted is not None
+        return Measured(*p.predicted)
+
+    drive(again, clock, members, 90, 12, 2000, 128, measure=as_predicted)
+    assert again.layout == as_planned

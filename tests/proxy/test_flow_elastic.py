@@ -173,3 +173,25 @@ async def test_metrics_count_placements_and_show_the_layout(pool: tuple[str, ...
     assert 'pdserve_elastic_layout_info{layout="unplanned"}' not in text  # no costs: not planned yet
     assert text.count("pdserve_elastic_instance_side{") == len(pool)
     assert f'pdserve_instance_in_flight{{role="elastic",url="{pool[0]}"}}' in text
+
+
+async def test_streams_that_end_well_calibrate_the_router_and_metrics_show_it(pool: tuple[str, ...]) -> None:
+    """Streamed answers tell the router what they measured against what it predicted: the sample count
+    moves by one a stream, and the factors the plans use are on /metrics."""
+    settings = ElasticPool(costs=PROFILE.costs(), slo=Slo(ttft_ms=1000, tpot_ms=50))
+    with running_proxy((), pool, elastic=True, elastic_pool=settings) as proxy:
+        async with aiohttp.ClientSession() as http:
+            for _ in range(3):
+                body = {"model": MODEL, "prompt": SHORT, "max_tokens": 8, "stream": True}
+                async with http.post(f"{proxy}/v1/completions", json=body) as resp:
+                    assert resp.status == 200
+                    assert (await resp.read()).endswith(b"data: [DONE]\n\n")
+            await _complete(http, proxy, SHORT, "elastic-calibration-whole")  # not streamed: not measured
+            async with http.get(f"{proxy}/metrics") as resp:
+                text = await resp.text()
+    samples = [line for line in text.splitlines() if line.startswith("pdserve_elastic_calibration_samples")]
+    assert sorted(samples) == [
+        'pdserve_elastic_calibration_samples{kind="split"} 0',
+        'pdserve_elastic_calibration_samples{kind="whole"} 3',
+    ]
+    assert 'pdserve_elastic_calibration_factor{kind="whole",metric="tpot"} 1' in text  # 3 < 8: not yet

@@ -29,7 +29,7 @@ from pdserve.bench.trace import Arrival, Served, Trace, TraceRun
 from pdserve.configparts import ElasticPool
 from pdserve.costmodel import Slo
 from pdserve.errors import ConfigError
-from pdserve.proxy.elastic import ElasticRouter, Placement
+from pdserve.proxy.elastic import ElasticRouter, Measured, Placement
 from pdserve.proxy.routing import Load
 from pdserve.sim.engine import SimEngine, VirtualClock
 from pdserve.sim.profile import Profile
@@ -282,13 +282,12 @@ async def replay(profile: Profile, trace: Trace, arm: Fixed | Elastic, seed: int
         else:
             prefill, decode = next(next_prefill), next(next_decode)
         times = await serve(a.index, prompt, a.output_len, prefill, decode, clock, prefilled)
+        first, last = (times[0], times[-1]) if times else (math.nan, math.nan)
+        ttft, tpot = first - start, (last - first) / (a.output_len - 1)
         if router is not None and placement is not None:
             placement.decode.num_in_flight -= 1
-            router.done(placement)
-        first, last = (times[0], times[-1]) if times else (math.nan, math.nan)
-        served.append(
-            Served(a.phase, first - start, (last - first) / (a.output_len - 1), prefill is not None)
-        )
+            router.done(placement, Measured(ttft, tpot) if times else None)
+        served.append(Served(a.phase, ttft, tpot, prefill is not None))
 
     tasks = []
     for a in arrivals:

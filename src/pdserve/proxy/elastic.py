@@ -17,6 +17,9 @@ Every instance of an elastic pool can take any role (vLLM decides per request fr
   except that a prompt cheaper to compute than a decode step stays whole on that decode (a split would
   cost more than it saves).
 - an instance out of service leaves both sides; with one instance left everything is whole there.
+- each stream that ended tells the router what it measured (``done``): measured over predicted, per
+  kind of placement, calibrates the next plans (calibrator.py), so a profile of another GPU, or
+  instances sharing one, still lead to the layout that meets the SLO here.
 
 Pure: no HTTP, no clock but the one given; the proxy's flow and the simulated cluster
 (bench/simcluster.py) both drive it, so the benchmark measures the code that serves.
@@ -24,6 +27,7 @@ Pure: no HTTP, no clock but the one given; the proxy's flow and the simulated cl
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -31,7 +35,8 @@ from dataclasses import dataclass
 from typing import Generic, Literal
 
 from pdserve.configparts import ElasticPool
-from pdserve.costmodel import Layout, Load, rank_layouts
+from pdserve.costmodel import Calibration, Layout, Load, rank_layouts
+from pdserve.proxy.calibrator import Calibrator
 from pdserve.proxy.routing import C, load_score
 
 Side = Literal["prefill", "decode"]
@@ -39,6 +44,7 @@ Side = Literal["prefill", "decode"]
 _HYSTERESIS = 1.05  # the capacity (or slack) a new layout needs over the current one to displace it
 _DEFAULT_OUTPUT_LEN = 128  # a request that does not say its max_tokens
 _UNPLANNED_SPLIT_TOKENS = 512  # no step costs known: prompts this long are split, shorter ones whole
+_CALIBRATION_SAMPLES = 128  # the requests of each kind whose measurements calibrate the model
 
 
 @dataclass(frozen=True)
@@ -49,10 +55,20 @@ class Placement(Generic[C]):
     decode: C
     layout: str  # the pool's layout when it was placed ("5P3D", "8 colocated")
     reason: str  # why, in words, for /requests and the trace
+    # The model's (TTFT, TPOT) for it before calibration, seconds; None: none to compare a measurement to
+    predicted: tuple[float, float] | None = None
 
     @property
     def is_split(self) -> bool:
         return self.prefill is not None
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What a stream measured: arrival to first token, and the mean gap between its tokens (seconds)."""
+
+    ttft_s: float
+    tpot_s: float
 
 
 @dataclass(frozen=True)
@@ -80,6 +96,9 @@ class ElasticRouter:
         # first token is the flow's to see, not the router's, so its prefill is estimated instead.
         self._prompts_until: dict[str, float] = {}
         self.decisions = {"whole": 0, "split": 0}
+        self._calibrator = Calibrator(_CALIBRATION_SAMPLES, Load(1.0, 1, 2).quantile)
+        self._calibration = Calibration()
+        self._uncalibrated: tuple[float, float] | None = None  # the layout's prediction, factors undone
 
     # --- what the flow calls ----------------------------------------------------------------------
 
@@ -108,10 +127,17 @@ class ElasticRouter:
             url = placement.prefill.url
             self._prefill_tokens[url] = max(0, self._prefill_tokens.get(url, 0) - prompt_tokens)
 
-    def done(self, placement: Placement[C]) -> None:
-        """The request ended, whatever the outcome."""
+    def done(self, placement: Placement[C], measured: Measured | None = None) -> None:
+        """The request ended, whatever the outcome; ``measured``: what it measured, when it streamed
+        its answer as placed."""
         url = placement.decode.url
         self._requests[url] = max(0, self._requests.get(url, 0) - 1)
+        if measured is not None and placement.predicted is not None:
+            ttft, tpot = placement.predicted
+            kind = placement.is_split
+            if self._calibrator.observe(kind, measured.ttft_s / ttft if ttft > 0 else math.nan,
+                                        measured.tpot_s / tpot if tpot > 0 else math.nan):  # fmt: skip
+                self._planned_at = -math.inf  # its first factors: the next request re-plans with them
 
     def forget(self, url: str) -> None:
         """The instance left the pool: its side and counts go with it."""
@@ -123,6 +149,14 @@ class ElasticRouter:
     @property
     def layout(self) -> str:
         return self._layout.describe() if self._layout is not None else "not planned yet"
+
+    @property
+    def calibration(self) -> Calibration:
+        """The factors the last plan multiplied the cost model's predictions by."""
+        return self._calibration
+
+    def calibration_samples(self) -> dict[str, int]:
+        return self._calibrator.num_samples()
 
     def side(self, url: str) -> Side | None:
         return self._sides.get(url)
@@ -136,6 +170,7 @@ class ElasticRouter:
             "predicted_tpot_ms": None if self._layout is None else _ms(self._layout.tpot_s),
             "sides": dict(self._sides),
             "decisions": dict(self.decisions),
+            "calibration": {**vars(self._calibration), "samples": self.calibration_samples()},
         }
 
     # --- deciding ---------------------------------------------------------------------------------
@@ -158,7 +193,8 @@ class ElasticRouter:
             self._layout = None
             return
         slo = self._settings.slo if self._settings.slo.ttft_ms is not None else None
-        ranked = rank_layouts(costs, num_instances, load, slo)
+        self._calibration = self._calibrator.calibration()
+        ranked = rank_layouts(costs, num_instances, load, slo, self._calibration)
         best = ranked[0]
         current = next(
             (
@@ -171,6 +207,8 @@ class ElasticRouter:
         if current is not None and not _clearly_better(best, current):
             best = current
         self._layout = best
+        ttft_factor, tpot_factor = self._calibration.factors(best.is_split)
+        self._uncalibrated = (best.ttft_s / ttft_factor, best.tpot_s / tpot_factor)
 
     def _assign_sides(self, members: Sequence[C]) -> None:
         """Give the members the layout's sides, moving as few as possible."""
@@ -211,21 +249,29 @@ class ElasticRouter:
             why = f"{layout}: whole" if self._layout is not None else "one instance in service: whole"
             if self._layout is not None and self._is_cheap(prompt_tokens):
                 why = f"{layout}: {prompt_tokens} prompt tokens cost less than a decode step: whole"
-            return Placement(None, self._least_prompt_backlog(members), layout, why)
+            whole = self._layout is not None and not self._layout.is_split
+            return Placement(None, self._least_prompt_backlog(members), layout, why,
+                             self._uncalibrated if whole else None)  # fmt: skip
         decode = self._least_requests(decode_side)
         if self._is_cheap(prompt_tokens):
             return Placement(None, decode, layout, f"{layout}: {prompt_tokens} prompt tokens cost less than a "
                              "decode step: whole on a decode")  # fmt: skip
         prefill = self._least_prefill(prefill_side)
-        return Placement(prefill, decode, layout, self._why_split(layout))
+        return Placement(prefill, decode, layout, self._why_split(layout), self._uncalibrated)
 
     def _why_split(self, layout: str) -> str:
         assert self._layout is not None
         load = self._load()
         rate = f"{load.rate:.1f} req/s of {load.input_len} in / {load.output_len} out" if load else "no load"
+        ttft_factor, tpot_factor = self._calibration.factors(True)
+        calibrated = (
+            f" (measured x{ttft_factor:.2g} and x{tpot_factor:.2g} the model here)"
+            if (ttft_factor, tpot_factor) != (1.0, 1.0)
+            else ""
+        )
         return (
             f"{layout} for {rate}: predicted TTFT {_ms(self._layout.ttft_s)} ms, "
-            f"TPOT {_ms(self._layout.tpot_s)} ms"
+            f"TPOT {_ms(self._layout.tpot_s)} ms{calibrated}"
         )
 
     def _is_cheap(self, prompt_tokens: int) -> bool:

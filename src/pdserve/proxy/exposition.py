@@ -129,3 +129,12 @@ def _elastic(t: _Text, router: ElasticRouter, instances: Sequence[Instance]) -> 
     t.metric("pdserve_elastic_instance_side", "gauge",
              "1 for the side (prefill or decode) the router gives each elastic instance now.",
              [({"url": i.url, "side": side}, 1) for i in instances if (side := router.side(i.url))])  # fmt: skip
+    calibration, samples = router.calibration, router.calibration_samples()
+    t.metric("pdserve_elastic_calibration_factor", "gauge",
+             "Measured over predicted TTFT and TPOT, by kind of placement: the factor the router's cost "
+             "model is multiplied by (1 until a kind has measured streams).",
+             [({"kind": kind, "metric": metric}, getattr(calibration, f"{kind}_{metric}"))
+              for kind in ("whole", "split") for metric in ("ttft", "tpot")])  # fmt: skip
+    t.metric("pdserve_elastic_calibration_samples", "gauge",
+             "The streams, by kind of placement, whose measurements calibrate the router now.",
+             [({"kind": kind}, n) for kind, n in samples.items()])  # fmt: skip

@@ -213,7 +213,7 @@ class Flow:
         try:
             await self._attempts(call, slot, local_reason, placed, avoid)
         finally:
-            router.done(placed.placement)
+            router.done(placed.placement, placed.measured(call))
 
     async def _attempts(
         self, call: Call, slot: HandoffSlot, local_reason: str | None, placed: Placed | None,

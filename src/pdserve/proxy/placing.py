@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pdserve.proxy.attempt import Call
-from pdserve.proxy.elastic import ElasticRouter, Placement
+from pdserve.proxy.elastic import ElasticRouter, Measured, Placement
 from pdserve.proxy.instance import Instance
 from pdserve.proxy.tokens import estimate_prompt_tokens
 
@@ -26,6 +26,16 @@ class Placed:
         if not self.is_prefilled:
             self.is_prefilled = True
             self.router.prefilled(self.placement, self.num_tokens)
+
+    def measured(self, call: Call) -> Measured | None:
+        """What ``call`` measured, for the router's calibration: a stream of a few tokens at least that
+        ended well, served as placed (split, or whole); None otherwise."""
+        t = call.timeline
+        if not call.is_stream or call.out.failure is not None or t.first_byte is None or t.num_gaps < 4:
+            return None
+        if (t.prefill_done is not None) != self.placement.is_split:
+            return None  # a retry served it whole, or the flow's own reason did
+        return Measured(t.first_byte - t.arrived, t.gaps_sum / t.num_gaps)
 
 
 def place(
