@@ -12,7 +12,7 @@ fail its requests once more. A kind not measured yet keeps the model as it is: o
 layout the model favours is tried and measured rather than ruled out by the other kind's factors
 (sharing one GPU slows colocated steps more than split ones).
 
-Pure: no clock but the one given.
+Pure: no clock, no I/O.
 """
 
 from __future__ import annotations

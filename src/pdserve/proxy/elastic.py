@@ -134,8 +134,7 @@ class ElasticRouter:
         self._requests[url] = max(0, self._requests.get(url, 0) - 1)
         if measured is not None and placement.predicted is not None:
             ttft, tpot = placement.predicted
-            kind = placement.is_split
-            if self._calibrator.observe(kind, measured.ttft_s / ttft if ttft > 0 else math.nan,
+            if self._calibrator.observe(placement.is_split, measured.ttft_s / ttft if ttft > 0 else math.nan,
                                         measured.tpot_s / tpot if tpot > 0 else math.nan):  # fmt: skip
                 self._planned_at = -math.inf  # its first factors: the next request re-plans with them
 
@@ -190,7 +189,7 @@ class ElasticRouter:
         self._planned_at = now
         costs, load = self._settings.costs, self._load()
         if costs is None or load is None or num_instances < 2:
-            self._layout = None
+            self._layout, self._uncalibrated = None, None
             return
         slo = self._settings.slo if self._settings.slo.ttft_ms is not None else None
         self._calibration = self._calibrator.calibration()
