@@ -111,6 +111,27 @@ def test_proxy_metrics_are_grouped_by_outcome_over_endpoints() -> None:
     assert (scrape.handoffs["abandoned"], scrape.handoffs["suspect"], scrape.handoffs["overdue"]) == (3, 1, 1)
 
 
+def test_an_elastic_pool_shows_its_layout_placements_and_what_requests_measured() -> None:
+    text = "\n".join([
+        'pdserve_requests_total{endpoint="completions",outcome="ok"} 128',
+        'pdserve_elastic_placements_total{placement="split"} 96', 'pdserve_elastic_placements_total{placement="whole"} 32',
+        'pdserve_elastic_layout_info{layout="1P1D"} 1',
+        'pdserve_elastic_calibration_factor{kind="whole",metric="ttft"} 13.13',
+        'pdserve_elastic_calibration_factor{kind="whole",metric="tpot"} 3.92',
+        'pdserve_elastic_calibration_factor{kind="split",metric="ttft"} 15.39',
+        'pdserve_elastic_calibration_factor{kind="split",metric="tpot"} 3.0',
+    ])  # fmt: skip
+    scrape = ProxyScrape.parse(text)
+    assert scrape.outcomes == {"ok": 128.0}  # the router's gauges are not taken for the proxy's own
+    assert scrape.elastic is not None
+    assert scrape.elastic.line() == (
+        "elastic   layout 1P1D  placed: split 96  whole 32     "
+        "measured/model: whole TTFT x13 TPOT x3.9  split TTFT x15 TPOT x3"
+    )
+    assert ProxyScrape.parse("pdserve_requests_running 0").elastic is None  # a fixed pool: no such line
+    assert scrape.elastic.line() in render(snapshot(10.0, xfers=0, num_bytes=0, ok=128, proxy=scrape))
+
+
 def test_interval_must_be_positive() -> None:
     with pytest.raises(SystemExit):
         main(["top", "http://127.0.0.1:1", "--interval", "0"])

@@ -65,6 +65,7 @@ class ProxyScrape:
     num_queued: float = 0.0
     num_rejected: float = 0.0
     handoffs: Mapping[str, float] = field(default_factory=dict)  # _HANDOFFS, each over every reason
+    elastic: ElasticScrape | None = None  # an elastic pool's router, when the proxy runs one
 
     @property
     def num_requests(self) -> float:
@@ -76,8 +77,16 @@ class ProxyScrape:
         retries: dict[str, float] = {}
         handoffs = dict.fromkeys(_HANDOFFS, 0.0)
         gauges: dict[str, float] = {}
+        layout, placements, factors = None, {}, {}
         for s in parse_samples(text):
-            if s.name == "pdserve_requests_total":
+            if s.name.startswith("pdserve_elastic_"):
+                if s.name == "pdserve_elastic_layout_info":
+                    layout = s.labels.get("layout", "?")
+                elif s.name == "pdserve_elastic_placements_total":
+                    placements[s.labels.get("placement", "?")] = s.value
+                elif s.name == "pdserve_elastic_calibration_factor":
+                    factors[(s.labels.get("kind", "?"), s.labels.get("metric", "?"))] = s.value
+            elif s.name == "pdserve_requests_total":
                 key = s.labels.get("outcome", "?")
                 outcomes[key] = outcomes.get(key, 0.0) + s.value
             elif s.name == "pdserve_retries_total":
@@ -90,9 +99,31 @@ class ProxyScrape:
                 gauges[s.name] = gauges.get(s.name, 0.0) + s.value
         handoffs["open"] = gauges.get("pdserve_kv_handoffs_open", 0.0)
         handoffs["overdue"] = gauges.get("pdserve_kv_handoffs_overdue", 0.0)
+        elastic = ElasticScrape(layout, placements, factors) if layout is not None else None
         return cls(outcomes, retries, gauges.get("pdserve_requests_running", 0.0),
                    gauges.get("pdserve_requests_queued", 0.0), gauges.get("pdserve_requests_rejected_total", 0.0),
-                   handoffs)  # fmt: skip
+                   handoffs, elastic)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ElasticScrape:
+    """What the proxy's /metrics say of its elastic router: the layout, placements so far, and the
+    factors what streams measured puts on the cost model, by (kind, metric)."""
+
+    layout: str
+    placements: Mapping[str, float]
+    factors: Mapping[tuple[str, str], float]
+
+    def line(self) -> str:
+        placed = "  ".join(f"{k} {n:g}" for k, n in sorted(self.placements.items()))
+        factors = "  ".join(
+            f"{kind} TTFT x{self.factors[(kind, 'ttft')]:.2g} TPOT x{self.factors[(kind, 'tpot')]:.2g}"
+            for kind in ("whole", "split")
+            if (kind, "ttft") in self.factors and (kind, "tpot") in self.factors
+        )
+        return f"elastic   layout {self.layout}  placed: {placed or 'none'}" + (
+            f"     measured/model: {factors}" if factors else ""
+        )
 
 
 @dataclass(frozen=True)
@@ -164,6 +195,7 @@ def _proxy_lines(now: ProxyScrape, before: ProxyScrape | None, dt: float | None)
         f"admission running {now.num_running:g}  queued {now.num_queued:g}  rejected {now.num_rejected:g}"
         f"     retries: {retries}",
         f"KV        handoffs {handoffs}",
+        *([now.elastic.line()] if now.elastic is not None else []),
     ]
 
 
