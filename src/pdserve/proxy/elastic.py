@@ -98,7 +98,6 @@ class ElasticRouter:
         self.decisions = {"whole": 0, "split": 0}
         self._calibrator = Calibrator(_CALIBRATION_SAMPLES, Load(1.0, 1, 2).quantile)
         self._calibration = Calibration()
-        self._uncalibrated: tuple[float, float] | None = None  # the layout's prediction, factors undone
 
     # --- what the flow calls ----------------------------------------------------------------------
 
@@ -189,7 +188,7 @@ class ElasticRouter:
         self._planned_at = now
         costs, load = self._settings.costs, self._load()
         if costs is None or load is None or num_instances < 2:
-            self._layout, self._uncalibrated = None, None
+            self._layout = None
             return
         slo = self._settings.slo if self._settings.slo.ttft_ms is not None else None
         self._calibration = self._calibrator.calibration()
@@ -206,8 +205,6 @@ class ElasticRouter:
         if current is not None and not _clearly_better(best, current):
             best = current
         self._layout = best
-        ttft_factor, tpot_factor = self._calibration.factors(best.is_split)
-        self._uncalibrated = (best.ttft_s / ttft_factor, best.tpot_s / tpot_factor)
 
     def _assign_sides(self, members: Sequence[C]) -> None:
         """Give the members the layout's sides, moving as few as possible."""
@@ -248,15 +245,21 @@ class ElasticRouter:
             why = f"{layout}: whole" if self._layout is not None else "one instance in service: whole"
             if self._layout is not None and self._is_cheap(prompt_tokens):
                 why = f"{layout}: {prompt_tokens} prompt tokens cost less than a decode step: whole"
-            whole = self._layout is not None and not self._layout.is_split
-            return Placement(None, self._least_prompt_backlog(members), layout, why,
-                             self._uncalibrated if whole else None)  # fmt: skip
+            return Placement(None, self._least_prompt_backlog(members), layout, why, self._predicted(False))
         decode = self._least_requests(decode_side)
         if self._is_cheap(prompt_tokens):
             return Placement(None, decode, layout, f"{layout}: {prompt_tokens} prompt tokens cost less than a "
                              "decode step: whole on a decode")  # fmt: skip
         prefill = self._least_prefill(prefill_side)
-        return Placement(prefill, decode, layout, self._why_split(layout), self._uncalibrated)
+        return Placement(prefill, decode, layout, self._why_split(layout), self._predicted(True))
+
+    def _predicted(self, is_split: bool) -> tuple[float, float] | None:
+        """The layout's (TTFT, TPOT) before calibration, for a placement of its own kind (what a
+        measurement is compared to); None for another kind, or no layout."""
+        if self._layout is None or self._layout.is_split != is_split:
+            return None
+        ttft_factor, tpot_factor = self._calibration.factors(is_split)
+        return self._layout.ttft_s / ttft_factor, self._layout.tpot_s / tpot_factor
 
     def _why_split(self, layout: str) -> str:
         assert self._layout is not None

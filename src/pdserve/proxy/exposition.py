@@ -84,11 +84,8 @@ def render(state: ProxyState, admission: Admission) -> str:
     instances = state.instances
     now = time.monotonic()
 
-    def role(i: Instance) -> str:
-        return "elastic" if state.elastic is not None else i.role  # an elastic pool's take either role
-
     def per_instance(value: Callable[[Instance], float]) -> list[tuple[Mapping[str, str], float]]:
-        return [({"role": role(i), "url": i.url}, float(value(i))) for i in instances]
+        return [({"role": state.kind_of(i), "url": i.url}, float(value(i))) for i in instances]
 
     t.metric("pdserve_instance_healthy", "gauge", "1 if the last active health check passed.",
              per_instance(lambda i: i.is_healthy))  # fmt: skip
@@ -133,8 +130,9 @@ def _elastic(t: _Text, router: ElasticRouter, instances: Sequence[Instance]) -> 
     t.metric("pdserve_elastic_calibration_factor", "gauge",
              "Measured over predicted TTFT and TPOT, by kind of placement: the factor the router's cost "
              "model is multiplied by (1 until a kind has measured streams).",
-             [({"kind": kind, "metric": metric}, getattr(calibration, f"{kind}_{metric}"))
-              for kind in ("whole", "split") for metric in ("ttft", "tpot")])  # fmt: skip
+             [({"kind": kind, "metric": metric}, factor)
+              for kind in ("whole", "split")
+              for metric, factor in zip(("ttft", "tpot"), calibration.factors(kind == "split"), strict=True)])  # fmt: skip
     t.metric("pdserve_elastic_calibration_samples", "gauge",
              "The streams, by kind of placement, whose measurements calibrate the router now.",
              [({"kind": kind}, n) for kind, n in samples.items()])  # fmt: skip

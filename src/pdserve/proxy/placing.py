@@ -33,8 +33,8 @@ class Placed:
         t = call.timeline
         if not call.is_stream or call.out.failure is not None or t.first_byte is None or t.num_gaps < 4:
             return None
-        if (t.prefill_done is not None) != self.placement.is_split:
-            return None  # a retry served it whole, or the flow's own reason did
+        if (call.trace.local_prefill_reason is None) != self.placement.is_split:
+            return None  # served whole though placed split: a failed prefill, a retry, the flow's reason
         return Measured(t.first_byte - t.arrived, t.gaps_sum / t.num_gaps)
 
 

@@ -234,14 +234,14 @@ class ProxyState:
     def add(self, instance: Instance) -> None:
         """Put an opened instance into service."""
         self._pools[instance.role].add(instance)
-        log.info("added %s instance %s", self._kind(instance), instance.url)
+        log.info("added %s instance %s", self.kind_of(instance), instance.url)
 
     def drain(self, instance: Instance) -> None:
         """Take no new requests there; the in-flight ones finish."""
         instance.start_draining()
         log.info(
             "draining %s instance %s (%d in flight)",
-            self._kind(instance),
+            self.kind_of(instance),
             instance.url,
             instance.num_in_flight,
         )
@@ -269,7 +269,7 @@ class ProxyState:
         if self.elastic is not None:
             self.elastic.forget(instance.url)
         await instance.upstream.close()
-        log.info("removed %s instance %s", self._kind(instance), instance.url)
+        log.info("removed %s instance %s", self.kind_of(instance), instance.url)
 
     def on_event(self, event: InstanceEvent | KVLogEvent) -> None:
         """What the launcher learnt (stack.py delivers it on the proxy's loop)."""
@@ -289,10 +289,11 @@ class ProxyState:
             instance.gave_up(f"not restarted: {event.detail}")
         elif event.kind == "moved":
             self._move(instance, event.new_url)
-        log.warning("%s instance %s: %s %s", self._kind(instance), instance.url, event.kind, event.detail)
+        log.warning("%s instance %s: %s %s", self.kind_of(instance), instance.url, event.kind, event.detail)
 
-    def _kind(self, instance: Instance) -> str:
-        """The instance's role as its operator named it: an elastic pool's sit in the decode pool."""
+    def kind_of(self, instance: Instance) -> str:
+        """The instance's role as its operator named it (logs, /metrics): an elastic pool's sit in the
+        decode pool but take either role."""
         return "elastic" if self.elastic is not None else instance.role
 
     def _move(self, instance: Instance, new_url: str) -> None:
@@ -351,10 +352,10 @@ class ProxyState:
             took = time.monotonic() - started
             if errors:
                 log.warning("%s instance %s serves after its warm-up failed (%.1f s): %s",
-                            self._kind(instance), instance.url, took, "; ".join(errors))  # fmt: skip
+                            self.kind_of(instance), instance.url, took, "; ".join(errors))  # fmt: skip
             else:
                 log.info("%s instance %s met %d peer pair(s) in %.2f s; in service",
-                         self._kind(instance), instance.url, len(pairs), took)  # fmt: skip
+                         self.kind_of(instance), instance.url, len(pairs), took)  # fmt: skip
 
         task = loop.create_task(run())
         self._tasks.add(task)
