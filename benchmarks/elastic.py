@@ -34,8 +34,8 @@ from _common import add_numbers, print_result, script_parser
 from pdserve.bench.simcluster import Elastic, Fixed, run_trace
 from pdserve.bench.trace import Burst, Phase, Trace, TraceRun
 from pdserve.configparts import ElasticPool
-from pdserve.costmodel import Slo
 from pdserve.sim.profile import Profile, load_profile
+from pdserve.slo import Slo
 
 SLOS = (Slo(ttft_ms=1000, tpot_ms=10), Slo(ttft_ms=300, tpot_ms=20))
 WITHIN = 0.05  # elastic may trail the best fixed layout of a phase by this share

@@ -37,10 +37,10 @@ from typing import Any
 from _common import add_numbers, script_parser
 from pdserve.bench.load import percentile
 from pdserve.bench.simcluster import ClusterLoad, _Pulls, run, serve
-from pdserve.costmodel import Slo
 from pdserve.sim.device import TURN_S, SharedDevice
 from pdserve.sim.engine import SimEngine, VirtualClock
 from pdserve.sim.profile import Profile, load_profile
+from pdserve.slo import Slo
 
 TOLERANCE = 0.2
 DATA = Path(__file__).resolve().parent / "data"

@@ -29,10 +29,10 @@ from typing import Any
 
 from _common import add_numbers, script_parser
 from pdserve.bench.simcluster import ClusterLoad, ClusterRun, Timing, _Pulls, serve
-from pdserve.costmodel import Slo
 from pdserve.sim.device import SharedDevice
 from pdserve.sim.engine import SimEngine, VirtualClock
 from pdserve.sim.profile import Profile, load_profile
+from pdserve.slo import Slo
 from sim_h200 import LAYOUTS, closed_loop, load_measured, vllm_ttft_mean
 
 ARMS = {"1P1D": "disaggregated", "colocated": "colocated"}  # name here -> sim_h200's arm

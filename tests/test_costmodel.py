@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 
 from pdserve.bench.plan import PlanRequest, plan
-from pdserve.costmodel import Calibration, Costs, Load, Model, Slo, rank_layouts
+from pdserve.costmodel import Calibration, Costs, Load, Model, rank_layouts
 from pdserve.errors import ConfigError
 from pdserve.sim.profile import load_profile
+from pdserve.slo import Slo
 
 A100 = load_profile("llama3-8b-a100").costs()
 H200 = load_profile("llama3-8b-h200").costs()
@@ -32,7 +33,7 @@ def test_the_ranking_agrees_with_the_plan_on_its_known_answer() -> None:
     assert (known.recommended.num_prefill, known.recommended.num_decode) == (2, 1)
     ranked = rank_layouts(A100, 3, load, slo)
     assert ranked[0].describe() == "2P1D" and ranked[0].meets_slo
-    assert ranked[0].capacity == pytest.approx(Model(A100, load, slo).pd_capacity(2, 1))
+    assert ranked[0].capacity == pytest.approx(Model(A100, load, slo).capacity(2, 1))
     assert best(A100.with_kv_bandwidth(0.5e9), 3, load, slo) == "3 colocated"
 
 

@@ -11,9 +11,10 @@ from dataclasses import dataclass, field
 from typing import Final
 from urllib.parse import urlsplit
 
-from pdserve.costmodel import Costs, Slo
+from pdserve.costmodel import Costs
 from pdserve.errors import ConfigError
 from pdserve.labels import is_label_key, label_selector
+from pdserve.slo import Slo
 
 MAX_BACKOFF_S: Final = 1.0  # the longest pause between two attempts of one phase (Retries.backoff)
 _PORT_NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,13}[a-z0-9])?")  # a container port's name (IANA_SVC_NAME)
@@ -61,9 +62,14 @@ class ElasticPool:
     # The share of the pool's traffic this router sees: 1/N for each of N proxy workers, which plan
     # alone, each from its own arrivals (ProxyConfig.worker_share).
     traffic_share: float = 1.0
+    # With a TPOT objective, requests wait at the proxy while every decode-side instance runs the most
+    # it allows (proxy/holding.py), at most this long; 0: never held.
+    hold_max_s: float = 30.0
 
     def __post_init__(self) -> None:
         check_positive("proxy.elastic", window_s=self.window_s, replan_s=self.replan_s)
+        if not self.hold_max_s >= 0:
+            raise ConfigError(f"proxy.elastic.hold_max_s must be >= 0, got {self.hold_max_s}")
         if not 0 < self.traffic_share <= 1:
             raise ConfigError(f"proxy.elastic.traffic_share must be in (0, 1], got {self.traffic_share}")
         if (self.slo.ttft_ms is None) != (self.slo.tpot_ms is None):

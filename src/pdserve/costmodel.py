@@ -21,67 +21,13 @@ Pure arithmetic: no I/O, no clock, importable from every layer.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Final
 
 from pdserve.errors import ConfigError
+from pdserve.slo import Slo
 
-_SLO_NAMES: Final = ("ttft", "tpot", "e2el")
 _Z = {0.9: 1.2816, 0.95: 1.6449, 0.975: 1.96, 0.99: 2.3263}  # standard normal quantiles
-
-
-@dataclass(frozen=True)
-class Slo:
-    """Per-request service-level objectives in milliseconds (vLLM's ``--goodput``); None: not judged."""
-
-    ttft_ms: float | None = None
-    tpot_ms: float | None = None
-    e2el_ms: float | None = None
-
-    def __post_init__(self) -> None:
-        for name in _SLO_NAMES:
-            value = getattr(self, f"{name}_ms")
-            if value is not None and not value > 0:
-                raise ConfigError(f"SLO {name} must be > 0 ms, got {value}")
-
-    @property
-    def is_set(self) -> bool:
-        return any(getattr(self, f"{n}_ms") is not None for n in _SLO_NAMES)
-
-    @classmethod
-    def parse(cls, pairs: Sequence[str], flag: str = "--goodput") -> Slo:
-        """vLLM's syntax: ``["ttft:200", "tpot:50"]`` (milliseconds); errors name ``flag``."""
-        values: dict[str, float] = {}
-        for pair in pairs:
-            name, sep, value = pair.partition(":")
-            if not sep or name not in _SLO_NAMES:
-                raise ConfigError(
-                    f"{flag} takes KEY:MS with KEY one of {', '.join(_SLO_NAMES)}, got {pair!r}"
-                )
-            try:
-                values[f"{name}_ms"] = float(value)
-            except ValueError:
-                raise ConfigError(f"{flag} {pair!r}: {value!r} is not a number of ms") from None
-        return cls(**values)
-
-    def goodput_args(self) -> list[str]:
-        pairs = [
-            f"{n}:{getattr(self, f'{n}_ms'):g}" for n in _SLO_NAMES if getattr(self, f"{n}_ms") is not None
-        ]
-        return ["--goodput", *pairs] if pairs else []
-
-    def meets(self, ttft_s: float, tpot_s: float) -> bool:
-        """Whether a request with this TTFT and TPOT (seconds) meets the TTFT and TPOT objectives."""
-        return (self.ttft_ms is None or ttft_s * 1000 <= self.ttft_ms) and (
-            self.tpot_ms is None or tpot_s * 1000 <= self.tpot_ms
-        )
-
-    def describe(self) -> str:
-        parts = [
-            f"{n.upper()} ≤ {getattr(self, f'{n}_ms'):g} ms" for n in _SLO_NAMES if getattr(self, f"{n}_ms")
-        ]
-        return ", ".join(parts) or "none"
 
 
 @dataclass(frozen=True)
@@ -274,11 +220,20 @@ class Model:
         slo = self.slo
         return _max_rate(lambda rate: slo.meets(*self.latency(num_prefill, num_decode, rate)))
 
-    def pd_capacity(self, num_prefill: int, num_decode: int) -> float:
-        return self.capacity(num_prefill, num_decode)
-
-    def colocated_capacity(self, num: int) -> float:
-        return self.capacity(0, num)
+    def max_batch(self, is_split: bool) -> float:
+        """The most sequences one instance may run at once with their TPOT within the SLO, by the step
+        costs: a step of B costs ``a + b·B`` and, serving whole, also the prompts the B bring (``c·L_in``
+        each over ``L_out`` steps). Not calibrated: a calibration factor measured under overload is the
+        load estimate's lag, not the steps'. inf: no TPOT objective, or one a lone sequence misses."""
+        if self.slo is None or self.slo.tpot_ms is None:
+            return math.inf
+        per_seq = self.per_seq_s
+        if not is_split:
+            per_seq += self.p.prefill_per_token_s * self.req.input_len / self.req.output_len
+        if not per_seq > 0:
+            return math.inf
+        batch = (self.slo.tpot_ms / 1000 - self.p.step_base_s) / per_seq
+        return batch if batch >= 1 else math.inf
 
 
 def _wait_quantile(q: float, lam: float, service_s: float, phases: int) -> float:

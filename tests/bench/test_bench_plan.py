@@ -13,9 +13,9 @@ import pytest
 
 from pdserve.bench import simcluster
 from pdserve.bench.plan import PlanRequest, plan
-from pdserve.costmodel import Slo
 from pdserve.errors import ConfigError
 from pdserve.sim.profile import load_profile
+from pdserve.slo import Slo
 
 A100 = load_profile("llama3-8b-a100")
 SLO = Slo(ttft_ms=1000, tpot_ms=20)

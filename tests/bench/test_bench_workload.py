@@ -10,8 +10,8 @@ import pytest
 
 from pdserve.bench.inputs import sharegpt_sample, write_sim_tokenizer
 from pdserve.bench.workload import Workload, client_args
-from pdserve.costmodel import Slo
 from pdserve.errors import ConfigError
+from pdserve.slo import Slo
 
 
 def args_of(workload: Workload, rate: float = math.inf, **kwargs: str) -> list[str]:

@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 import pytest
 
 from pdserve.configparts import ElasticPool
-from pdserve.costmodel import Slo
 from pdserve.proxy.elastic import ElasticRouter, Measured, Placement
 from pdserve.proxy.routing import Load
 from pdserve.sim.profile import load_profile
+from pdserve.slo import Slo
 
 H200 = load_profile("llama3-8b-h200").costs()
 SLO = Slo(ttft_ms=1000, tpot_ms=10)

@@ -3,6 +3,7 @@ another, pull from another, or serve a request whole; the router decides per req
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import Iterator
 from typing import Any
@@ -14,8 +15,8 @@ from proxy_rig import running_proxy
 from sim_matrix import PROFILE, all_stats
 
 from pdserve.configparts import ElasticPool, Retries
-from pdserve.costmodel import Slo
 from pdserve.sim.fleet import SimInstanceSpec, sim_in_thread
+from pdserve.slo import Slo
 
 MODEL = "sim-model"
 LONG = "river " * 3000  # ~4,500 tokens by the proxy's estimate: the unplanned rule splits it
@@ -195,3 +196,30 @@ async def test_streams_that_end_well_calibrate_the_router_and_metrics_show_it(po
         'pdserve_elastic_calibration_samples{kind="whole"} 3',
     ]
     assert 'pdserve_elastic_calibration_factor{kind="whole",metric="tpot"} 1' in text  # 3 < 8: not yet
+
+
+async def test_beyond_what_the_tpot_objective_allows_requests_wait_then_are_served_in_full(
+    pool: tuple[str, ...],
+) -> None:
+    """Step costs by which one sequence per instance is all a 12 ms TPOT allows: six streams at once, and
+    those beyond one per decode-side instance wait at the proxy, then each gets its whole answer."""
+    costs = dataclasses.replace(PROFILE, step_base_s=0.005, decode_per_seq_s=0.004, prefill_per_token_s=1e-6)
+    settings = ElasticPool(costs=costs.costs(), slo=Slo(ttft_ms=1000, tpot_ms=12))
+    with running_proxy((), pool, elastic=True, elastic_pool=settings) as proxy:
+        async with aiohttp.ClientSession() as http:
+
+            async def stream(i: int) -> bytes:
+                body = {"model": MODEL, "prompt": SHORT, "max_tokens": 40, "stream": True}
+                headers = {"X-Request-Id": f"elastic-held-{i}"}
+                async with http.post(f"{proxy}/v1/completions", json=body, headers=headers) as resp:
+                    assert resp.status == 200
+                    return await resp.read()
+
+            answers = await asyncio.gather(*(stream(i) for i in range(6)))
+            held = [(await _placement(http, proxy, f"elastic-held-{i}"))["held_ms"] for i in range(6)]
+            async with http.get(f"{proxy}/metrics") as resp:
+                text = await resp.text()
+    assert all(a.endswith(b"data: [DONE]\n\n") and a.count(b'"text"') == 40 for a in answers)
+    assert sum(1 for ms in held if ms > 0) >= 3  # three instances at most, one request each
+    assert 'pdserve_elastic_held_total{result="overdue"} 0' in text
+    assert "pdserve_elastic_holding 0" in text

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from pdserve.bench.workload import DATASETS, Workload
 from pdserve.config import Topology
-from pdserve.costmodel import Slo
 from pdserve.errors import BenchError, ConfigError
+from pdserve.slo import Slo
 
 if TYPE_CHECKING:
     from pdserve.bench.plan import Plan

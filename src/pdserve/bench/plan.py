@@ -16,9 +16,10 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from pdserve.costmodel import Load, Model, Slo
+from pdserve.costmodel import Load, Model
 from pdserve.errors import ConfigError
 from pdserve.sim.profile import Profile
+from pdserve.slo import Slo
 
 Decision = Literal["disaggregate", "colocate"]
 _MARGIN = 1.05
@@ -88,14 +89,14 @@ def plan(profile: Profile, req: PlanRequest) -> Plan:
     m = req.model(profile)
     best_pd: Config | None = None
     for total in range(2, req.max_instances + 1):
-        fits = [Config(x, total - x, m.pd_capacity(x, total - x)) for x in range(1, total)]
+        fits = [Config(x, total - x, m.capacity(x, total - x)) for x in range(1, total)]
         fits = [c for c in fits if c.capacity >= req.rate]
         if fits:
             best_pd = max(fits, key=lambda c: c.capacity)
             break
     coloc = None
     for n in range(1, req.max_instances + 1):
-        capacity = m.colocated_capacity(n)
+        capacity = m.capacity(0, n)
         if capacity >= req.rate:
             coloc = Config(0, n, capacity)
             break
@@ -134,9 +135,9 @@ def _explain(
     if floor_ms > ttft_ms:
         lines.append(f"split TTFT cannot go below {floor_ms:.1f} ms (prefill + transfer + decode's first steps): "
                      f"over the {ttft_ms:g} ms SLO before any queueing")  # fmt: skip
-    one_p, one_d = m.pd_capacity(1, 10**6), m.pd_capacity(10**6, 1)
+    one_p, one_d = m.capacity(1, 10**6), m.capacity(10**6, 1)
     lines.append(f"alone within the SLOs (Poisson arrivals): a prefill instance {one_p:.2f} req/s, a decode "
-                 f"instance {one_d:.2f} req/s, a colocated one {m.colocated_capacity(1):.2f} req/s")  # fmt: skip
+                 f"instance {one_d:.2f} req/s, a colocated one {m.capacity(0, 1):.2f} req/s")  # fmt: skip
     for name, config in (("disaggregated", pd), ("colocated", coloc)):
         if config is None:
             lines.append(

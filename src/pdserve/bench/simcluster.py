@@ -11,7 +11,8 @@ Goodput is vLLM's: requests that met every SLO per second of the run.
 ``replay`` runs a time-varying trace (bench/trace.py: phases, bursts) against a fixed layout, taken round
 robin as above, or against an elastic pool: N engines of role "both" (each serves whole requests, holds
 KV for a remote decode and pulls one) placed per request by the proxy's own ``ElasticRouter``
-(proxy/elastic.py) on the virtual clock, so what is measured is the code that serves.
+(proxy/elastic.py), behind its own ``Hold`` (proxy/holding.py), on the virtual clock, so what is
+measured is the code that serves.
 """
 
 from __future__ import annotations
@@ -27,13 +28,14 @@ from dataclasses import dataclass
 from pdserve.bench.load import percentile
 from pdserve.bench.trace import Arrival, Served, Trace, TraceRun
 from pdserve.configparts import ElasticPool
-from pdserve.costmodel import Slo
 from pdserve.errors import ConfigError
 from pdserve.proxy.elastic import ElasticRouter, Measured, Placement
+from pdserve.proxy.holding import Hold
 from pdserve.proxy.routing import Load
 from pdserve.sim.engine import SimEngine, VirtualClock
 from pdserve.sim.profile import Profile
 from pdserve.sim.types import RemoteKV, SimRequest, SimRole
+from pdserve.slo import Slo
 
 
 @dataclass(frozen=True)
@@ -250,6 +252,7 @@ async def replay(profile: Profile, trace: Trace, arm: Fixed | Elastic, seed: int
     router: ElasticRouter | None = None
     if isinstance(arm, Elastic):
         router = ElasticRouter(arm.settings, clock.now)
+        hold = Hold(router, arm.settings.hold_max_s, arm.settings.slo.ttft_ms, clock.now, clock.sleep)
         members = [_Member(cluster.add("both", f"e{i}")) for i in range(arm.num_instances)]
     else:
         prefills, decodes = cluster.fixed(arm.num_prefill, arm.num_decode)
@@ -264,9 +267,12 @@ async def replay(profile: Profile, trace: Trace, arm: Fixed | Elastic, seed: int
         start = clock.now()
         prompt = (1_000_000 + a.index, *filler[: a.input_len - 1])
         placement: Placement[_Member] | None = None
+        held = 0.0
         prefilled: Callable[[], None] | None = None
         if router is not None:
-            placement = router.place(members, a.input_len, a.output_len)
+            arrival = router.arrive(a.input_len, a.output_len)
+            held = await hold.wait()
+            placement = router.place(members, a.input_len, a.output_len, arrival)
             used = [m for m in (placement.prefill, placement.decode) if m is not None]
             for m in used:
                 m.num_in_flight += 1
@@ -286,7 +292,7 @@ async def replay(profile: Profile, trace: Trace, arm: Fixed | Elastic, seed: int
         ttft, tpot = first - start, (last - first) / (a.output_len - 1)
         if router is not None and placement is not None:
             placement.decode.num_in_flight -= 1
-            router.done(placement, Measured(ttft, tpot) if times else None)
+            hold.done(placement, Measured(ttft - held, tpot) if times else None)  # placed to first token
         served.append(Served(a.phase, ttft, tpot, prefill is not None))
 
     tasks = []

@@ -18,8 +18,8 @@ import random
 from dataclasses import dataclass
 
 from pdserve.bench.load import percentile
-from pdserve.costmodel import Slo
 from pdserve.errors import ConfigError
+from pdserve.slo import Slo
 
 
 @dataclass(frozen=True)

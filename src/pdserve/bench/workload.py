@@ -15,8 +15,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Final, Literal
 
-from pdserve.costmodel import Slo
 from pdserve.errors import ConfigError
+from pdserve.slo import Slo
 
 Dataset = Literal["random", "prefix", "sharegpt"]
 DATASETS: Final[tuple[Dataset, ...]] = ("random", "prefix", "sharegpt")

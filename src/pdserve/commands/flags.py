@@ -15,8 +15,9 @@ from typing import Any, TypeVar
 
 from pdserve.config import INSTANCE_ROLES, ROLES, ProxySettings, Role, Timeouts, Topology, proxy_default
 from pdserve.configparts import AdmissionLimits, ApiKeys, ElasticPool, HealthChecks, Retries, Routing
-from pdserve.costmodel import Costs, Slo
+from pdserve.costmodel import Costs
 from pdserve.proxy.policies import POLICIES
+from pdserve.slo import Slo
 from pdserve.topologyfile import load_topology, resource_pairs
 
 T = TypeVar("T")

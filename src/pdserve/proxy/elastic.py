@@ -16,6 +16,9 @@ Every instance of an elastic pool can take any role (vLLM decides per request fr
   least prompt work in flight and its decode to the decode-side instance with the fewest requests,
   except that a prompt cheaper to compute than a decode step stays whole on that decode (a split would
   cost more than it saves).
+- with a TPOT objective, each decode-side instance runs at most the requests whose steps keep within it
+  (``room``: the cost model's ``max_batch``, calibrated); beyond that the proxy holds new requests back
+  (holding.py) rather than slow every stream on the instance past the objective.
 - an instance out of service leaves both sides; with one instance left everything is whole there.
 - each stream that ended tells the router what it measured (``done``): measured over predicted, per
   kind of placement, calibrates the next plans (calibrator.py), so a profile of another GPU, or
@@ -35,7 +38,7 @@ from dataclasses import dataclass
 from typing import Generic, Literal
 
 from pdserve.configparts import ElasticPool
-from pdserve.costmodel import Calibration, Layout, Load, rank_layouts
+from pdserve.costmodel import Calibration, Layout, Load, Model, rank_layouts
 from pdserve.proxy.calibrator import Calibrator
 from pdserve.proxy.routing import C, load_score
 
@@ -72,7 +75,9 @@ class Measured:
 
 
 @dataclass(frozen=True)
-class _Arrival:
+class Arrival:
+    """A request as the router counted it on arrival (``ElasticRouter.arrive``)."""
+
     at: float
     input_len: int
     output_len: int
@@ -85,7 +90,7 @@ class ElasticRouter:
     def __init__(self, settings: ElasticPool, clock: Callable[[], float] = time.monotonic) -> None:
         self._settings = settings
         self._clock = clock
-        self._arrivals: deque[_Arrival] = deque()
+        self._arrivals: deque[Arrival] = deque()
         self._first_arrival: float | None = None
         self._layout: Layout | None = None
         self._planned_at = -float("inf")
@@ -98,27 +103,49 @@ class ElasticRouter:
         self.decisions = {"whole": 0, "split": 0}
         self._calibrator = Calibrator(_CALIBRATION_SAMPLES, Load(1.0, 1, 2).quantile)
         self._calibration = Calibration()
+        self._max_batch = math.inf  # requests a decode-side instance may run within the TPOT objective
 
     # --- what the flow calls ----------------------------------------------------------------------
 
-    def place(self, members: Sequence[C], prompt_tokens: int, max_tokens: int | None) -> Placement[C]:
-        """Where a request of ``prompt_tokens`` uncached tokens asking ``max_tokens`` goes, among the
-        instances in service (``members``, at least one)."""
-        if not members:
-            raise LookupError("no instance to place a request on")
+    def arrive(self, prompt_tokens: int, max_tokens: int | None) -> Arrival:
+        """Count a request of ``prompt_tokens`` uncached tokens asking ``max_tokens`` into the traffic the
+        plans see, when it arrives (a request the proxy holds back is traffic all the same)."""
         now = self._clock()
         output_len = max(2, max_tokens if max_tokens is not None else _DEFAULT_OUTPUT_LEN)
-        self._arrivals.append(_Arrival(now, prompt_tokens, output_len))
+        arrival = Arrival(now, prompt_tokens, output_len)
+        self._arrivals.append(arrival)
         if self._first_arrival is None:
             self._first_arrival = now
         while self._arrivals and self._arrivals[0].at < now - self._settings.window_s:
             self._arrivals.popleft()
+        return arrival
+
+    def place(self, members: Sequence[C], prompt_tokens: int, max_tokens: int | None,
+              arrival: Arrival | None = None) -> Placement[C]:  # fmt: skip
+        """Where a request of ``prompt_tokens`` uncached tokens asking ``max_tokens`` goes, among the
+        instances in service (``members``, at least one); ``arrival``: what ``arrive`` counted for it,
+        if it was called (else ``place`` counts it)."""
+        if not members:
+            raise LookupError("no instance to place a request on")
+        if arrival is None:
+            arrival = self.arrive(prompt_tokens, max_tokens)
+        now = self._clock()
         if now - self._planned_at >= self._settings.replan_s:
             self._replan(len(members), now)
         self._assign_sides(members)
         placement = self._choose(members, prompt_tokens)
         self._begin(placement, prompt_tokens)
         return placement
+
+    def room(self) -> float:
+        """How many more requests the decode side takes before each of its instances runs the most its
+        TPOT objective allows (inf: no objective, no plan yet, or no step costs to count with)."""
+        if math.isinf(self._max_batch):
+            return math.inf
+        decodes = [url for url, side in self._sides.items() if side == "decode"]
+        if not decodes:
+            return math.inf
+        return sum(max(0.0, self._max_batch - self._requests.get(url, 0)) for url in decodes)
 
     def prefilled(self, placement: Placement[C], prompt_tokens: int) -> None:
         """The request's prefill ended (its KV is held for decode, or it failed)."""
@@ -169,6 +196,7 @@ class ElasticRouter:
             "sides": dict(self._sides),
             "decisions": dict(self.decisions),
             "calibration": {**vars(self._calibration), "samples": self.calibration_samples()},
+            "max_requests_per_decode": None if math.isinf(self._max_batch) else round(self._max_batch, 1),
         }
 
     # --- deciding ---------------------------------------------------------------------------------
@@ -188,7 +216,7 @@ class ElasticRouter:
         self._planned_at = now
         costs, load = self._settings.costs, self._load()
         if costs is None or load is None or num_instances < 2:
-            self._layout = None
+            self._layout, self._max_batch = None, math.inf
             return
         slo = self._settings.slo if self._settings.slo.ttft_ms is not None else None
         self._calibration = self._calibrator.calibration()
@@ -205,6 +233,9 @@ class ElasticRouter:
         if current is not None and not _clearly_better(best, current):
             best = current
         self._layout = best
+        # Each of several proxy workers counts only the requests it placed, so it takes its share.
+        batch = Model(costs, load, slo).max_batch(best.is_split) * self._settings.traffic_share
+        self._max_batch = max(1.0, math.floor(batch)) if batch < math.inf else math.inf
 
     def _assign_sides(self, members: Sequence[C]) -> None:
         """Give the members the layout's sides, moving as few as possible."""
@@ -245,7 +276,8 @@ class ElasticRouter:
             why = f"{layout}: whole" if self._layout is not None else "one instance in service: whole"
             if self._layout is not None and self._is_cheap(prompt_tokens):
                 why = f"{layout}: {prompt_tokens} prompt tokens cost less than a decode step: whole"
-            return Placement(None, self._least_prompt_backlog(members), layout, why, self._predicted(False))
+            whole = self._least_prompt_backlog(self._with_room(members))
+            return Placement(None, whole, layout, why, self._predicted(False))
         decode = self._least_requests(decode_side)
         if self._is_cheap(prompt_tokens):
             return Placement(None, decode, layout, f"{layout}: {prompt_tokens} prompt tokens cost less than a "
@@ -280,6 +312,11 @@ class ElasticRouter:
         """Whether the prompt costs less to compute than a decode step (a split would cost more)."""
         costs = self._settings.costs
         return costs is not None and prompt_tokens * costs.prefill_per_token_s < costs.step_base_s
+
+    def _with_room(self, members: Sequence[C]) -> Sequence[C]:
+        """Those of ``members`` below the most requests the TPOT objective allows (all, if none is)."""
+        below = [m for m in members if self._requests.get(m.url, 0) < self._max_batch]
+        return below or members
 
     def _least_requests(self, members: Sequence[C]) -> C:
         return min(members, key=lambda m: (self._requests.get(m.url, 0), load_score(m)))

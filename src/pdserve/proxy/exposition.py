@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from pdserve.proxy.admission import Admission
 from pdserve.proxy.elastic import ElasticRouter
+from pdserve.proxy.holding import Hold
 from pdserve.proxy.instance import Instance
 from pdserve.proxy.state import ProxyState
 from pdserve.proxy.timeline import PHASES, Histogram
@@ -113,6 +114,8 @@ def render(state: ProxyState, admission: Admission) -> str:
              [({}, ledger.num_overdue())])  # fmt: skip
     if state.elastic is not None:
         _elastic(t, state.elastic, instances)
+    if state.hold is not None:
+        _hold(t, state.hold)
     return "\n".join(t.lines) + "\n"
 
 
@@ -136,3 +139,15 @@ def _elastic(t: _Text, router: ElasticRouter, instances: Sequence[Instance]) -> 
     t.metric("pdserve_elastic_calibration_samples", "gauge",
              "The streams, by kind of placement, whose measurements calibrate the router now.",
              [({"kind": kind}, n) for kind, n in samples.items()])  # fmt: skip
+
+
+def _hold(t: _Text, hold: Hold) -> None:
+    t.metric("pdserve_elastic_held_total", "counter",
+             "Requests the elastic pool held back while every decode-side instance ran the most its TPOT "
+             "objective allows (overdue: placed after the hold's limit without room).",
+             [({"result": "placed"}, hold.num_held - hold.num_overdue), ({"result": "overdue"}, hold.num_overdue)])  # fmt: skip
+    t.metric("pdserve_elastic_held_seconds_total", "counter", "The seconds held requests waited, summed.",
+             [({}, hold.held_s)])  # fmt: skip
+    t.metric(
+        "pdserve_elastic_holding", "gauge", "Requests waiting in the hold now.", [({}, hold.num_waiting)]
+    )

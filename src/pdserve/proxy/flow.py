@@ -76,8 +76,8 @@ from pdserve.proxy.attempt import (
 )
 from pdserve.proxy.choice import Chooser
 from pdserve.proxy.decode import Decoder
-from pdserve.proxy.elastic import ElasticRouter
 from pdserve.proxy.guard import LeaseGuard
+from pdserve.proxy.holding import Hold
 from pdserve.proxy.instance import Instance
 from pdserve.proxy.ledger import Handoff
 from pdserve.proxy.migrate import Migrator
@@ -194,26 +194,25 @@ class Flow:
 
     def _serve(self, call: Call, slot: HandoffSlot, avoid: Sequence[Instance] = ()) -> Awaitable[None]:
         """The attempts, in order, until the client has its answer; an ``UpstreamError`` says why not.
-        In an elastic pool the router places the request first and hears when it ends. ``avoid``: decodes
+        In an elastic pool the router places the request first (after the hold) and hears when it ends. ``avoid``: decodes
         a migrated stream's continuation does not go back to. (Not a coroutine itself: a fixed pool's
         request awaits the attempts with one frame fewer.)"""
         local_reason = (
             "colocated: no split" if self._config.colocated else protocol.needs_local_prefill(call.body)
         )
-        router = self._state.elastic
-        if router is None:
+        hold = self._state.hold
+        if hold is None:
             return self._attempts(call, slot, local_reason, None, avoid)
-        return self._placed(router, call, slot, local_reason, avoid)
+        return self._placed(hold, call, slot, local_reason, avoid)
 
     async def _placed(
-        self, router: ElasticRouter, call: Call, slot: HandoffSlot, local_reason: str | None,
-        avoid: Sequence[Instance],
-    ) -> None:  # fmt: skip
-        placed, local_reason = place(router, self._chooser.members(), call, local_reason)
+        self, hold: Hold, call: Call, slot: HandoffSlot, local_reason: str | None, avoid: Sequence[Instance]
+    ) -> None:
+        placed, local_reason = await place(hold, self._chooser.members, call, local_reason)
         try:
             await self._attempts(call, slot, local_reason, placed, avoid)
         finally:
-            router.done(placed.placement, placed.measured(call))
+            hold.done(placed.placement, placed.measured(call))
 
     async def _attempts(
         self, call: Call, slot: HandoffSlot, local_reason: str | None, placed: Placed | None,

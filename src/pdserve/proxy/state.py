@@ -20,6 +20,7 @@ from pdserve.events import InstanceEvent, KVLogEvent
 from pdserve.protocol import Endpoint
 from pdserve.proxy.breaker import CircuitBreaker
 from pdserve.proxy.elastic import ElasticRouter
+from pdserve.proxy.holding import Hold
 from pdserve.proxy.instance import EngineLoad, Instance
 from pdserve.proxy.ledger import Ledger
 from pdserve.proxy.record import Trace
@@ -152,6 +153,8 @@ class ProxyState:
         # An elastic pool's instances take either role: both roles draw from one pool, and the router
         # (proxy/elastic.py) decides per request which instance plays which.
         self.elastic = ElasticRouter(config.elastic_pool) if config.elastic else None
+        pool = config.elastic_pool
+        self.hold = None if self.elastic is None else Hold(self.elastic, pool.hold_max_s, pool.slo.ttft_ms)
         if config.elastic:
             self._pools["prefill"] = self._pools["decode"]
         urls: dict[Role, tuple[str, ...]] = {"prefill": config.prefill_urls, "decode": config.decode_urls}
@@ -268,6 +271,8 @@ class ProxyState:
         self._pools[instance.role].discard(instance)
         if self.elastic is not None:
             self.elastic.forget(instance.url)
+        if self.hold is not None:
+            self.hold.wake()
         await instance.upstream.close()
         log.info("removed %s instance %s", self.kind_of(instance), instance.url)
 

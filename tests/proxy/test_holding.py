@@ -1,0 +1,110 @@
+"""The elastic pool's hold (proxy/holding.py): with a TPOT objective, requests wait at the proxy while
+every decode-side instance runs the most the objective allows; room goes first to requests that can
+still meet their TTFT, nothing waits past the hold's limit, and a client that leaves gives its turn on.
+Driven with the router on a hand-moved clock (tests/proxy/test_elastic.py's), as the flow drives it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from tests.proxy.test_elastic import H200, SLO, Clock, Member, drive, pool
+
+from pdserve.configparts import ElasticPool
+from pdserve.errors import ConfigError
+from pdserve.proxy.elastic import ElasticRouter, Placement
+from pdserve.proxy.holding import Hold
+
+
+def full_pool(
+    hold_max_s: float = 30.0,
+) -> tuple[Hold, ElasticRouter, Clock, list[Member], list[Placement[Member]]]:
+    """Eight colocated instances of the H200 profile (1,000-token answers: decode-heavy), each running
+    the most its 10 ms TPOT allows: the placements still in flight are returned."""
+    clock = Clock()
+    router = ElasticRouter(ElasticPool(costs=H200, slo=SLO, hold_max_s=hold_max_s), clock)
+    members = pool(8)
+    running = drive(router, clock, members, 40, 5, 300, 1000, finish=False)
+    assert router.layout == "8 colocated"
+    while router.room() >= 1:
+        running.append(router.place(members, 300, 1000))
+    return Hold(router, hold_max_s, SLO.ttft_ms, clock, asyncio.sleep), router, clock, members, running
+
+
+async def settle() -> None:
+    """Let woken waiters run to their return."""
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def test_a_decode_heavy_pool_runs_each_instance_up_to_what_its_tpot_objective_allows() -> None:
+    _, router, _, members, running = full_pool()
+    max_batch = router.describe()["max_requests_per_decode"]
+    assert isinstance(max_batch, int) and 80 < max_batch < 140  # the profile's steps: ~116 within 10 ms
+    counts = {m.url: sum(1 for p in running if p.decode is m) for m in members}
+    assert all(abs(n - max_batch) <= 1 for n in counts.values()), counts
+
+
+def test_no_tpot_objective_no_hold() -> None:
+    router = ElasticRouter(ElasticPool(costs=H200), Clock())
+    members = pool(8)
+    for _ in range(2000):
+        router.place(members, 300, 1000)
+    assert router.room() == float("inf")
+
+
+async def test_a_request_waits_for_room_and_is_placed_when_a_stream_ends() -> None:
+    hold, router, _, members, running = full_pool()
+    waiting = asyncio.ensure_future(hold.wait())
+    await asyncio.sleep(0.01)
+    assert not waiting.done() and hold.num_waiting == 1
+    ended = running.pop()
+    hold.done(ended)
+    await settle()
+    assert waiting.done() and hold.num_held == 1
+    placed = router.place(members, 300, 1000)
+    assert placed.decode is ended.decode  # the room it left
+
+
+async def test_room_goes_first_to_a_request_that_can_still_meet_its_ttft() -> None:
+    hold, _, clock, _, running = full_pool()
+    late = asyncio.ensure_future(hold.wait())
+    await asyncio.sleep(0)
+    clock.t += 2.0  # past its TTFT objective of 1 s
+    fresh = asyncio.ensure_future(hold.wait())
+    await asyncio.sleep(0)
+    hold.done(running.pop())
+    await settle()
+    assert fresh.done() and not late.done()
+    hold.done(running.pop())
+    await settle()
+    assert late.done()
+
+
+async def test_a_client_that_leaves_while_waiting_gives_its_turn_to_the_next() -> None:
+    hold, _, _, _, running = full_pool()
+    first = asyncio.ensure_future(hold.wait())
+    second = asyncio.ensure_future(hold.wait())
+    await asyncio.sleep(0)
+    hold.done(running.pop())  # wakes the first ...
+    first.cancel()  # ... whose client is gone before it is placed
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    await settle()
+    assert second.done() and hold.num_waiting == 0
+
+
+async def test_no_request_waits_past_the_holds_limit() -> None:
+    hold, _, _, _, _ = full_pool(hold_max_s=0.05)
+    waited = await asyncio.wait_for(hold.wait(), 5)
+    assert waited >= 0 and hold.num_overdue == 1 and hold.num_waiting == 0
+
+
+async def test_a_hold_limit_of_zero_never_holds() -> None:
+    hold, _, _, _, _ = full_pool(hold_max_s=0)
+    assert await hold.wait() == 0.0 and hold.num_held == 0
+
+
+def test_a_negative_hold_limit_is_refused() -> None:
+    with pytest.raises(ConfigError, match="hold_max_s"):
+        ElasticPool(hold_max_s=-1)
