@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from tests.proxy.test_elastic import H200, SLO, Clock, Member, drive, pool
+from test_elastic import H200, SLO, Clock, Member, drive, pool
 
 from pdserve.configparts import ElasticPool
 from pdserve.errors import ConfigError
