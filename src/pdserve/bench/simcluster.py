@@ -270,9 +270,7 @@ async def replay(profile: Profile, trace: Trace, arm: Fixed | Elastic, seed: int
         held = 0.0
         prefilled: Callable[[], None] | None = None
         if router is not None:
-            arrival = router.arrive(a.input_len, a.output_len)
-            held = await hold.wait()
-            placement = router.place(members, a.input_len, a.output_len, arrival)
+            placement, held = await hold.place(lambda: members, a.input_len, a.output_len)
             used = [m for m in (placement.prefill, placement.decode) if m is not None]
             for m in used:
                 m.num_in_flight += 1

@@ -25,7 +25,7 @@ import asyncio
 import itertools
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from pdserve.proxy.elastic import ElasticRouter, Measured, Placement
@@ -44,8 +44,8 @@ class _Waiter:
 
 
 class Hold:
-    """The one owner of the requests waiting for room; the router owns the counts that make room. The
-    caller places a request it let through, and tells it (``done``) when the request ends."""
+    """The one owner of the requests waiting for room; the router owns the counts that make room.
+    ``place`` holds and places a request; ``done`` is told when it ends."""
 
     def __init__(
         self,
@@ -71,10 +71,20 @@ class Hold:
     def num_waiting(self) -> int:
         return len(self._waiters)
 
+    async def place(
+        self, members: Callable[[], Sequence[C]], prompt_tokens: int, max_tokens: int | None
+    ) -> tuple[Placement[C], float]:
+        """A request counted into the traffic on arrival, held while there is no room, then placed
+        among ``members()`` (read after the wait: instances may have come or gone); and the seconds it
+        waited. One step, so nothing runs between its turn and its placement."""
+        arrival = self.router.arrive(prompt_tokens, max_tokens)
+        held_s = await self.wait()
+        return self.router.place(members(), prompt_tokens, max_tokens, arrival), held_s
+
     async def wait(self) -> float:
         """Return when a request arriving now may be placed: at once when there is room and nobody
         waits ahead, else when ``wake`` gives it a turn, or after ``max_s``. The caller places it before
-        its next ``await``. Returns the seconds it waited."""
+        its next ``await`` (``place`` does both). Returns the seconds it waited."""
         if self._waiters:
             self.wake()  # room may have come without a request ending: a plan for less traffic
         if self._max_s <= 0 or (not self._waiters and self.router.room() - self._woken >= 1):

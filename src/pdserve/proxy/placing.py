@@ -51,11 +51,8 @@ async def place(
     num_tokens = call.prompt.num_tokens if call.prompt is not None else estimate_prompt_tokens(call.body)
     max_tokens = call.body.get("max_tokens", call.body.get("max_completion_tokens"))
     max_tokens = max_tokens if isinstance(max_tokens, int) else None
-    router = hold.router
-    arrival = router.arrive(num_tokens, max_tokens)
-    held_s = await hold.wait()
-    placement = router.place(members(), num_tokens, max_tokens, arrival)  # no await since the hold's turn
-    placed = Placed(router, placement, num_tokens, held_s)
+    placement, held_s = await hold.place(members, num_tokens, max_tokens)
+    placed = Placed(hold.router, placement, num_tokens, held_s)
     reason = placement.reason
     if placement.prefill is not None and local_reason is not None:
         placed.prefilled()  # placed as a split, but served whole: local_reason says why
