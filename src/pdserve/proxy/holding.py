@@ -9,8 +9,9 @@ few requests meet it. Held back, the requests admitted keep their pace and the r
   still meet their TTFT objective; those past it go after, oldest first. A request that has missed its
   first token's objective should not take the place of one that still can. The deadline leaves a fifth
   of the objective for computing the prompt: with none, the head of the line under sustained overload is
-  always a request about to be late, and each placed one misses by its prefill (benchmarks/elastic.py's
-  burst phase: 1,020 of 3,118 requests late that way, 512 with the fifth left).
+  always a request about to be late, and each placed one misses by its prefill (phases 3 and 4 of
+  benchmarks/elastic.py, eight colocated at 94 requests each: 1,020 of 3,118 late that way, 512 with the
+  fifth left).
 - no request waits past ``max_s``: then it is placed whatever the room (nothing waits without bound).
 - a request whose client leaves while it waits, or between being woken and being placed, gives its turn
   to the next.
