@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import openai
 import pytest
@@ -341,6 +342,47 @@ def test_prefill_killed_mid_request_leaves_every_request_to_decode_until_up_rest
 MIGRATED_TOKENS = 400
 
 
+def _stream_killing_decode_at_its_first_token(
+    kill: _Kill, prompt: str, request_id: str
+) -> tuple[str, str | None, float]:
+    """Streams ``prompt`` through the quick proxy and SIGKILLs decode as soon as the client holds a token;
+    returns the text the client read, its finish reason and the kill's time."""
+    _, pgid = kill.victim("decode")
+    stream = kill.quick_client.completions.create(
+        model=kill.model_name,
+        prompt=prompt,
+        max_tokens=MIGRATED_TOKENS,
+        temperature=0,
+        stream=True,
+        logprobs=20,  # slower to write, less of the stream buffered ahead of a CPU-starved client
+        extra_headers={"X-Request-Id": request_id},
+    )
+    received, texts, killed_at, finish = 0, [], 0.0, None
+    for chunk in stream:  # an error event would raise here
+        for choice in chunk.choices:
+            texts.append(choice.text)
+            received += bool(choice.text)
+            finish = choice.finish_reason or finish
+        if received >= 1 and not killed_at:
+            killed_at = time.monotonic()
+            os.killpg(pgid, signal.SIGKILL)
+    assert killed_at, "the stream ended before decode could be killed"
+    return "".join(texts), finish, killed_at
+
+
+def _finished_trace(proxy_url: str, request_id: str) -> dict[str, Any]:
+    """The request's walk-through in /requests once the proxy has counted its outcome (the client can
+    read a stream's end before the proxy is done with it)."""
+    found: list[dict[str, Any]] = []
+
+    def finished() -> bool:
+        found[:] = httpclient.get(f"{proxy_url}/requests?id={request_id}", 10).json()["requests"]
+        return bool(found) and found[0]["outcome"] is not None
+
+    assert _wait_until(finished, timeout=10), found
+    return found[0]
+
+
 def test_decode_killed_mid_stream_the_stream_goes_on_with_one_instances_text_and_up_restarts_it(
     kill: _Kill,
 ) -> None:
@@ -348,51 +390,45 @@ def test_decode_killed_mid_stream_the_stream_goes_on_with_one_instances_text_and
     only survivor serves the continuation whole: docs/migration.md) and reads, to its last token, as the
     answer one instance gives alone: no error, no repeat, no gap."""
     stack, client, decode_alone, model_name = kill.stack, kill.client, kill.decode_alone, kill.model_name
-    spec, pgid = kill.victim("decode")
-    warmups_before = warmups(stack)
+    spec, _ = kill.victim("decode")
     prefill = stack.urls("prefill")[0]
     prompt = _prompt("midstream", 16)
     alone = decode_alone.completions.create(
         model=model_name, prompt=prompt, max_tokens=MIGRATED_TOKENS, temperature=0
     )
     load = kill.load()
+    attempts = 3
     with load:
-        stream = kill.quick_client.completions.create(
-            model=model_name,
-            prompt=prompt,
-            max_tokens=MIGRATED_TOKENS,
-            temperature=0,
-            stream=True,
-            logprobs=20,
-        )
-        received, texts, killed_at = 0, [], 0.0
-        finish = None
-        # Killed as soon as the client holds a token. Loopback sockets buffer megabytes: a client starved of
-        # CPU could find the whole stream waiting at its first read. Twenty logprobs a token make the stream
-        # slower to write and too big to buffer.
-        for chunk in stream:  # an error event would raise here
-            for choice in chunk.choices:
-                texts.append(choice.text)
-                received += bool(choice.text)
-                finish = choice.finish_reason or finish
-            if received >= 1 and not killed_at:
-                killed_at = time.monotonic()
-                os.killpg(pgid, signal.SIGKILL)
-        assert killed_at, "the stream ended before decode could be killed"
-        assert finish == alone.choices[0].finish_reason
-        assert "".join(texts) == alone.choices[0].text  # the single instance's answer, across the seam
-        # The proxy counts the migration once the seam has written the stream's end, which the client may
-        # read first.
-        metrics_url = str(kill.quick_client.base_url).removesuffix("/v1/") + "/metrics"
+        for attempt in range(1, attempts + 1):
+            warmups_before = warmups(stack)
+            request_id = f"midstream-{uuid.uuid4().hex[:8]}"
+            text, finish, killed_at = _stream_killing_decode_at_its_first_token(kill, prompt, request_id)
+            assert finish == alone.choices[0].finish_reason
+            assert text == alone.choices[0].text  # the single instance's answer, across the seam
+            quick_url = str(kill.quick_client.base_url).removesuffix("/v1/")
+            trace = _finished_trace(quick_url, request_id)
+            if trace["migrations"]:
+                break
+            # Decode had written the whole stream before the kill landed: on two busy cores the client
+            # can be kept off the CPU while the stream fills the socket buffers. The case under test did not
+            # happen; once decode is back it is tried again.
+            print(f"[e2e] attempt {attempt}: decode finished the stream before the kill", flush=True)
+            _restarted_by_the_supervisor(stack, spec, killed_at)
+            wait_warmed_up(stack, warmups_before)
+        else:
+            pytest.fail(f"decode finished the stream before it was killed, {attempts} times")
+        assert [m["result"] for m in trace["migrations"]] == ["ok"], trace["migrations"]
         migrated = b'pdserve_migrations_total{result="ok"} 1'
-        assert _wait_until(lambda: migrated in httpclient.get(metrics_url, 10).body, timeout=10), [
-            line for line in httpclient.get(metrics_url, 10).body.splitlines() if b"migrations" in line
+        assert _wait_until(lambda: migrated in httpclient.get(f"{quick_url}/metrics", 10).body, timeout=10), [
+            line
+            for line in httpclient.get(f"{quick_url}/metrics", 10).body.splitlines()
+            if b"migrations" in line
         ]
         _restarted_by_the_supervisor(stack, spec, killed_at)
     # While decode restarted the prefill served whole requests in its place: the load's errors are the
-    # requests decode held when it died (two load threads), none a refusal for want of a decode.
+    # requests decode held when it died (two load threads at each kill), none a refusal for want of a decode.
     errors = load.assert_answered_or_clearly_refused()
-    assert len(errors) <= 2 and not [e for e in errors if e.status_code == 503], errors
+    assert len(errors) <= 2 * attempt and not [e for e in errors if e.status_code == 503], errors
     # The stream's KV was pulled before its first token, and the load's handoffs that died with decode
     # are released by their lease: prefill ends up holding nothing.
     assert _wait_until(lambda: _kv_usage(prefill) == 0.0, timeout=LEASE_S + 15)
