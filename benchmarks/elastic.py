@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/elastic.py [--profile llama3-8b-h200] [--instances 8] [--phase-s 30]
                                            [--burst-phase-s 40] [--slow-gbps 0.5] [--seed 0]
+                                           [--pinned 5,0] [--skip-slow]
 
 One trace (bench/trace.py), replayed on the simulator's engines on a virtual clock (bench/simcluster.py):
 
@@ -14,7 +15,9 @@ Arms: the elastic pool (N engines that each serve whole requests, hold KV for a 
 it; the proxy's own ElasticRouter places every request, on the virtual clock), every fixed xPyD of the
 same N and N colocated (round robin, as the proxy's default). The fixed layouts do not depend on the SLO:
 each runs once and is scored against both pairs; the router plans against its SLO, so the elastic pool
-runs once per pair. Goodput: requests that met both objectives per second of their phase (a request
+runs once per pair. --pinned X,... adds, per pair, the same router and hold kept to X prefill-side
+instances ("5P3D+hold"; 0 is all colocated): a fixed layout with everything else the pool has, which
+tells the gain of moving the layout from the gain of holding. Goodput: requests that met both objectives per second of their phase (a request
 counts to the phase it arrived in, however late it ends; the replay waits for the last one). Then the
 same over a link too slow to split (--slow-gbps): the elastic pool against colocated (which moves no KV,
 so its run over the fast link is the same run).
@@ -64,17 +67,19 @@ def replay(profile: Profile, trace: Trace, arm: Fixed | Elastic, seed: int) -> T
 
 def table(title: str, trace: Trace, slo: Slo, runs: list[TraceRun]) -> None:
     print(f"\n{title}: goodput, requests/s meeting {slo.describe()}")
-    print(f"{'phase':<64}" + "".join(f"{r.arm:>9}" for r in runs))
+    print(f"{'phase':<64}" + "".join(f"{r.arm:>11}" for r in runs))
     rows = [(f"{k + 1}. {p.describe()}", k) for k, p in enumerate(trace.phases)]
     for label, k in [*rows, ("overall", None)]:
-        print(f"{label:<64}" + "".join(f"{r.goodput(slo, k):9.1f}" for r in runs))
+        print(f"{label:<64}" + "".join(f"{r.goodput(slo, k):11.1f}" for r in runs))
     for field, name in (("ttft_s", "TTFT"), ("tpot_s", "TPOT")):
         for q in (0.5, 0.9):
             print(f"{f'{name} p{int(q * 100)} ms (all phases)':<64}"
-                  + "".join(f"{1e3 * r.quantile(field, q):9.0f}" for r in runs))  # fmt: skip
+                  + "".join(f"{1e3 * r.quantile(field, q):11.0f}" for r in runs))  # fmt: skip
 
 
-def judge(trace: Trace, slo: Slo, elastic: TraceRun, fixed: list[TraceRun]) -> dict[str, Any]:
+def judge(
+    trace: Trace, slo: Slo, elastic: TraceRun, fixed: list[TraceRun], held: list[TraceRun]
+) -> dict[str, Any]:
     phases = []
     for k in range(len(trace.phases)):
         best = max(fixed, key=lambda r: r.goodput(slo, k))
@@ -96,6 +101,11 @@ def judge(trace: Trace, slo: Slo, elastic: TraceRun, fixed: list[TraceRun]) -> d
         # per-phase choice of layout can reach
         "per_phase_best_over_best_single": round(oracle / trace.duration_s / single.goodput(slo), 3),
         "over_best_single_ok": ratio >= OVER_BEST_SINGLE,
+        # the pinned layouts with the pool's router and hold (--pinned): elastic against the best of them
+        "held": {r.arm: round(r.goodput(slo), 2) for r in held},
+        "over_best_held": round(elastic.goodput(slo) / max(r.goodput(slo) for r in held), 3)
+        if held
+        else None,
     }
 
 
@@ -116,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
         p, {"--instances": 8, "--phase-s": 30.0, "--burst-phase-s": 40.0, "--slow-gbps": 0.5, "--seed": 0}
     )
     p.add_argument("--profile", default="llama3-8b-h200")
+    p.add_argument("--pinned", default="", help="prefill-side counts to run pinned with the hold, e.g. 5,0")
+    p.add_argument("--skip-slow", action="store_true", help="leave out the slow link's runs")
     a = p.parse_args(argv)
     profile, n = load_profile(a.profile), a.instances
     slow = profile.with_kv_bandwidth(a.slow_gbps * 1e9)
@@ -127,11 +139,16 @@ def main(argv: list[str] | None = None) -> int:
     fixed.append(replay(profile, trace, Fixed(0, n), a.seed))
     colocated = fixed[-1]
     verdicts, slow_verdicts = [], []
+    pinned = [int(x) for x in a.pinned.split(",") if x.strip()]
     for slo in SLOS:
         elastic = replay(profile, trace, Elastic(n, ElasticPool(costs=profile.costs(), slo=slo)), a.seed)
+        held = [replay(profile, trace, Elastic(n, ElasticPool(costs=profile.costs(), slo=slo, num_prefill=x)),
+                       a.seed) for x in pinned]  # fmt: skip
         table(f"{slo.describe()}, KV link of {profile.kv_bandwidth_bytes_per_s / 1e9:.0f} GB/s", trace, slo,
-              [elastic, *fixed])  # fmt: skip
-        verdicts.append(judge(trace, slo, elastic, fixed))
+              [elastic, *held, *fixed])  # fmt: skip
+        verdicts.append(judge(trace, slo, elastic, fixed, held))
+        if a.skip_slow:
+            continue
         on_slow = replay(slow, trace, Elastic(n, ElasticPool(costs=slow.costs(), slo=slo)), a.seed)
         table(f"{slo.describe()}, KV link of {a.slow_gbps:g} GB/s", trace, slo, [on_slow, colocated])
         slow_verdicts.append(slow_judge(trace, slo, on_slow, colocated))
@@ -142,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{v['over_best_single']}x the best single fixed layout ({v['best_single']}), goal "
               f"{OVER_BEST_SINGLE}x: {v['over_best_single_ok']} (the best layout of each phase, switched "
               f"at no cost, would be {v['per_phase_best_over_best_single']}x)")  # fmt: skip
+        if v["held"]:
+            print(f"{v['slo']}: {v['over_best_held']}x the best pinned layout with the hold ({v['held']})")
     for v in slow_verdicts:
         print(f"{v['slo']} over {a.slow_gbps:g} GB/s: within 5 % of colocated: {v['ok']}")
     print_result({"fast": verdicts, "slow": slow_verdicts, "cpu_s": round(cpu),

@@ -65,11 +65,17 @@ class ElasticPool:
     # With a TPOT objective, requests wait at the proxy while every decode-side instance runs the most
     # it allows (proxy/holding.py), at most this long; 0: never held.
     hold_max_s: float = 30.0
+    # Keep this many instances on the prefill side (0: all serve whole requests) instead of the plan's
+    # choice; placement and the hold work as ever. A fixed layout with the pool's router: what
+    # benchmarks/elastic.py measures the moving layout against.
+    num_prefill: int | None = None
 
     def __post_init__(self) -> None:
         check_positive("proxy.elastic", window_s=self.window_s, replan_s=self.replan_s)
         if not self.hold_max_s >= 0:
             raise ConfigError(f"proxy.elastic.hold_max_s must be >= 0, got {self.hold_max_s}")
+        if self.num_prefill is not None and self.num_prefill < 0:
+            raise ConfigError(f"proxy.elastic.num_prefill must be >= 0, got {self.num_prefill}")
         if not 0 < self.traffic_share <= 1:
             raise ConfigError(f"proxy.elastic.traffic_share must be in (0, 1], got {self.traffic_share}")
         if (self.slo.ttft_ms is None) != (self.slo.tpot_ms is None):

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from pdserve.configparts import ElasticPool
+from pdserve.errors import ConfigError
 from pdserve.proxy.elastic import ElasticRouter, Measured, Placement
 from pdserve.proxy.routing import Load
 from pdserve.sim.profile import load_profile
@@ -116,6 +117,21 @@ def test_sides_move_with_the_load_and_no_more_instances_than_the_layouts_differ_
     assert r.layout == "8 colocated" != split_layout
     moved = [u for u in before if before[u] != after[u]]
     assert sorted(moved) == sorted(u for u in before if before[u] == "prefill")  # only the prefill side
+
+
+def test_a_pinned_pool_keeps_its_layout_whatever_the_traffic() -> None:
+    clock = Clock()
+    r = ElasticRouter(ElasticPool(costs=H200, slo=SLO, num_prefill=5), clock)
+    members = pool()
+    drive(r, clock, members, 40, 12, 300, 1000)  # traffic the plan would serve colocated
+    assert r.layout == "5P3D"
+    assert sum(1 for m in members if r.side(m.url) == "prefill") == 5
+    assert r.room() < float("inf")  # held as the pool holds: a decode side with a TPOT cap
+    colocated = ElasticRouter(ElasticPool(costs=H200, slo=SLO, num_prefill=0), clock)
+    drive(colocated, clock, members, 90, 12, 2000, 128)  # traffic the plan would split
+    assert colocated.layout == "8 colocated"
+    with pytest.raises(ConfigError, match="num_prefill must be >= 0"):
+        ElasticPool(num_prefill=-1)
 
 
 def test_a_steady_load_does_not_flap_between_layouts() -> None:

@@ -219,13 +219,17 @@ class Fixed:
 
 @dataclass(frozen=True)
 class Elastic:
-    """An elastic pool for ``replay``: ``num_instances`` engines placed by an ``ElasticRouter``."""
+    """An elastic pool for ``replay``: ``num_instances`` engines placed by an ``ElasticRouter`` (its
+    layout pinned when ``settings.num_prefill`` is set)."""
 
     num_instances: int
     settings: ElasticPool
 
     def describe(self) -> str:
-        return "elastic"
+        x = self.settings.num_prefill
+        if x is None:
+            return "elastic"
+        return (Fixed(x, self.num_instances - x).describe() if x else "coloc") + "+hold"
 
 
 class _Member:

@@ -221,16 +221,12 @@ class ElasticRouter:
         slo = self._settings.slo if self._settings.slo.ttft_ms is not None else None
         self._calibration = self._calibrator.calibration()
         ranked = rank_layouts(costs, num_instances, load, slo, self._calibration)
-        best = ranked[0]
-        current = next(
-            (
-                lay
-                for lay in ranked
-                if self._layout is not None and lay.num_prefill == self._layout.num_prefill
-            ),
-            None,
-        )
-        if current is not None and not _clearly_better(best, current):
+        pinned = self._settings.num_prefill
+        keep = min(pinned, num_instances - 1) if pinned is not None else None
+        if keep is None and self._layout is not None:
+            keep = self._layout.num_prefill
+        best, current = ranked[0], next((lay for lay in ranked if lay.num_prefill == keep), None)
+        if current is not None and (pinned is not None or not _clearly_better(best, current)):
             best = current
         self._layout = best
         # Each of several proxy workers counts only the requests it placed, so it takes its share.
