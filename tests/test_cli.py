@@ -261,6 +261,8 @@ def test_up_elastic_starts_n_instances_of_any_role_instead_of_prefill_and_decode
         (["up", "--elastic", "2", "--slo", "ttft:500"], "give both ttft and tpot"),
         (["up", "--elastic", "2", "--slo", "ttft=500"], "--slo takes KEY:MS"),
         (["up", "--elastic", "2", "--cost-profile", "no-such-gpu"], "unknown sim profile 'no-such-gpu'"),
+        (["up", "--elastic", "2", "--pin-prefill", "-1"], "num_prefill must be >= 0"),
+        (["up", "--elastic", "2", "--hold-max-s", "-1"], "hold_max_s must be >= 0"),
         (["proxy", "--instance", "h:1", "--prefill", "h:2"], "give them as --instance only"),
         (["proxy", "--instance", "h:1", "--colocated"], "give them as --instance only"),
         (["proxy", "--instance", "h:1", "--decode", "h:2"], "give them as --instance only"),
@@ -293,6 +295,10 @@ def test_the_pool_plans_with_the_slo_and_the_step_costs_of_the_engines_it_fronts
     assert _elastic_pool("--model", "tiny", "--device", "cuda").costs is None
     assert _elastic_pool().costs is None and not _elastic_pool().slo.is_set
     assert _elastic_pool("--model", "tiny", "--cost-profile", "none").costs is None
+    # The hold's limit and a pinned layout (a fixed layout with the pool's router and hold).
+    assert (_elastic_pool().hold_max_s, _elastic_pool().num_prefill) == (30.0, None)
+    pinned = _elastic_pool("--elastic", "3", "--hold-max-s", "0", "--pin-prefill", "1")
+    assert (pinned.hold_max_s, pinned.num_prefill) == (0.0, 1)
 
 
 def test_proxy_instance_fronts_an_elastic_pool(monkeypatch: pytest.MonkeyPatch) -> None:

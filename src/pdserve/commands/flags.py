@@ -134,11 +134,18 @@ def add_elastic_pool(p: argparse.ArgumentParser) -> None:
                    help="the engines' step costs the pool plans with: a simulator profile (shipped name or "
                         "YAML), or none (long prompts split, short ones whole). Default: up --engine sim's "
                         "own profile; tiny-cpu for up --model tiny on cpu; none otherwise")  # fmt: skip
+    g.add_argument("--hold-max-s", type=float, default=ElasticPool.hold_max_s, metavar="S",
+                   help="with a TPOT objective, requests wait at the proxy while every decode-side instance "
+                        "runs the most it allows, at most S seconds (0: never held; default: %(default)s)")  # fmt: skip
+    g.add_argument("--pin-prefill", type=int, metavar="N",
+                   help="keep N instances on the prefill side (0: all serve whole requests) instead of the "
+                        "layout the plan picks; placement and the hold work as ever")  # fmt: skip
 
 
 def elastic_pool_from_args(a: argparse.Namespace, topology: Topology | None = None) -> ElasticPool:
     name = a.cost_profile if a.cost_profile is not None else default_cost_profile(topology)
-    return ElasticPool(costs=_costs(name), slo=Slo.parse(a.slo, flag="--slo"))
+    return ElasticPool(costs=_costs(name), slo=Slo.parse(a.slo, flag="--slo"), hold_max_s=a.hold_max_s,
+                       num_prefill=a.pin_prefill)  # fmt: skip
 
 
 def default_cost_profile(topology: Topology | None) -> str | None:
