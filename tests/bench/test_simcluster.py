@@ -132,3 +132,11 @@ def test_the_elastic_arm_drives_the_router_and_reports_goodput_per_phase() -> No
     assert elastic.split_share(0) > 0.8 and elastic.split_share(1) < 0.2
     assert elastic.goodput(slo, 0) >= 0.95 * max(whole.goodput(slo, 0), split.goodput(slo, 0))
     assert elastic.quantile("ttft_s", 0.5, phase=0) > 0 and elastic.quantile("tpot_s", 0.9) > 0
+
+
+def test_a_pinned_elastic_arm_keeps_its_layout_and_says_so() -> None:
+    pool = ElasticPool(costs=H200.costs(), slo=Slo(ttft_ms=1000, tpot_ms=10), num_prefill=0)
+    held = simcluster.run_trace(H200, SHORT, simcluster.Elastic(4, pool))
+    assert held.arm == "coloc+hold" and held.split_share() == 0.0  # the long prompts too stay whole
+    pinned = simcluster.Elastic(4, dataclasses.replace(pool, num_prefill=1))
+    assert pinned.describe() == "1P3D+hold"
