@@ -17,8 +17,9 @@ same N and N colocated (round robin, as the proxy's default). The fixed layouts 
 each runs once and is scored against both pairs; the router plans against its SLO, so the elastic pool
 runs once per pair. --pinned X,... adds, per pair, the same router and hold kept to X prefill-side
 instances ("5P3D+hold"; 0 is all colocated): a fixed layout with everything else the pool has, which
-tells the gain of moving the layout from the gain of holding. Goodput: requests that met both objectives per second of their phase (a request
-counts to the phase it arrived in, however late it ends; the replay waits for the last one). Then the
+tells the gain of moving the layout from the gain of holding. Goodput: requests that met both
+objectives per second of their phase (a request counts to the phase it arrived in, however late it
+ends; the replay waits for the last one). Then the
 same over a link too slow to split (--slow-gbps): the elastic pool against colocated (which moves no KV,
 so its run over the fast link is the same run).
 

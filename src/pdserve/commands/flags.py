@@ -139,7 +139,7 @@ def add_elastic_pool(p: argparse.ArgumentParser) -> None:
                         "runs the most it allows, at most S seconds (0: never held; default: %(default)s)")  # fmt: skip
     g.add_argument("--pin-prefill", type=int, metavar="N",
                    help="keep N instances on the prefill side (0: all serve whole requests) instead of the "
-                        "layout the plan picks; placement and the hold work as ever")  # fmt: skip
+                        "layout the plan picks (step costs needed); placement and the hold work as ever")  # fmt: skip
 
 
 def elastic_pool_from_args(a: argparse.Namespace, topology: Topology | None = None) -> ElasticPool:
