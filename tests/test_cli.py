@@ -262,6 +262,10 @@ def test_up_elastic_starts_n_instances_of_any_role_instead_of_prefill_and_decode
         (["up", "--elastic", "2", "--slo", "ttft=500"], "--slo takes KEY:MS"),
         (["up", "--elastic", "2", "--cost-profile", "no-such-gpu"], "unknown sim profile 'no-such-gpu'"),
         (["up", "--elastic", "2", "--pin-prefill", "-1"], "num_prefill must be >= 0"),
+        (
+            ["up", "--elastic", "2", "--pin-prefill", "2"],
+            "--pin-prefill 2 leaves no instance of the 2 to decode",
+        ),
         (["up", "--elastic", "2", "--hold-max-s", "-1"], "hold_max_s must be >= 0"),
         (["proxy", "--instance", "h:1", "--prefill", "h:2"], "give them as --instance only"),
         (["proxy", "--instance", "h:1", "--colocated"], "give them as --instance only"),

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 from pdserve.config import INSTANCE_ROLES, ROLES, ProxySettings, Role, Timeouts, Topology, proxy_default
 from pdserve.configparts import AdmissionLimits, ApiKeys, ElasticPool, HealthChecks, Retries, Routing
 from pdserve.costmodel import Costs
+from pdserve.errors import ConfigError
 from pdserve.proxy.policies import POLICIES
 from pdserve.slo import Slo
 from pdserve.topologyfile import load_topology, resource_pairs
@@ -144,6 +145,10 @@ def add_elastic_pool(p: argparse.ArgumentParser) -> None:
 
 def elastic_pool_from_args(a: argparse.Namespace, topology: Topology | None = None) -> ElasticPool:
     name = a.cost_profile if a.cost_profile is not None else default_cost_profile(topology)
+    pool = topology.elastic if topology is not None else None
+    if pool is not None and a.pin_prefill is not None and a.pin_prefill >= pool.count:
+        raise ConfigError(f"--pin-prefill {a.pin_prefill} leaves no instance of the {pool.count} to decode: "
+                          f"give at most {pool.count - 1}")  # fmt: skip
     return ElasticPool(costs=_costs(name), slo=Slo.parse(a.slo, flag="--slo"), hold_max_s=a.hold_max_s,
                        num_prefill=a.pin_prefill)  # fmt: skip
 
