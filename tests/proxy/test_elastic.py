@@ -124,12 +124,12 @@ def test_a_pinned_pool_keeps_its_layout_whatever_the_traffic() -> None:
     r = ElasticRouter(ElasticPool(costs=H200, slo=SLO, num_prefill=5), clock)
     members = pool()
     drive(r, clock, members, 40, 12, 300, 1000)  # traffic the plan would serve colocated
-    assert r.layout == "5P3D"
+    assert r.layout == "5P3D (pinned)"  # in /requests' reasons, /metrics and top
     assert sum(1 for m in members if r.side(m.url) == "prefill") == 5
     assert r.room() < float("inf")  # held as the pool holds: a decode side with a TPOT cap
     colocated = ElasticRouter(ElasticPool(costs=H200, slo=SLO, num_prefill=0), clock)
     drive(colocated, clock, members, 90, 12, 2000, 128)  # traffic the plan would split
-    assert colocated.layout == "8 colocated"
+    assert colocated.layout == "8 colocated (pinned)"
     with pytest.raises(ConfigError, match="num_prefill must be >= 0"):
         ElasticPool(num_prefill=-1)
 

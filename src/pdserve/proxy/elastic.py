@@ -173,7 +173,9 @@ class ElasticRouter:
 
     @property
     def layout(self) -> str:
-        return self._layout.describe() if self._layout is not None else "not planned yet"
+        if self._layout is None:
+            return "not planned yet"
+        return self._layout.describe() + (" (pinned)" if self._settings.num_prefill is not None else "")
 
     @property
     def calibration(self) -> Calibration:
