@@ -199,6 +199,11 @@ class SimEngine:
         self._notify(("read", (request_id,)))
         return held if held is not None else _STALE
 
+    def release_unsent(self, request_id: str) -> None:
+        """The KV of ``request_id`` will not be handed over (its prefill ended on a stop string): freed
+        now, as vLLM's scheduler frees a request the connector does not delay, not at a later step."""
+        self.scheduler.release_held(request_id)
+
     def heartbeat(self, request_ids: tuple[str, ...]) -> None:
         """A decode still means to read these requests' KV: extend their leases at the next step."""
         if self.scheduler.held:  # ids not held are ignored anyway

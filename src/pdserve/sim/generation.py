@@ -12,7 +12,6 @@ concatenation of pre-encoded bytes and one ``send``, plus a histogram observatio
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 import time
@@ -36,7 +35,6 @@ from pdserve.errors import (
     ClientGone,
     ConnectionDropped,
     EngineStoppedError,
-    KVPullError,
     SimRequestError,
 )
 from pdserve.protocol import Endpoint, error_body
@@ -282,8 +280,7 @@ class GenerationEndpoint:
         """A prefill that ends on a stop string gets no kv_transfer_params from vLLM (NixlConnector
         hands its KV over only when the request ended by length), and its blocks are freed at once."""
         if event.held is not None:
-            with contextlib.suppress(KVPullError):
-                self._inst.engine.serve_pull(request_id)
+            self._inst.engine.release_unsent(request_id)
 
     async def _whole(self, answer: _Answer) -> str:
         req, out, t0 = answer.req, answer.out, answer.t0
