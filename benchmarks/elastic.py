@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import replace
 from typing import Any
 
 from _common import add_numbers, print_result, script_parser
@@ -142,9 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     verdicts, slow_verdicts = [], []
     pinned = [int(x) for x in a.pinned.split(",") if x.strip()]
     for slo in SLOS:
-        elastic = replay(profile, trace, Elastic(n, ElasticPool(costs=profile.costs(), slo=slo)), a.seed)
-        held = [replay(profile, trace, Elastic(n, ElasticPool(costs=profile.costs(), slo=slo, num_prefill=x)),
-                       a.seed) for x in pinned]  # fmt: skip
+        pool = ElasticPool(costs=profile.costs(), slo=slo)
+        elastic = replay(profile, trace, Elastic(n, pool), a.seed)
+        held = [replay(profile, trace, Elastic(n, replace(pool, num_prefill=x)), a.seed) for x in pinned]
         table(f"{slo.describe()}, KV link of {profile.kv_bandwidth_bytes_per_s / 1e9:.0f} GB/s", trace, slo,
               [elastic, *held, *fixed])  # fmt: skip
         verdicts.append(judge(trace, slo, elastic, fixed, held))

@@ -396,6 +396,7 @@ def test_decode_killed_mid_stream_the_stream_goes_on_with_one_instances_text_and
     alone = decode_alone.completions.create(
         model=model_name, prompt=prompt, max_tokens=MIGRATED_TOKENS, temperature=0
     )
+    quick_url = str(kill.quick_client.base_url).removesuffix("/v1/")
     load = kill.load()
     attempts = 3
     with load:
@@ -405,7 +406,6 @@ def test_decode_killed_mid_stream_the_stream_goes_on_with_one_instances_text_and
             text, finish, killed_at = _stream_killing_decode_at_its_first_token(kill, prompt, request_id)
             assert finish == alone.choices[0].finish_reason
             assert text == alone.choices[0].text  # the single instance's answer, across the seam
-            quick_url = str(kill.quick_client.base_url).removesuffix("/v1/")
             trace = _finished_trace(quick_url, request_id)
             if trace["migrations"]:
                 break

@@ -17,7 +17,7 @@ Every instance of an elastic pool can take any role (vLLM decides per request fr
   except that a prompt cheaper to compute than a decode step stays whole on that decode (a split would
   cost more than it saves).
 - with a TPOT objective, each decode-side instance runs at most the requests whose steps keep within it
-  (``room``: the cost model's ``max_batch``, calibrated); beyond that the proxy holds new requests back
+  (``room``: the cost model's ``max_batch``, not calibrated); beyond that the proxy holds new requests back
   (holding.py) rather than slow every stream on the instance past the objective.
 - an instance out of service leaves both sides; with one instance left everything is whole there.
 - each stream that ended tells the router what it measured (``done``): measured over predicted, per

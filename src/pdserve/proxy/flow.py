@@ -194,9 +194,9 @@ class Flow:
 
     def _serve(self, call: Call, slot: HandoffSlot, avoid: Sequence[Instance] = ()) -> Awaitable[None]:
         """The attempts, in order, until the client has its answer; an ``UpstreamError`` says why not.
-        In an elastic pool the router places the request first (after the hold) and hears when it ends. ``avoid``: decodes
-        a migrated stream's continuation does not go back to. (Not a coroutine itself: a fixed pool's
-        request awaits the attempts with one frame fewer.)"""
+        In an elastic pool the router places the request first (after the hold) and hears when it ends.
+        ``avoid``: decodes a migrated stream's continuation does not go back to. (Not a coroutine itself:
+        a fixed pool's request awaits the attempts with one frame fewer.)"""
         local_reason = (
             "colocated: no split" if self._config.colocated else protocol.needs_local_prefill(call.body)
         )
