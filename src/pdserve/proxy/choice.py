@@ -18,9 +18,8 @@ from collections.abc import Sequence
 
 from pdserve.config import ProxyConfig, Role
 from pdserve.errors import NoInstanceAvailable
-from pdserve.proxy.attempt import Prompt
 from pdserve.proxy.instance import Instance
-from pdserve.proxy.routing import Pick
+from pdserve.proxy.routing import Pick, Prompt
 from pdserve.proxy.state import ProxyState
 
 log = logging.getLogger("pdserve.proxy")

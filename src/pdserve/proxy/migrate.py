@@ -34,16 +34,16 @@ from pdserve import sse
 from pdserve.configparts import Retries
 from pdserve.errors import UpstreamError, UpstreamSuspectAnswer, UpstreamUnavailable
 from pdserve.protocol import Endpoint
-from pdserve.proxy.attempt import Call, HandoffSlot
 from pdserve.proxy.instance import Instance
+from pdserve.proxy.plan import Plan
 from pdserve.proxy.progress import Progress, events, first_choice
 from pdserve.proxy.seam import Resumed, Seam, SeamEnded, StopText
 from pdserve.proxy.state import ProxyState
-from pdserve.proxy.timeline import Timeline
+from pdserve.proxy.steps import Call
 
 log = logging.getLogger("pdserve.proxy")
 
-Serve = Callable[[Call, HandoffSlot, Sequence[Instance]], Awaitable[None]]
+Serve = Callable[[Plan], Awaitable[None]]  # the flow's steps of a plan (flow.py)
 
 # Sampling fields a continuation (a completions request of token ids) carries over from the client's.
 _CARRIED = ("model", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "stop_token_ids",
@@ -117,9 +117,11 @@ class Migrator:
         progress = Progress(show_ids=shows_ids, keep_chunks=keep)
         return (body if shows_ids else {**body, "return_token_ids": True}), progress
 
-    async def resume(self, call: Call, failure: UpstreamError, serve: Serve) -> UpstreamError | None:
-        """Continue ``call``'s stream after ``failure`` broke it; None once the client's stream has ended
-        well, else the failure to tell the client (the last one)."""
+    async def resume(self, plan: Plan, failure: UpstreamError, serve: Serve) -> UpstreamError | None:
+        """Continue the stream of ``plan``'s request after ``failure`` broke it; None once the client's
+        stream has ended well, else the failure to tell the client (the last one). What each
+        migration came to goes into the request's record through its plan."""
+        call = plan.call
         out = call.out
         if not out.started or out.finished or failure.phase != "decode" or not call.is_stream:
             return failure
@@ -128,7 +130,7 @@ class Migrator:
         progress = call.progress
         if progress is None:
             reason = "migration is off" if not self._max else why_not(call.endpoint, call.body)
-            self._count(call, "ineligible", {"reason": reason or "not watched", "from": failure.url})
+            plan.migrated("ineligible", {"reason": reason or "not watched", "from": failure.url})
             return failure
         avoid: list[Instance] = []
         for n in range(1, self._max + 1):
@@ -140,53 +142,51 @@ class Migrator:
             log.warning("request %s: decode %s failed mid-stream (%s); continuing elsewhere (%d of %d)",
                         call.request_id, failure.url, failure.detail, n, self._max)  # fmt: skip
             try:
-                next_failure = await self._once(call, progress, serve, avoid, record)
+                next_failure, to = await self._once(plan, progress, serve, avoid)
             except CannotMigrate as exc:
-                self._count(call, "ineligible", {**record, "reason": str(exc)})
+                plan.migrated("ineligible", {**record, "reason": str(exc)})
                 return failure
             except UpstreamError as exc:
-                self._count(call, "failed", {**record, "reason": exc.detail})
+                plan.migrated("failed", {**record, "reason": exc.detail})
                 return _carried(failure, exc)
             if next_failure is None:
-                self._count(call, "ok", {**record, "to": call.trace.decode_url})
+                plan.migrated("ok", {**record, "to": to})
                 return None
-            self._count(
-                call, "broken", {**record, "to": call.trace.decode_url, "reason": next_failure.detail}
-            )
+            plan.migrated("broken", {**record, "to": to, "reason": next_failure.detail})
             failure = next_failure
         self._state.stats.migrated("exhausted")
         return UpstreamUnavailable(failure.phase, failure.url,
                                    f"{failure.detail} (after {self._max} migrations)")  # fmt: skip
 
     async def _once(
-        self, call: Call, progress: Progress, serve: Serve, avoid: list[Instance], record: dict[str, Any]
-    ) -> UpstreamError | None:
-        """One continuation; None when the client's stream ended well, an error when it broke again
-        after the continuation began. Raises when it could not begin."""
+        self, plan: Plan, progress: Progress, serve: Serve, avoid: list[Instance]
+    ) -> tuple[UpstreamError | None, str | None]:
+        """One continuation: None when the client's stream ended well, an error when it broke again
+        after the continuation began; and the decode it went to. Raises when it could not begin."""
+        call = plan.call
         resumed, stops, body = await self._continuation(call, progress, avoid)
         seam = Seam(call.out, resumed, progress, stops)
         if body is None:  # the answer was complete already: only its end was lost
             await seam.chunk(sse.DONE)
             await seam.end()
-            return None
-        cont = call._replace(endpoint="completions", body=body, out=seam, progress=None,
-                       timeline=Timeline(time.perf_counter()))  # fmt: skip
-        slot = HandoffSlot(self._state.ledger, call.request_id)
+            return None, plan.decode_url
+        cont = plan.continuation(call._replace(endpoint="completions", body=body, out=seam, progress=None),
+                                 avoid)  # fmt: skip
         try:
-            await serve(cont, slot, avoid)
+            await serve(cont)
         except SeamEnded:
-            return None
+            return None, cont.decode_url
         except UpstreamError as exc:
             if seam.started and not seam.is_done:
-                return exc  # the continuation broke in turn: another migration may follow
+                return exc, cont.decode_url  # the continuation broke in turn: another migration may follow
             raise
         finally:
-            slot.finish("continuation ended", is_client_gone=False)
+            cont.continuation_ended()
         if seam.rejected is not None:
-            raise UpstreamUnavailable("decode", call.trace.decode_url or "-", f"continuation {seam.rejected}")
+            raise UpstreamUnavailable("decode", cont.decode_url or "-", f"continuation {seam.rejected}")
         if not call.out.finished:
             await seam.end()
-        return None
+        return None, cont.decode_url
 
     async def _continuation(
         self, call: Call, progress: Progress, avoid: Sequence[Instance]
@@ -247,10 +247,6 @@ class Migrator:
             if isinstance(text, str):
                 return text
         raise CannotMigrate("no instance could detokenize the answer so far")
-
-    def _count(self, call: Call, result: str, record: dict[str, Any]) -> None:
-        self._state.stats.migrated(result)
-        call.trace.migrated({"result": result, **record})
 
 
 def _carried(first: UpstreamError, last: UpstreamError) -> UpstreamError:

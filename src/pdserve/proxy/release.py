@@ -24,10 +24,8 @@ import orjson
 
 from pdserve import protocol
 from pdserve.errors import UpstreamError
-from pdserve.proxy.attempt import Call
-from pdserve.proxy.instance import Instance
-from pdserve.proxy.ledger import Handoff
 from pdserve.proxy.state import ProxyState
+from pdserve.proxy.steps import Release
 
 log = logging.getLogger("pdserve.proxy")
 
@@ -38,13 +36,14 @@ class Releaser:
         self._timeout_s = timeout_s
         self._tasks: set[asyncio.Task[None]] = set()  # held until done: the loop keeps weak refs only
 
-    def release(self, call: Call, decode: Instance, handoff: Handoff) -> None:
-        """Have ``decode`` pull ``handoff``'s blocks and drop the answer, in the background."""
-        task = asyncio.get_running_loop().create_task(self._release(call, decode, handoff))
+    def release(self, step: Release) -> None:
+        """Have the step's decode pull its handoff's blocks and drop the answer, in the background."""
+        task = asyncio.get_running_loop().create_task(self._release(step))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _release(self, call: Call, decode: Instance, handoff: Handoff) -> None:
+    async def _release(self, step: Release) -> None:
+        call, decode, handoff = step
         salt = f"release-{uuid.uuid4().hex[:16]}"
         body = protocol.prefill_body(protocol.with_fresh_cache_salt(call.body, salt))
         body["kv_transfer_params"] = handoff.params

@@ -24,6 +24,14 @@ class Load:
     kv_usage: float = 0.0  # 0..1
 
 
+@dataclass(frozen=True)
+class Prompt:
+    """What the proxy knows of a request's prompt, for prompt-aware routing and the skip rule."""
+
+    num_tokens: int
+    hashes: list[int]  # chained hashes of its full KV blocks (blocks.py)
+
+
 class Candidate(Protocol):
     @property
     def url(self) -> str: ...
