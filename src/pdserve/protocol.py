@@ -67,6 +67,10 @@ def client_body(body: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in body.items() if k != "kv_transfer_params"}
 
 
+# The fields any reason of ``needs_local_prefill`` reads, but the prompt.
+_WHOLE_FIELDS = frozenset(("prompt_logprobs", "echo", "n", "best_of"))
+
+
 def needs_local_prefill(body: dict[str, Any]) -> str | None:
     """Why this request cannot be split, or None when it can.
 
@@ -78,11 +82,13 @@ def needs_local_prefill(body: dict[str, Any]) -> str | None:
     skip the remote KV and recompute the whole prompt (docs/vllm-kv-lifecycle.md, section 4): the split
     would only cost prefill's work and a hop, so decode computes it alone from the start.
     """
+    prompt = body.get("prompt")
+    if body.keys().isdisjoint(_WHOLE_FIELDS) and not isinstance(prompt, list):
+        return None  # most bodies: one set test instead of the checks below (asked of every request)
     if body.get("prompt_logprobs") is not None:
         return "prompt logprobs"
     if body.get("echo") and (body.get("logprobs") is not None or body.get("top_logprobs") is not None):
         return "echo with logprobs (prompt logprobs)"
-    prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) > 1 and not all(isinstance(t, int) for t in prompt):
         return "batched prompts"
     for field in ("n", "best_of"):

@@ -100,9 +100,8 @@ class Flow:
             headers["Authorization"] = auth
         deadline = time.monotonic() + self._t.request
         body, progress = self._migrator.watch(endpoint, body, is_stream)
-        call = Call(
-            endpoint, body, headers, out, is_stream, deadline, self._t.request, self._prompt(body), progress
-        )
+        call = Call(endpoint, body, headers, out, is_stream, deadline, self._t.request, protocol.PATHS[endpoint],
+                    self._prompt(body), progress)  # fmt: skip
         trace = Trace(out.request_id, endpoint, stream=is_stream)
         plan = Plan(self._rules, call, trace, Timeline(arrived, admitted, itl=self._state.stats.timings.itl))
         self._state.record(trace)
@@ -152,20 +151,21 @@ class Flow:
             hold.done(placement, plan.measured())
 
     async def _steps(self, plan: Plan) -> None:
-        """Perform each step the plan names and tell it what came of it."""
+        """Perform each step the plan names and tell it what came of it; it answers with the next."""
         step = plan.next()
         while step is not None:
             if isinstance(step, DecodeStep):
-                plan.decoded(await self._decoder.attempt(step))
+                step = plan.decoded(await self._decoder.attempt(step))
             elif isinstance(step, PrefillStep):
-                plan.prefilled(await self._prefiller.attempt(step), step.instance)
-            elif isinstance(step, Backoff):
-                await plan.call.sleep(step.seconds)
-            elif isinstance(step, Release):
-                self._releaser.release(step)
+                step = plan.prefilled(await self._prefiller.attempt(step), step.instance)
             else:
-                await _give_up(step, plan.call.out)
-            step = plan.next()
+                if isinstance(step, Backoff):
+                    await plan.call.sleep(step.seconds)
+                elif isinstance(step, Release):
+                    self._releaser.release(step)
+                else:
+                    await _give_up(step, plan.call.out)
+                step = plan.next()
 
     # --- what the request's prompt is -------------------------------------------------------------
 

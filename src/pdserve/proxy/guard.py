@@ -86,21 +86,6 @@ class LeaseGuard:
             )
         return None
 
-    async def verdict(self, handoff: Handoff, decode: Instance) -> Suspicion | None:
-        """``check``, and for a suspect answer ``decode``'s prefix cache emptied of what the pull left."""
-        suspicion = await self.check(handoff)
-        if suspicion is not None:
-            await self.purge(decode)
-        return suspicion
-
-    async def discredited(self, delivered: Handoff, decode: Instance) -> str | None:
-        """Why prefill's log, spoken since ``decode``'s stream began, discredits it (its prefix cache then
-        emptied), or None."""
-        why = self.from_log(delivered)
-        if why is not None:
-            await self.purge(decode)
-        return why
-
     async def _expired_count(self, prefill_url: str) -> float | None:
         instance = self._state.find(prefill_url)
         if instance is None:

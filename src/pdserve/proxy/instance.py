@@ -64,6 +64,7 @@ class EngineLoad(Load):
 class Instance:
     def __init__(self, upstream: Upstream, breaker: CircuitBreaker, unhealthy_after_checks: int = 3) -> None:
         self.upstream = upstream
+        self.url = upstream.url  # read on every attempt: an attribute, not a property call
         self.breaker = breaker
         # One slow /health from a busy API server must not take a working instance out of service.
         self._unhealthy_after_checks = unhealthy_after_checks
@@ -83,10 +84,6 @@ class Instance:
         # The last sign that its engine steps while the proxy has requests there: its token counters
         # moved, or an answer (a stream's first byte, a whole answer) came.
         self._progress_at = time.monotonic()
-
-    @property
-    def url(self) -> str:
-        return self.upstream.url
 
     @property
     def role(self) -> Role:

@@ -33,7 +33,7 @@ import orjson
 from pdserve import sse
 from pdserve.configparts import Retries
 from pdserve.errors import UpstreamError, UpstreamSuspectAnswer, UpstreamUnavailable
-from pdserve.protocol import Endpoint
+from pdserve.protocol import PATHS, Endpoint
 from pdserve.proxy.instance import Instance
 from pdserve.proxy.plan import Plan
 from pdserve.proxy.progress import Progress, events, first_choice
@@ -170,7 +170,8 @@ class Migrator:
             await seam.chunk(sse.DONE)
             await seam.end()
             return None, plan.decode_url
-        cont = plan.continuation(call._replace(endpoint="completions", body=body, out=seam, progress=None),
+        cont = plan.continuation(call._replace(endpoint="completions", path=PATHS["completions"], body=body, out=seam,
+                                               progress=None),
                                  avoid)  # fmt: skip
         try:
             await serve(cont)

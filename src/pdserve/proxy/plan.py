@@ -113,6 +113,13 @@ class Plan:
     __slots__ = ("_decode", "_delivered", "_handoff", "_local_reason", "_pending", "_phase", "_placed",
                  "_round", "_rules", "_sent", "_tries", "_was_split", "call", "timeline", "trace")  # fmt: skip
 
+    # Written before anything reads them: with each prefill round (``_round``: its attempts), with each
+    # decode attempt (``_sent``: the handoff whose params went with it; ``_was_split``: a fixed pool's
+    # split request).
+    _round: _PrefillRound | None
+    _sent: Handoff | None
+    _was_split: bool
+
     def __init__(
         self, rules: Rules, call: Call, trace: Trace, timeline: Timeline, avoid: Sequence[Instance] = ()
     ) -> None:
@@ -125,19 +132,17 @@ class Plan:
             "colocated: no split" if rules.config.colocated else protocol.needs_local_prefill(call.body)
         )
         self._phase = _PICK
-        self._decode: Instance | None = None
+        self._decode: Instance | None = None  # the decode of the last attempt
         self._handoff: Handoff | None = None  # open: its params go with the next decode attempt
         self._delivered: Handoff | None = None  # the one decode's answer rests on, once it began
-        self._placed: Placed | None = None
-        self._round: _PrefillRound | None = None
-        self._sent: Handoff | None = None  # the handoff whose params went with the last decode attempt
-        self._was_split = False
+        self._placed: Placed | None = None  # an elastic pool's placement
         self._pending: Step | None = None  # a step decided with the last result, to take next
 
     # --- what the flow asks ------------------------------------------------------------------------
 
     def next(self) -> Step | None:
-        """The next step, or None when the request needs nothing more."""
+        """The first step, or the next one after a step that reports nothing (a backoff, a release, a
+        relayed rejection); None when the request needs nothing more."""
         pending = self._pending
         if pending is not None:
             self._pending = None
@@ -148,41 +153,54 @@ class Plan:
             step = self._next_prefill()
             if step is not None:
                 return step
-        if self._phase == _DECODE:
-            return self._decode_step()
-        return None
+        return self._decode_step() if self._phase == _DECODE else None
 
-    def prefilled(self, result: Prefilled | Relayed | UpstreamError | Reply, prefill: Instance) -> None:
-        """What one prefill call came to."""
-        rnd = self._round
-        assert rnd is not None
-        if not isinstance(result, UpstreamError):
-            self.timeline.prefill_done = done = time.perf_counter()
-            self.trace.prefill_ms = (done - (self.timeline.prefill_sent or done)) * 1000
-            self.trace.prefill_status = result.status if not isinstance(result, Prefilled) else 200
+    def prefilled(
+        self, result: Prefilled | Relayed | UpstreamError | Reply, prefill: Instance
+    ) -> Step | None:
+        """What one prefill call came to; the next step."""
+        trace = self.trace
         if isinstance(result, Prefilled):
-            self._end_round()
-            self._open(result)
-            self._phase = _DECODE
-        elif isinstance(result, Relayed):
+            self.timeline.prefill_done = done = time.perf_counter()
+            trace.prefill_ms = (done - (self.timeline.prefill_sent or done)) * 1000
+            trace.prefill_status = 200
+            self._round = None
+            if self._placed is not None:
+                self._placed.prefilled()  # the router counts the placed prefill once, whatever the retries
+            # Prefill's params are in: the KV is pinned under a lease from now on.
+            assert self._handoff is None, "a handoff is already in play"
+            self._handoff = self._rules.state.ledger.open(
+                self.call.out.request_id, result.url, result.params, result.num_kv_expired
+            )
+            trace.kv_transfer_params = result.params
+            return self._decode_step()
+        if not isinstance(result, UpstreamError):  # a relayed rejection, or a 5xx
+            self.timeline.prefill_done = done = time.perf_counter()
+            trace.prefill_ms = (done - (self.timeline.prefill_sent or done)) * 1000
+            trace.prefill_status = result.status
+        if isinstance(result, Relayed):
             self._end_round()
             self._phase = _DONE
-        else:
-            rnd.failure = result
-            self.trace.retries.append(f"prefill {prefill.url}: {describe(result)}")
-            if time.monotonic() >= self.call.deadline:
-                rnd.num = self._rules.config.retries.max_prefill_attempts  # no time for another
+            return None
+        rnd = self._round
+        assert rnd is not None
+        rnd.failure = result
+        trace.retries.append(f"prefill {prefill.url}: {describe(result)}")
+        if time.monotonic() >= self.call.deadline:
+            rnd.num = self._rules.config.retries.max_prefill_attempts  # no time for another
+        return self.next()
 
-    def decoded(self, result: Served | DecodeFailed | LeaseSuspect) -> None:
-        """What the decode attempt came to; raises when the lease guard withheld too many answers."""
+    def decoded(self, result: Served | DecodeFailed | LeaseSuspect) -> Step | None:
+        """What the decode attempt came to; the next step. Raises when the lease guard withheld too many
+        answers."""
         decode, tries = self._decode, self._tries
         assert decode is not None
         if isinstance(result, Served):
             self._phase = _DONE
             handoff = self._sent
             if handoff is not None and 400 <= result.status < 500:  # decode refused: free prefill's KV
-                self._pending = Release(self.call, decode, handoff)
-            return
+                return Release(self.call, decode, handoff)
+            return None
         tries.is_first = False  # what follows is a retry
         self._phase = _PICK
         if isinstance(result, DecodeFailed) and result.is_stale and not tries.num_stale:
@@ -193,6 +211,7 @@ class Plan:
             self._after_lease_suspect(decode, result)
         else:
             self._after_failure(decode, result)
+        return self.next()
 
     # --- an elastic pool: the hold and the router ------------------------------------------------------
 
@@ -251,7 +270,8 @@ class Plan:
         trace.timeline = timeline
         trace.error, trace.stream_error_event = error, out.has_error_event
         trace.outcome = outcome._value_  # the value without Enum's property call, once a request
-        self._abandon(error or "request ended", "client_gone" if is_client_gone else "failed")
+        if self._handoff is not None:
+            self._abandon(error or "request ended", "client_gone" if is_client_gone else "failed")
         return outcome
 
     def continuation_ended(self) -> None:
@@ -281,7 +301,11 @@ class Plan:
                 decode, num_cached = chooser.stand_in(tries.tried, exc), 0
                 self._abandon("no decode in service: served whole by a prefill", "decode_failed")
                 self._local_reason = f"no decode instance in service ({exc.detail}): served whole by prefill"
-            if tries.is_first and self._local_reason is None:
+            if (
+                tries.is_first
+                and self._local_reason is None
+                and rules.config.routing.skip_prefill_below_tokens
+            ):
                 self._local_reason = self._skip_reason(num_cached)
         self._decode = decode
         if self._local_reason is None and self._handoff is None:
@@ -355,16 +379,14 @@ class Plan:
         trace.local_prefill_reason = self._local_reason
         # A retry goes to another instance: none left (or no attempts left) makes this the last, whose
         # failure the client hears of.
-        tries.has_others = rules.chooser.has_other("decode", tries.tried, decode)
-        tries.is_last = (
-            tries.num_failed + 1 >= rules.config.retries.max_decode_attempts or not tries.has_others
-        )
+        tries.has_others = has_others = rules.chooser.has_other("decode", tries.tried, decode)
+        tries.is_last = tries.num_failed + 1 >= rules.config.retries.max_decode_attempts or not has_others
         trace.decode_url = decode.url
-        self._sent = self._handoff
-        self._was_split = self._handoff is not None and self._placed is None
+        self._sent = handoff = self._handoff
+        self._was_split = handoff is not None and self._placed is None
         # An error event before any token is relayed only when nothing may follow: the only decode
         # failing its pull (vLLM streams that as its first event) computes the prompt itself next.
-        may_redo = may_compute_itself(tries, rules.config.retries, self._was_split)
+        may_redo = self._was_split and may_compute_itself(tries, rules.config.retries, True)
         self._phase = _DONE  # until decoded() says otherwise
         self.timeline.decode_sent = time.perf_counter()
         return DecodeStep(self, decode, tries.is_last and not may_redo)
@@ -448,31 +470,6 @@ class Plan:
 
     # --- the handoff: the ledger hears of it from here only ----------------------------------------------
 
-    def _open(self, prefilled: Prefilled) -> None:
-        """Prefill's params are in: the KV is pinned under a lease from now on."""
-        assert self._handoff is None, "a handoff is already in play"
-        self._handoff = self._rules.state.ledger.open(
-            self.call.request_id, prefilled.url, prefilled.params, prefilled.num_kv_expired
-        )
-        self.trace.kv_transfer_params = prefilled.params
-
-    def _answered(self, status: int | None, now: float | None) -> None:
-        if status is not None:
-            self.trace.decode_status = status
-        if now is not None:
-            self.timeline.decode_first_byte = now
-
-    def _handed(self, decode: Instance, status: int) -> None:
-        """Decode's answer began (200: it has the KV) or refused the request."""
-        handoff = self._handoff
-        if handoff is None:
-            return
-        if status == 200:
-            self._rules.state.ledger.delivered(handoff, decode.url)
-            self._delivered, self._handoff = handoff, None
-        else:
-            self._abandon(f"decode {decode.url} answered {status}", "decode_rejected")
-
     def _abandon(self, reason: str, kind: str) -> None:
         """No decode will read the open handoff's params; ``kind`` is the label the ledger counts."""
         if self._handoff is not None:
@@ -510,7 +507,10 @@ class DecodeStep:
 
     def answered(self, status: int, now: float | None) -> None:
         """Decode's status (``now``: its whole answer came, or its stream's first byte)."""
-        self._plan._answered(status, now)
+        plan = self._plan
+        plan.trace.decode_status = status
+        if now is not None:
+            plan.timeline.decode_first_byte = now
 
     async def trusted(self, now: float | None = None) -> LeaseSuspect | None:
         """The lease guard's verdict on decode's answer, which is about to begin (``now``: a stream's
@@ -518,22 +518,32 @@ class DecodeStep:
         cache of what the pull left)."""
         plan = self._plan
         if now is not None:
-            plan._answered(None, now)
+            plan.timeline.decode_first_byte = now
         handoff = plan._handoff
         if handoff is None:
             return None
-        suspicion = await plan._rules.guard.verdict(handoff, self.instance)
+        guard = plan._rules.guard
+        suspicion = await guard.check(handoff)
         if suspicion is None:
             return None
         log.warning("request %s: not relaying decode's answer: %s", self.call.request_id, suspicion.why)
         plan._suspect(suspicion.kind, suspicion.why)
+        await guard.purge(self.instance)
         return LeaseSuspect(suspicion.why)
 
     def begins(self, status: int) -> None:
         """Decode answered: its first bytes mean it has the KV; a 4xx means vLLM refused the request (a
         refusal in its handler also tells prefill to free the KV; one in its request validation leaves
         it to the lease, or to ``Release``)."""
-        self._plan._handed(self.instance, status)
+        plan = self._plan
+        handoff = plan._handoff
+        if handoff is None:
+            return
+        if status == 200:
+            plan._rules.state.ledger.delivered(handoff, self.instance.url)
+            plan._delivered, plan._handoff = handoff, None
+        else:
+            plan._abandon(f"decode {self.instance.url} answered {status}", "decode_rejected")
 
     async def before_the_end(self) -> str | None:
         """Prefill's log may have spoken since the stream began: why the stream is discredited (its
@@ -542,9 +552,11 @@ class DecodeStep:
         delivered = plan._delivered
         if delivered is None:
             return None
-        why = await plan._rules.guard.discredited(delivered, self.instance)
+        guard = plan._rules.guard
+        why = guard.from_log(delivered)
         if why is not None:
             plan._suspect("log_during_stream", why)
+            await guard.purge(self.instance)
         return why
 
 

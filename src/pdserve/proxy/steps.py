@@ -43,12 +43,9 @@ class Call(NamedTuple):
     is_stream: bool
     deadline: float  # monotonic: the request's overall limit (Timeouts.request)
     request_s: float  # that limit, for the messages that name it
+    path: str  # the endpoint's path on an instance (``protocol.PATHS``), read by every attempt
     prompt: Prompt | None = None
     progress: Progress | None = None  # what a stream that may migrate has sent (migrate.py)
-
-    @property
-    def path(self) -> str:
-        return protocol.PATHS[self.endpoint]
 
     @property
     def request_id(self) -> str:

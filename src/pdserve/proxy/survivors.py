@@ -31,8 +31,13 @@ from pdserve.proxy.upstream import Reply
 class Tries:
     """What the decode attempts of one request so far leave to the next one (the plan writes it)."""
 
-    __slots__ = ("again", "computed_itself", "has_others", "is_first", "is_last", "num_failed",
-                 "num_lease", "num_stale", "stood_in", "tried")  # fmt: skip
+    __slots__ = ("again", "computed_itself", "has_others", "is_first", "is_last", "num_failed", "num_lease",
+                 "num_stale", "stood_in", "tried")  # fmt: skip
+
+    # Written with each decode attempt, before anything reads them: whether its decode was not the only
+    # one in service, and whether it was the last attempt allowed.
+    has_others: bool
+    is_last: bool
 
     def __init__(self, avoid: Sequence[Instance] = ()) -> None:
         self.tried: list[Instance] = list(avoid)  # decodes that failed or were given up on
@@ -44,8 +49,6 @@ class Tries:
         self.computed_itself = False  # the failed decode has been asked again, computing the prompt
         # no decode attempt has been made yet (a migrated stream's continuation: one has, elsewhere)
         self.is_first = not avoid
-        self.has_others = False  # the last attempt's decode was not the only one in service
-        self.is_last = False  # the last attempt was the last one allowed
 
 
 def stand_in(
