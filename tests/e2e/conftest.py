@@ -5,7 +5,7 @@ On CPU the pair runs as `pdserve up --otlp-traces-endpoint` runs it, exporting t
 receiver (``otlp``), so test_tracing_vllm.py can check vLLM's spans without a pair of its own; the
 proxies the tests start themselves, and test_bench_vllm's own pair, keep tracing off.
 PDSERVE_E2E_DEVICE=cuda runs the same pair on a GPU (both instances on the first one, as `pdserve up
---device cuda` places them): what benchmarks/gpu_run.py's e2e step does on the lent H200.
+--device cuda` places them): what benchmarks/gpu_run.py's e2e step does on a GPU host.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ E2E_TOPOLOGY = Topology(
 @pytest.fixture(scope="session")
 def otlp() -> Iterator[Receiver]:
     """Where the session pair and its proxy send their spans. CPU only: vLLM 0.32's tracing module
-    imports the gRPC exporter and refuses --otlp-traces-endpoint without it, the GPU run's carry
-    (scripts/gpu-wheels.sh) has none, and vLLM 0.26 there is untried with tracing."""
+    imports the gRPC exporter and refuses --otlp-traces-endpoint without it, the GPU run's wheels
+    (scripts/gpu-wheels.sh) hold none, and vLLM 0.26 there is untried with tracing."""
     with otlp_receiver() as receiver:
         yield receiver
 

@@ -31,7 +31,7 @@ LEASE_S = 30.0  # vLLM's default kv_lease_duration
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """A pair of its own, on ports of its own: these tests read prefill's KV usage, which no other
-    test's requests may move, and they may run while another session holds the suite's ports."""
+    test's requests may move, and they may run while another run of the suite holds its ports."""
     run_dir = Path(tmp_path_factory.mktemp("refusals-run"))
     topology = dataclasses.replace(
         E2E_TOPOLOGY, proxy_port=18400, first_port=18500, first_side_channel_port=15900, run_dir=str(run_dir)

@@ -140,7 +140,8 @@ def test_stop_leaves_no_process_and_frees_the_port(make_group: MakeGroup) -> Non
 def test_the_engine_core_a_stall_test_stops_is_found_by_its_log_line_where_it_has_no_title(
     make_group: MakeGroup,
 ) -> None:
-    # vLLM on the lent GPU image runs without setproctitle: its EngineCore is a plain "python3" child.
+    # vLLM where setproctitle is not installed (the CUDA image of the H200 runs had none): its EngineCore
+    # is a plain "python3" child.
     spec = fake_spec("decode", 0, "--child")
     group = make_group(spec)
     group.start()

@@ -2,13 +2,12 @@
 
 Pure functions of numbers the canary measured (canary.py), so the advice is unit-tested with plain data.
 
-The comparison is the one the issue asks for: what it takes to move a prompt's KV from prefill to
-decode (NIXL's own transfer time for the bytes it moved) against what it takes decode to compute that
-KV itself (a prefill-only request of the same prompt on decode, with a fresh cache). When moving costs
-as much as computing, disaggregation cannot win on this link: every request pays the move, and the
-work it takes off decode is no larger. When moving is cheap, the link is not what stands in the way;
-whether the split then pays depends on load (prefill steps stalling decode steps), which one canary
-at no load cannot show.
+The comparison: what it takes to move a prompt's KV from prefill to decode (NIXL's own transfer time for
+the bytes it moved) against what it takes decode to compute that KV itself (a prefill-only request of the
+same prompt on decode, with a fresh cache). When moving costs as much as computing, disaggregation cannot
+win on this link: every request pays the move, and the work it takes off decode is no larger. When moving
+is cheap, the link is not what stands in the way; whether the split then pays depends on load (prefill
+steps stalling decode steps), which one canary at no load cannot show.
 """
 
 from __future__ import annotations
