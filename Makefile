@@ -5,7 +5,7 @@ ENGINE_VENV ?= .venv-engine
 export PDSERVE_ENGINE_PYTHON ?= $(abspath $(ENGINE_VENV))/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: bootstrap venv engine-venv model demo test unit e2e lint typecheck clean
+.PHONY: bootstrap venv engine-venv model demo test unit e2e lint typecheck image image-test clean
 
 bootstrap: venv engine-venv model
 
@@ -50,6 +50,17 @@ unit: venv
 
 e2e: bootstrap
 	PDSERVE_FORBID_SKIPS=1 $(VENV)/bin/pytest -m vllm -ra $(PYTEST_ARGS)
+
+# The proxy's container image, pdserve:<version> (Dockerfile), with podman or docker: whichever works here,
+# else podman installed with apt-get; the base is python:3.12-slim, or a Debian one made here if it cannot be
+# pulled (scripts/image.sh). Prints the image's name:tag and digest.
+image:
+	bash scripts/image.sh build
+
+# The image in front of a real vLLM pair: k8s render's arguments accepted, `pdserve verify` through it,
+# SIGTERM mid-stream drains (scripts/image-test.sh).
+image-test: image venv engine-venv
+	bash scripts/image-test.sh
 
 clean:
 	rm -rf $(VENV) $(ENGINE_VENV) $(ENGINE_VENV).install.log runs .pytest_cache .mypy_cache .ruff_cache

@@ -8,10 +8,12 @@ No API server is involved: whether a real cluster schedules these pods is on pap
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import shlex
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -169,6 +171,21 @@ def test_the_proxy_discovers_exactly_the_pods_rendered_for_each_role(
         ports = {p["name"] for p in serving_template(workloads[role])["spec"]["containers"][0]["ports"]}
         assert discovery.port in ports
     assert a.k8s_namespace == workloads["proxy"]["metadata"]["namespace"]
+
+
+def test_the_proxy_image_is_the_one_make_image_tags(capsys: pytest.CaptureFixture[str]) -> None:
+    # `make image` tags pdserve:<pyproject's version> (scripts/image.sh); an installed pdserve reports the
+    # same version, so a stale install fails here rather than rendering an image nobody built.
+    pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    version = pyproject["project"]["version"]
+    assert importlib.metadata.version("pdserve") == version
+    _, objects = render(capsys)
+    (container,) = role_workloads(objects)["proxy"]["spec"]["template"]["spec"]["containers"]
+    assert container["image"] == f"pdserve:{version}"
+    assert container["command"] == ["pdserve"]  # on the image's PATH, instead of its entrypoint
+    _, objects = render(capsys, "--proxy-image", "registry.example/pdserve:1.2.3")
+    (container,) = role_workloads(objects)["proxy"]["spec"]["template"]["spec"]["containers"]
+    assert container["image"] == "registry.example/pdserve:1.2.3"
 
 
 def test_the_proxy_may_watch_pods_and_nothing_else(capsys: pytest.CaptureFixture[str]) -> None:

@@ -43,7 +43,7 @@ def add_k8s_render(sub: Any) -> None:
     render.add_argument("--namespace", default=d["namespace"], help="(default %(default)s)")
     render.add_argument("--image", default=d["image"], help="the vLLM image (default %(default)s)")
     render.add_argument("--proxy-image", default=d["proxy_image"],
-                        help="an image with pdserve[k8s] installed (default %(default)s)")  # fmt: skip
+                        help="the proxy's image, as `make image` builds it (default %(default)s)")  # fmt: skip
     pods = RolePods()
     render.add_argument("--prefill", type=int, default=pods.count, metavar="N", help="prefill instances")
     render.add_argument("--decode", type=int, default=pods.count, metavar="M", help="decode instances")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from importlib.metadata import version
 
 from pdserve.config import ROLES, Device, Role
 from pdserve.errors import ConfigError
@@ -15,6 +16,9 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # Flags the manifests own: a user value would break the ports, roles or parallelism they wire up.
 _RESERVED_FLAGS = ("--host", "--port", "--kv-transfer-config", "--tensor-parallel-size",
                    "--pipeline-parallel-size", "--distributed-executor-backend")  # fmt: skip
+# The image `make image` builds from the Dockerfile, tagged with the package's version: manifests rendered
+# by a release name that release's proxy.
+PROXY_IMAGE = f"pdserve:{version('pdserve')}"
 # Variables the manifests set themselves: the side channel is the pod's own address, never a guess.
 _RESERVED_ENV = ("VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_PORT")
 
@@ -33,7 +37,7 @@ class ClusterSpec:
     name: str = "pdserve"  # prefix of every object's name, and the app.kubernetes.io/instance label
     namespace: str = "default"
     image: str = "vllm/vllm-openai:v0.32.0"  # the vLLM image: the same version on both roles
-    proxy_image: str = "pdserve:0.1.0"  # an image with `pip install 'pdserve[k8s]'` (docs/deploying.md)
+    proxy_image: str = PROXY_IMAGE  # an image with `pip install 'pdserve[k8s]'` (docs/deploying.md)
     prefill: RolePods = field(default_factory=RolePods)
     decode: RolePods = field(default_factory=RolePods)
     gpus_per_pod: int = 1  # nvidia.com/gpu of each pod; also vLLM's --tensor-parallel-size
