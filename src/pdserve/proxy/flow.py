@@ -94,6 +94,7 @@ from pdserve.proxy.timeline import Timeline
 from pdserve.proxy.tokens import PromptTokenizer
 from pdserve.proxy.upstream import Reply
 from pdserve.proxy.validation import FieldErrors, check_before_prefill
+from pdserve.proxy.wholeon import serve_whole_on
 
 log = logging.getLogger("pdserve.proxy")
 
@@ -130,9 +131,11 @@ class Flow:
         out: Responder,
         arrived: float | None = None,
         arrived_ns: int | None = None,
+        whole_on: Instance | None = None,
     ) -> None:
         """Serve one request; ``arrived`` (perf_counter) and ``arrived_ns`` (epoch) mark when it came in,
-        before it waited for an admission slot."""
+        before it waited for an admission slot. ``whole_on``: the admin asked for that instance's whole
+        answer (wholeon.py)."""
         admitted = time.perf_counter()
         arrived = admitted if arrived is None else arrived
         arrived_ns = time.time_ns() if arrived_ns is None else arrived_ns
@@ -165,10 +168,16 @@ class Flow:
             trace.trace_id = f"{span.get_span_context().trace_id:032x}"
         begun = time.perf_counter()
         try:
-            await self._serve(call, slot)
+            if whole_on is None:
+                await self._serve(call, slot)
+            else:
+                # The admin's reference request (wholeon.py): that instance alone, whole.
+                await serve_whole_on(self._decoder, call, slot, whole_on)
         except UpstreamError as failed:
-            # A stream that broke after the client had tokens may go on elsewhere (migrate.py).
-            told = await self._migrator.resume(call, failed, self._serve) if out.started else failed
+            # A stream that broke after the client had tokens may go on elsewhere (migrate.py); the
+            # answer of one named instance may not.
+            is_movable = out.started and whole_on is None
+            told = await self._migrator.resume(call, failed, self._serve) if is_movable else failed
             if told is not None:
                 log.warning("request %s failed: %s", out.request_id, told)
                 retry_after = getattr(told, "retry_after_s", None)
