@@ -34,7 +34,9 @@ from pdserve.engines.transfers import TransferCounts, transfer_counts
 from pdserve.errors import Unreachable, VerifyError
 from pdserve.kvproof import Evidence, Tolerance
 
-_PROMPT_WORDS_PER_TOKEN = 1.0  # fresh_text's words are at least a token each in every tokenizer seen
+# fresh_text's words are at least a token each in every tokenizer seen, and at most about 4 (pdserve's
+# tiny model's byte-level BPE, numbers included: 3.6)
+_MAX_TOKENS_PER_WORD = 4
 _COUNTER_WAIT = 30.0  # vLLM publishes connector stats with engine steps; they lag the answer a little
 
 
@@ -265,7 +267,9 @@ def verify(
     )
 
     nonce = uuid.uuid4().hex[:8]
-    num_words = int(min_tokens * 1.2 / _PROMPT_WORDS_PER_TOKEN)
+    num_words = int(min_tokens * 1.2)
+    if isinstance(max_model_len, int):  # the longest tokenization must still fit with the answer
+        num_words = min(num_words, (max_model_len - kvproof.MIN_ANSWER_TOKENS - 64) // _MAX_TOKENS_PER_WORD)
     never_split: list[str] = []
     unread: list[str] = []
     for i, (label, path, body) in enumerate(cases(model, num_words)):
