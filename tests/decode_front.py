@@ -75,15 +75,39 @@ def with_last_word_changed(body: dict[str, Any], word: str) -> dict[str, Any]:
     return {**body, "messages": messages}
 
 
-def last_block_swapped(prefill: str, word: str = "lighthouse") -> Rewrite:
-    """Decode gets the KV of its own prompt but for the last word: prefill computes that prompt (under the
-    request's own salt, so it shares every full block before the change) and decode pulls those blocks,
-    all right but the last, partial one."""
+def _token_ids(target: str, path: str, body: dict[str, Any]) -> list[int] | None:
+    """The prompt's token ids as decode counts them (vLLM's /tokenize); None where there is none."""
+    ask: dict[str, Any] = {"model": body.get("model")}
+    if "prompt" in body:
+        ask["prompt"] = body["prompt"]
+    else:
+        ask.update(messages=body["messages"], add_generation_prompt=True)
+    response = httpclient.post_json(target + "/tokenize", ask, 60)
+    data = response.json()
+    return list(data["tokens"]) if response.status == 200 and isinstance(data, dict) else None
+
+
+def last_block_swapped(prefill: str, target: str, word: str = "lighthouse") -> Rewrite:
+    """Decode gets the KV of its own prompt but for one token of the last block: prefill computes that
+    prompt (under the request's own salt, so it shares every full block before the change) and decode
+    pulls those blocks, all right but the last, partial one.
+
+    The changed token is the second to last: vLLM's decode recomputes the very last one after a full
+    pull, which would mend a change there. Where decode has no /tokenize (the simulator), the prompt's
+    last word is changed instead, as text."""
 
     def rewrite(path: str, body: dict[str, Any]) -> dict[str, Any]:
         client = {k: v for k, v in body.items() if k != "kv_transfer_params"}
-        other = protocol.prefill_body(with_last_word_changed(client, word))
-        response = httpclient.post_json(prefill + path, other, 180)
+        ids = _token_ids(target, path, client)
+        if ids is None:
+            other_path, other = path, with_last_word_changed(client, word)
+        else:
+            k = len(ids) - 2
+            ids[k] = next(t for t in (ids[k - 1], ids[k - 2], ids[k] + 1) if t != ids[k])
+            other_path = "/v1/completions"
+            other = {"model": client.get("model"), "prompt": ids, "temperature": 0.0,
+                     "cache_salt": client.get("cache_salt")}  # fmt: skip
+        response = httpclient.post_json(prefill + other_path, protocol.prefill_body(other), 180)
         assert response.status == 200, response.body[:300]
         return protocol.decode_body(client, protocol.kv_params_from_prefill(response.body))
 

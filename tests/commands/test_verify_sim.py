@@ -140,7 +140,10 @@ def _failed(report: Any) -> list[str]:
 
 def test_wrong_kv_in_the_last_partial_block_fails_every_answer_streamed_or_not(proxy: LiveProxy) -> None:
     with (
-        decode_front(proxy.decode[0], last_block_swapped(proxy.prefill[0])) as (front_url, front),
+        decode_front(proxy.decode[0], last_block_swapped(proxy.prefill[0], proxy.decode[0])) as (
+            front_url,
+            front,
+        ),
         proxy_for(ProxyConfig((proxy.prefill[0],), (front_url,), port=0)) as url,
     ):
         report = verify(url, say=lambda _line: None)

@@ -98,7 +98,6 @@ def test_a_recomputed_prompt_fails_by_its_request_id_though_vllm_counts_it_cache
     ):
         report = verify(url, say=lambda _m: None, tolerance=kvproof.FLOAT32)
     assert "handshake_failed" in _decode_log(pair)  # the pulls did fail; vLLM recomputed and answered
-    print("\n".join(report.lines()))
     recomputed = [what for what in _failed(report) if "it recomputed the prompt" in what]
     assert len(front.rewritten) == 4
     assert sorted(front.rewritten) == sorted(what.split(" [")[1].split("]")[0] for what in recomputed), (
@@ -109,7 +108,7 @@ def test_a_recomputed_prompt_fails_by_its_request_id_though_vllm_counts_it_cache
 def test_wrong_kv_in_the_last_partial_block_fails_every_answer_streamed_or_not(pair: Stack) -> None:
     [prefill], [decode] = pair.urls("prefill"), pair.urls("decode")
     with (
-        decode_front(decode, last_block_swapped(prefill)) as (front_url, front),
+        decode_front(decode, last_block_swapped(prefill, decode)) as (front_url, front),
         proxy_for(ProxyConfig((prefill,), (front_url,), port=0)) as url,
     ):
         report = verify(url, say=lambda _m: None, tolerance=kvproof.FLOAT32)
