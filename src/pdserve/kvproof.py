@@ -5,9 +5,10 @@ doctor's canary (docs/kv-integrity.md says why each part is needed).
    hands it prefill's ``remote_prefill_cached_tokens``, so ``usage.prompt_tokens_details.cached_tokens``
    is what decode did not compute itself. vLLM records it when decode first schedules the request, from
    what the connector *promised* (decode's own prefix-cache hits plus the remote tokens), before the
-   pull; a failed pull resets it only when it leaves decode nothing computed. Under
-   ``kv_load_failure_policy=recompute`` a failed pull is cut back to decode's own cached prefix, so a
-   prompt of which decode holds even one block reports the full count while decode recomputed the rest.
+   pull, and records it again only when a failed pull leaves decode nothing computed. Where
+   ``kv_load_failure_policy=recompute`` cuts a failed load back to decode's own cached prefix (vLLM's
+   invalid-block path), a prompt of which decode holds even one block reports the full count while
+   decode recomputed the rest.
    Every probe therefore carries a fresh ``cache_salt`` (``fresh_salt``; the proxy passes it to both
    legs): vLLM hashes it into the first block, decode holds no prefix of the prompt, and
    ``cached_tokens == prompt_tokens`` can only come from the connector. Other clients' traffic cannot
