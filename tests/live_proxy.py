@@ -45,22 +45,29 @@ def live_proxy(
     specs = [SimInstanceSpec("prefill")] * num_prefill + [SimInstanceSpec("decode")] * num_decode
     with sim_in_thread(specs, profile) as cluster:
         urls = tuple(cluster.urls)
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        sock.listen(128)
-        port = sock.getsockname()[1]
-        config = ProxyConfig(urls[:num_prefill], urls[num_prefill:], port=port, kv_lease_s=profile.kv_lease_s)
-        server = make_server(config, log_level="warning")
-        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-        thread.start()
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + _START_S
-            while not httpclient.is_ok(f"{url}/health"):
-                assert time.monotonic() < deadline, f"the proxy at {url} did not become healthy"
-                time.sleep(0.05)
+        config = ProxyConfig(urls[:num_prefill], urls[num_prefill:], port=0, kv_lease_s=profile.kv_lease_s)
+        with proxy_for(config) as url:
             yield LiveProxy(url, urls[:num_prefill], urls[num_prefill:], profile.served_model_name)
-        finally:
-            server.should_exit = True
-            thread.join(timeout=10)
-            sock.close()
+
+
+@contextmanager
+def proxy_for(config: ProxyConfig) -> Iterator[str]:
+    """A real proxy of ``config`` on a free port (``config.port`` is replaced), healthy; its URL."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    port = sock.getsockname()[1]
+    server = make_server(dataclasses.replace(config, port=port), log_level="warning")
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + _START_S
+        while not httpclient.is_ok(f"{url}/health"):
+            assert time.monotonic() < deadline, f"the proxy at {url} did not become healthy"
+            time.sleep(0.05)
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()

@@ -280,3 +280,12 @@ def test_a_lease_redo_gets_a_salt_vllm_accepts_that_no_earlier_request_had() -> 
     # vLLM's own rule (validate_cache_salt): a non-empty string of at most 128 characters without / @ \ NUL
     assert 0 < len(salt) <= 128 and not set(salt) & set("/@\\\0")
     assert redo["prompt"] == "hi"
+
+
+def test_a_clients_cache_salt_reaches_both_legs_so_their_block_hashes_agree() -> None:
+    # A proof's probe relies on it: decode holds no prefix under the salt, and prefill's blocks are the
+    # prompt's under the same salt.
+    body = {"prompt": "hi", "cache_salt": "pdserve-verify-0123"}
+    params = {"remote_block_ids": [[1]], "remote_engine_id": "e", "remote_prefill_cached_tokens": 0}
+    assert protocol.prefill_body(body)["cache_salt"] == "pdserve-verify-0123"
+    assert protocol.decode_body(body, params)["cache_salt"] == "pdserve-verify-0123"

@@ -52,16 +52,21 @@ def header(scope: Scope, name: bytes) -> str | None:
     return None
 
 
-def two_headers(scope: Scope, first: bytes, second: bytes) -> tuple[str | None, str | None]:
-    """``(header(scope, first), header(scope, second))`` in one pass over the headers."""
-    one = two = None
+def three_headers(
+    scope: Scope, first: bytes, second: bytes, third: bytes
+) -> tuple[str | None, str | None, str | None]:
+    """``(header(scope, first), header(scope, second), header(scope, third))`` in one pass."""
+    one = two = three = None
     for key, value in scope["headers"]:
         if key == first:
             if one is None:
                 one = bytes(value).decode("latin-1")
-        elif key == second and two is None:
-            two = bytes(value).decode("latin-1")
-    return one, two
+        elif key == second:
+            if two is None:
+                two = bytes(value).decode("latin-1")
+        elif key == third and three is None:
+            three = bytes(value).decode("latin-1")
+    return one, two, three
 
 
 class ResponseWriter:

@@ -100,7 +100,7 @@ def cmd_verify(a: argparse.Namespace) -> int:
     from pdserve.commands.verify import verify
 
     print(f"verifying {a.url} ...")
-    report = verify(a.url)
+    report = verify(a.url, admin_key=a.admin_api_key)
     print("\n".join(report.lines()))
     print("verify: " + ("all checks passed" if report.ok else "FAILED"))
     return 0 if report.ok else 1
@@ -215,6 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     ver = sub.add_parser("verify", help="prove through a running proxy that KV moves over NIXL")
     ver.add_argument("url", help="the proxy, e.g. http://127.0.0.1:8000")
+    ver.add_argument("--admin-api-key",
+                     help="the proxy's admin key, if it has one (to read /requests, and for the reference "
+                     "answer through the proxy where verify cannot reach the instances)")  # fmt: skip
     ver.set_defaults(func=cmd_verify)
 
     tr = sub.add_parser("trace", help="one request's timeline from the proxy and the instances' logs")

@@ -130,6 +130,15 @@ class Overloaded(RequestRefused):
         self.retry_after_s = retry_after_s
 
 
+class WholeOnRefused(RequestRefused):
+    """A request for one named instance's whole answer (``X-Pdserve-Whole-On``) the proxy will not serve:
+    the admin key is missing or wrong (401), or no instance has that name (404)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 class UpstreamError(PDServeError):
     """A call from the proxy to a prefill or decode instance failed.
 

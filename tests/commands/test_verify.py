@@ -10,7 +10,9 @@ from typing import Any
 import pytest
 
 from pdserve.cli import main
-from pdserve.commands.verify import Report, _read_stream, cases, verify
+from pdserve.commands.proofpath import Reference
+from pdserve.commands.verify import Answer, Report, _read_stream, ask, cases, check_answer, verify
+from pdserve.kvproof import BF16, Evidence
 
 
 def test_stream_text_is_joined_from_deltas() -> None:
@@ -122,3 +124,46 @@ def test_verify_fails_loudly_when_the_proxy_has_no_prefill_or_no_decode(
     assert "verify: FAILED" in out and all(f"FAIL  {what}" in out for what in failed)
     # Nothing could prove PD, so nothing was sent: no request, no counter read, only the listing.
     assert proxy.paths == ["/instances", "/instances"]
+
+
+def test_a_stream_that_moved_mid_way_is_unprovable_not_blamed_on_a_flag() -> None:
+    report = Report()
+    answer = Answer(200, "text", request_id="verify-x-1", evidence=Evidence(prompt_tokens=900))
+    moved = "from http://d0 after 12 tokens to http://d1"
+    check_answer(
+        report, "chat, streamed", answer, Reference("http://unused", "decode"), "m", BF16, None, moved
+    )
+    [(ok, what)] = [c for c in report.checks if "moved" in c[1]]
+    assert not ok and "[verify-x-1]" in what and "http://d1" in what
+    assert not any("--enable-prompt-tokens-details" in what for _, what in report.checks)
+
+
+class _Refusing(http.server.BaseHTTPRequestHandler):
+    """Answers every POST 503, without echoing the request id (as a load balancer in front might)."""
+
+    def do_POST(self) -> None:
+        body = b'{"error": {"message": "no instance available"}}'
+        self.send_response(503)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        return None
+
+
+def test_a_refused_request_keeps_its_request_id_in_the_failure() -> None:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Refusing)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        answer = ask(
+            f"http://127.0.0.1:{server.server_address[1]}", "/v1/completions", {}, request_id="verify-a-0"
+        )
+    finally:
+        server.shutdown()
+        server.server_close()
+    report = Report()
+    check_answer(report, "completions", answer, Reference("http://unused", "decode"), "m", BF16)
+    [(ok, what)] = report.checks
+    assert not ok and what.startswith("completions [verify-a-0]: HTTP 503") and "no instance" in what

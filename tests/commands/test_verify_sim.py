@@ -4,6 +4,7 @@ tolerance used on GPUs."""
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 from collections.abc import Iterator
@@ -11,9 +12,13 @@ from typing import Any
 
 import pytest
 
-from live_proxy import LiveProxy, live_proxy
+from decode_front import decode_front, last_block_swapped
+from live_proxy import LiveProxy, live_proxy, proxy_for
 from pdserve import httpclient, kvproof, protocol
 from pdserve.commands.verify import verify
+from pdserve.config import ProxyConfig
+from pdserve.configparts import ApiKeys, Routing
+from pdserve.errors import Unreachable
 
 
 @pytest.fixture(scope="module")
@@ -127,3 +132,92 @@ def test_prefills_cached_count_would_hide_a_recompute_which_is_why_the_proxy_dro
     params["remote_prefill_cached_tokens"] = 200  # as if prefill had it all cached
     answer = _post(proxy.decode[0], {**body, "kv_transfer_params": params})
     assert kvproof.evidence_of([answer]).cached_tokens == 200  # vLLM's front end reports prefill's count
+
+
+def _failed(report: Any) -> list[str]:
+    return [what for ok, what in report.checks if not ok]
+
+
+def test_wrong_kv_in_the_last_partial_block_fails_every_answer_streamed_or_not(proxy: LiveProxy) -> None:
+    with (
+        decode_front(proxy.decode[0], last_block_swapped(proxy.prefill[0], proxy.decode[0])) as (
+            front_url,
+            front,
+        ),
+        proxy_for(ProxyConfig((proxy.prefill[0],), (front_url,), port=0)) as url,
+    ):
+        report = verify(url, say=lambda _line: None)
+    wrong = [what for what in _failed(report) if "its logprobs agree" in what]
+    assert len(front.rewritten) == 4
+    # Each request by its own id, the two streamed ones too: their tokens are scored as the whole ones'.
+    assert sorted(what.split(" [")[0] for what in wrong) == sorted(label for label, _ in report.answers), (
+        "\n".join(report.lines())
+    )
+    assert all(f"[{rid}]" in " ".join(wrong) for rid in front.rewritten)
+
+
+def test_verify_proves_through_the_proxy_alone_when_it_cannot_reach_the_instances(
+    proxy: LiveProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As from a laptop through a Kubernetes port-forward: only the proxy answers."""
+    said: list[str] = []
+    with proxy_for(
+        ProxyConfig(proxy.prefill, proxy.decode, port=0, api_keys=ApiKeys(admin="admin-secret"))
+    ) as url:
+        blocked, request = (*proxy.prefill, *proxy.decode), httpclient.request
+
+        def firewalled(address: str, *args: Any, **kwargs: Any) -> httpclient.Response:
+            if address.startswith(blocked):
+                raise Unreachable(f"{address}: timed out (firewalled)")
+            return request(address, *args, **kwargs)
+
+        monkeypatch.setattr(httpclient, "request", firewalled)
+        report = verify(url, say=said.append, admin_key="admin-secret")
+        without_key = verify(url, say=lambda _line: None)
+    assert report.ok, "\n".join(report.lines())
+    assert any(f"cannot reach decode instance {proxy.decode[0]}" in line for line in said), said
+    assert sum("(through the proxy" in what for _, what in report.checks) == 4
+    # Without the admin key the proxy refuses the reference, and verify says it could not prove.
+    assert not without_key.ok
+    assert any("admin key" in what for what in _failed(without_key)), "\n".join(without_key.lines())
+
+
+@pytest.fixture(scope="module")
+def word_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tokenizer of one token a word, for the proxy's --skip-prefill-below count (none ships with the
+    simulator)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    path = tmp_path_factory.mktemp("word-tokenizer")
+    tokenizer = Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(path / "tokenizer.json"))
+    template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    return str(path)
+
+
+def _skipping(proxy: LiveProxy, tokenizer: str, below: int) -> ProxyConfig:
+    routing = Routing(tokenizer=tokenizer, skip_prefill_below_tokens=below)
+    return ProxyConfig(proxy.prefill, proxy.decode, port=0, routing=routing)
+
+
+def test_a_proxy_that_keeps_every_prompt_whole_cannot_be_proven_and_verify_says_so(
+    proxy: LiveProxy, word_tokenizer: str
+) -> None:
+    config = _skipping(proxy, word_tokenizer, 10**6)
+    with proxy_for(config) as url:
+        report = verify(url, say=lambda _line: None)
+    failed = _failed(report)
+    assert "cannot prove: this pool never splits" in failed[-1], "\n".join(report.lines())
+    assert all("served it whole" in what for what in failed[:-1])
+
+
+def test_a_skip_prefill_proxy_is_proven_on_prompts_long_enough_to_be_split(
+    proxy: LiveProxy, word_tokenizer: str
+) -> None:
+    config = _skipping(proxy, word_tokenizer, 1000)  # over verify's first prompts, under the longer ones
+    with proxy_for(config) as url:
+        report = verify(url, say=lambda _line: None)
+    assert report.ok, "\n".join(report.lines())
+    assert all("-longer]" in what for what in report.lines() if "decode computed" in what)

@@ -23,7 +23,7 @@ import pytest
 from greedy import greedy_text
 
 from pdserve import httpclient
-from pdserve.commands.verify import wait_for_transfers
+from pdserve.commands.verify import verify, wait_for_transfers
 from pdserve.engines.transfers import transfer_counts
 
 PROXY_PORT, FIRST_PORT, FIRST_SIDE_CHANNEL_PORT = 22430, 22431, 22440
@@ -117,3 +117,13 @@ def test_long_prompts_split_and_short_ones_stay_whole_answering_as_one_instance_
         else:
             assert placement["prefill_url"] is None
         assert (moved.successful, moved.failed) == (1 if split else 0, 0), placement
+
+
+def test_verify_proves_the_pools_split_path_with_prompts_long_enough_to_be_split(pool: Pool) -> None:
+    said: list[str] = []
+    report = verify(pool.url, say=said.append)
+    assert report.ok, "\n".join(report.lines())
+    assert any("an elastic pool of 3 instance(s)" in line for line in said), said
+    # Every request was split (its record says so) and proved its own transfer.
+    assert sum("decode computed 0 of" in what for _, what in report.checks) == 4
+    assert not any("served it whole" in what for _, what in report.checks)

@@ -20,8 +20,8 @@ import pytest
 from greedy import greedy_text
 
 from conftest import E2E_TOPOLOGY
-from pdserve import httpclient
-from pdserve.commands.verify import wait_for_transfers
+from pdserve import httpclient, kvproof
+from pdserve.commands.verify import verify, wait_for_transfers
 from pdserve.config import ProxySettings, RoleSpec
 from pdserve.engines.transfers import transfer_counts
 from pdserve.stack import Stack
@@ -103,3 +103,12 @@ def test_the_proxy_lists_each_instance_once_with_the_side_the_router_gave_it(poo
     listing = httpclient.get(f"{pool.proxy_url}/instances", 10).json()
     assert sorted(i["url"] for i in listing) == sorted(pool.urls("elastic"))
     assert all(i["role"] == "elastic" and i["side"] in ("prefill", "decode") for i in listing), listing
+
+
+def test_verify_proves_the_split_path_of_the_pool_with_prompts_long_enough_to_be_split(pool: Stack) -> None:
+    said: list[str] = []
+    report = verify(pool.proxy_url, say=said.append, tolerance=kvproof.FLOAT32)
+    assert report.ok, "\n".join(report.lines())
+    assert any("an elastic pool of 3 instance(s)" in line for line in said), said
+    assert sum("decode computed 0 of" in what for _, what in report.checks) == 4
+    assert not any("served it whole" in what for _, what in report.checks)

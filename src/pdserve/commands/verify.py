@@ -1,14 +1,22 @@
-"""`pdserve verify URL`: proof that PD works beyond HTTP 200, per request, beside other traffic.
+"""`pdserve verify URL`: proof that PD works beyond HTTP 200, per request, beside other traffic, through
+the proxy alone if need be.
 
 Through the proxy it sends completions and chat requests, streamed and not, each under its own
-X-Request-Id, then checks for each one
+X-Request-Id and its own fresh ``cache_salt``, each prompt fresh from its first word to its last and at
+least ``kvproof.MIN_PROMPT_BLOCKS`` KV blocks long, then checks for each one
 1. it answered 200 with text and (streamed) ended with [DONE] and no error event;
-2. decode did not compute its prompt: decode's own ``usage.prompt_tokens_details.cached_tokens`` equals
-   its ``prompt_tokens`` (the prompt is unique from its first token, so only the connector can have
+2. the proxy split it (its /requests record), so there is a transfer to prove: an elastic pool or a
+   ``--skip-prefill-below`` proxy serves short prompts whole, so a request kept whole is sent again,
+   longer, and a pool that keeps even that whole is reported as one verify cannot prove;
+3. decode did not compute its prompt: decode's own ``usage.prompt_tokens_details.cached_tokens`` equals
+   its ``prompt_tokens`` (the salt leaves decode no local prefix, so only the connector can have
    supplied it; pdserve.kvproof says why this holds per request where counter deltas cannot);
-3. (whole answers) the answer is the one prefill's KV should give: one decode instance, no PD, scores
-   the answer's tokens teacher-forced and their logprobs agree within the stated tolerance; in float32
-   the text must also equal that instance's own greedy answer.
+4. the answer is the one prefill's KV should give: one instance, no PD, scores at least
+   ``kvproof.MIN_ANSWER_TOKENS`` of the answer's tokens teacher-forced (a stream's too) and their
+   logprobs agree within the stated tolerance; in float32 a whole answer's text must also equal that
+   instance's own greedy answer.
+The reference instance is asked directly when verify can reach it, else through the proxy
+(``X-Pdserve-Whole-On``, with the admin key where the proxy has one); verify says which.
 """
 
 from __future__ import annotations
@@ -21,11 +29,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve import httpclient, kvproof, sse
+from pdserve.commands.proofpath import Reference, find_reference, split_of
 from pdserve.engines.transfers import TransferCounts, transfer_counts
 from pdserve.errors import Unreachable, VerifyError
 from pdserve.kvproof import Evidence, Tolerance
 
-_MAX_TOKENS = 16
+# fresh_text's words are at least a token each in every tokenizer seen, and at most about 4 (pdserve's
+# tiny model's byte-level BPE, numbers included: 3.6)
+_MAX_TOKENS_PER_WORD = 4
 _COUNTER_WAIT = 30.0  # vLLM publishes connector stats with engine steps; they lag the answer a little
 
 
@@ -55,10 +66,18 @@ class Report:
         return [f"  {'PASS' if ok else 'FAIL'}  {what}" for ok, what in self.checks]
 
 
-def http_json(url: str, body: dict[str, Any] | None = None, timeout: float = 120.0) -> tuple[int, Any]:
+def http_json(
+    url: str,
+    body: dict[str, Any] | None = None,
+    timeout: float = 120.0,
+    headers: dict[str, str] | None = None,
+) -> tuple[int, Any]:
     """GET (body None) or POST JSON; (status, parsed JSON or text). VerifyError when unreachable."""
     try:
-        response = httpclient.get(url, timeout) if body is None else httpclient.post_json(url, body, timeout)
+        if body is None:
+            response = httpclient.request(url, timeout=timeout, headers=headers)
+        else:
+            response = httpclient.post_json(url, body, timeout, headers=headers)
     except Unreachable as exc:
         raise VerifyError(str(exc)) from exc
     return response.status, response.json()
@@ -72,17 +91,22 @@ def _text_of(choice: dict[str, Any]) -> str:
 
 
 def ask(
-    base: str, path: str, body: dict[str, Any], timeout: float = 120.0, request_id: str | None = None
+    base: str,
+    path: str,
+    body: dict[str, Any],
+    timeout: float = 120.0,
+    request_id: str | None = None,
+    headers: dict[str, str] | None = None,
 ) -> Answer:
     """One request; a streamed one is read to the end, its deltas joined and its events checked."""
-    headers = {"X-Request-Id": request_id} if request_id else None
+    sent = {**(headers or {}), **({"X-Request-Id": request_id} if request_id else {})}
     try:
-        response = httpclient.post_json(base + path, body, timeout, headers=headers)
+        response = httpclient.post_json(base + path, body, timeout, headers=sent)
     except Unreachable as exc:
         raise VerifyError(str(exc)) from exc
-    request_id = response.headers.get("x-request-id")
+    request_id = response.headers.get("x-request-id") or request_id
     if response.status != 200:
-        return Answer(response.status, "", error=response.body.decode("utf-8", "replace"))
+        return Answer(response.status, "", response.body.decode("utf-8", "replace"), request_id)
     if not body.get("stream"):
         data = json.loads(response.body)
         return Answer(
@@ -112,22 +136,30 @@ def _read_stream(status: int, raw: bytes, request_id: str | None) -> Answer:
     return Answer(status, "".join(parts), cut, request_id, kvproof.evidence_of(chunks))
 
 
-def cases(model: str) -> list[tuple[str, str, dict[str, Any]]]:
-    """(label, path, body): each prompt unique, so no earlier run's prefix cache stands in for a pull."""
-    nonce = uuid.uuid4().hex[:8]
-    common = {"model": model, "max_tokens": _MAX_TOKENS, "temperature": 0.0}
+def cases(model: str, num_words: int = 600) -> list[tuple[str, str, dict[str, Any]]]:
+    """(label, path, body): each prompt fresh from its first word to its last and under its own salt,
+    so no prefix cache (decode's least of all) stands in for a pull, and no two share KV."""
+    common = {"model": model, "max_tokens": kvproof.MIN_ANSWER_TOKENS, "temperature": 0.0, "ignore_eos": True}
     out: list[tuple[str, str, dict[str, Any]]] = []
     for stream in (False, True):
         kind = "streamed" if stream else "non-streamed"
-        prompt = f"Verify {nonce} {kind}: the river carried the small boat past the mill and"
-        out.append(
-            (f"completions, {kind}", "/v1/completions", {**common, "prompt": prompt, "stream": stream})
-        )
-        messages = [{"role": "user", "content": f"Verify {nonce} {kind}: tell me about the old mill."}]
-        out.append(
-            (f"chat, {kind}", "/v1/chat/completions", {**common, "messages": messages, "stream": stream})
-        )
+        for label, path, key in (
+            ("completions", "/v1/completions", "prompt"),
+            ("chat", "/v1/chat/completions", "messages"),
+        ):
+            text = kvproof.fresh_text(num_words, "verify")
+            prompt: Any = text if key == "prompt" else [{"role": "user", "content": text}]
+            body = {**common, key: prompt, "stream": stream, "cache_salt": kvproof.fresh_salt("verify")}
+            out.append((f"{label}, {kind}", path, body))
     return out
+
+
+def _longer(body: dict[str, Any], factor: int) -> dict[str, Any]:
+    """``body`` with a fresh prompt ``factor`` times as long, under a fresh salt."""
+    text = body["prompt"] if "prompt" in body else body["messages"][0]["content"]
+    words = kvproof.fresh_text(len(text.split()) * factor, "verify")
+    prompt = {"prompt": words} if "prompt" in body else {"messages": [{"role": "user", "content": words}]}
+    return {**body, **prompt, "cache_salt": kvproof.fresh_salt("verify")}
 
 
 def wait_for_transfers(
@@ -148,12 +180,14 @@ def check_answer(
     report: Report,
     label: str,
     answer: Answer,
-    reference_url: str,
+    reference: Reference,
     model: str,
     tolerance: Tolerance,
     alone: Answer | None = None,
+    moved: str | None = None,
 ) -> None:
-    """The per-request checks of one PD answer; each names the request, so a failure says which."""
+    """The per-request checks of one PD answer; each names the request, so a failure says which.
+    ``moved``: the stream went on from another instance mid-way (the proxy's record says so)."""
     who = f"{label} [{answer.request_id}]"
     is_answered = report.check(
         answer.status == 200 and answer.error is None and bool(answer.text),
@@ -162,53 +196,126 @@ def check_answer(
     )
     if not is_answered:
         return
+    if moved is not None:
+        # The instance that finished it served prompt + tokens whole: its usage speaks of that.
+        report.check(
+            False, f"{who}: its stream moved to another instance mid-way ({moved}): nothing proves it"
+        )
+        return
     ok, said = answer.evidence.transfer()
     report.check(ok, f"{who}: {said}")
-    if alone is None:  # a stream: its tokens' logprobs are checked on the whole answers
-        return
-    agreement = kvproof.teacher_forced(reference_url, model, answer.evidence)
+    agreement = kvproof.teacher_forced(reference.base, model, answer.evidence, headers=reference.headers)
+    num_tokens = len(answer.evidence.token_ids)
     report.check(
-        agreement.within(tolerance),
-        f"{who}: its logprobs agree with one instance scoring the same tokens, no PD "
-        f"({agreement.says()}; tolerance {tolerance.describe()})",
+        agreement.within(tolerance) and num_tokens >= kvproof.MIN_ANSWER_TOKENS,
+        f"{who}: its logprobs agree with {reference.name} scoring the same tokens, no PD "
+        f"({agreement.says()}; tolerance {tolerance.describe()}"
+        + ("" if num_tokens >= kvproof.MIN_ANSWER_TOKENS else f"; needs {kvproof.MIN_ANSWER_TOKENS} tokens")
+        + ")",
     )
-    if tolerance.exact_text:
+    if tolerance.exact_text and alone is not None:
         report.check(
             alone.status == 200 and alone.text == answer.text,
-            f"{who}: same greedy text as one instance alone"
+            f"{who}: same greedy text as {reference.name} alone"
             + ("" if alone.text == answer.text else f" (PD {answer.text!r} vs alone {alone.text!r})"),
         )
 
 
-def verify(proxy_url: str, say: Callable[[str], None] = print, tolerance: Tolerance = kvproof.BF16) -> Report:
+def _listing(report: Report, instances: list[dict[str, Any]]) -> tuple[int, int, bool]:
+    """Checks of what the proxy lists; (number that prefill, number that decode, elastic?)."""
+    elastic = [i for i in instances if i["role"] == "elastic"]
+    if elastic:  # one pool, each instance either role per request: it splits only with two or more
+        report.check(len(elastic) >= 2, f"the proxy lists {len(elastic)} elastic instance(s) (splits need 2)")
+        num_prefill = num_decode = len(elastic)
+    else:
+        num_decode = sum(1 for i in instances if i["role"] == "decode")
+        num_prefill = len(instances) - num_decode
+        # With no instance of a role there is nothing to prove PD with: a failed check, not a pass.
+        report.check(num_prefill > 0, f"the proxy lists {num_prefill} prefill instance(s)")
+        report.check(num_decode > 0, f"the proxy lists {num_decode} decode instance(s)")
+    for inst in instances:
+        report.check(inst["healthy"], f"{inst['role']} instance {inst['url']} is healthy")
+    return num_prefill, num_decode, bool(elastic)
+
+
+def verify(
+    proxy_url: str,
+    say: Callable[[str], None] = print,
+    tolerance: Tolerance = kvproof.BF16,
+    admin_key: str | None = None,
+) -> Report:
     proxy_url = proxy_url.rstrip("/")
     report = Report()
     status, instances = http_json(f"{proxy_url}/instances", timeout=10)
     if status != 200 or not isinstance(instances, list):
         raise VerifyError(f"{proxy_url}/instances answered {status}: is this a pdserve proxy?")
-    decode_urls = [i["url"] for i in instances if i["role"] == "decode"]
-    num_prefill = len(instances) - len(decode_urls)
-    # With no instance of a role there is nothing to prove PD with: that is a failed check, not a pass.
-    report.check(num_prefill > 0, f"the proxy lists {num_prefill} prefill instance(s)")
-    report.check(bool(decode_urls), f"the proxy lists {len(decode_urls)} decode instance(s)")
-    for inst in instances:
-        report.check(inst["healthy"], f"{inst['role']} instance {inst['url']} is healthy")
+    num_prefill, num_decode, is_elastic = _listing(report, instances)
     if not report.ok:
         return report
     status, models = http_json(f"{proxy_url}/v1/models", timeout=10)
     if not report.check(status == 200, f"/v1/models answered {status}"):
         return report
     model = models["data"][0]["id"]
-    say(f"model {model}; {num_prefill} prefill, {len(decode_urls)} decode instance(s)")
-    say(f"answer oracle: teacher-forced logprobs, tolerance {tolerance.describe()}")
+    max_model_len = models["data"][0].get("max_model_len")
+    pool = f"an elastic pool of {num_decode}" if is_elastic else f"{num_prefill} prefill, {num_decode} decode"
+    say(f"model {model}; {pool} instance(s)")
+    reference = find_reference(proxy_url, instances, admin_key, say)
+    min_tokens = kvproof.min_prompt_tokens(reference.block_size)
+    say(f"answer oracle: teacher-forced logprobs on {reference.name}, tolerance {tolerance.describe()}")
+    say(
+        f"prompts: fresh, at least {min_tokens} tokens ({kvproof.MIN_PROMPT_BLOCKS} KV blocks of {reference.block_size or f'{kvproof.DEFAULT_BLOCK_SIZE} (assumed)'})"
+    )
 
     nonce = uuid.uuid4().hex[:8]
-    for i, (label, path, body) in enumerate(cases(model)):
+    num_words = int(min_tokens * 1.2)
+    if isinstance(max_model_len, int):  # the longest tokenization must still fit with the answer
+        num_words = min(num_words, (max_model_len - kvproof.MIN_ANSWER_TOKENS - 64) // _MAX_TOKENS_PER_WORD)
+    never_split: list[str] = []
+    unread: list[str] = []
+    for i, (label, path, body) in enumerate(cases(model, num_words)):
         endpoint = "chat" if "chat" in path else "completions"
-        answer = ask(proxy_url, path, kvproof.with_evidence(body, endpoint), request_id=f"verify-{nonce}-{i}")
+        request_id = f"verify-{nonce}-{i}"
+        answer = ask(proxy_url, path, kvproof.with_evidence(body, endpoint), request_id=request_id)
+        split = split_of(proxy_url, request_id, admin_key)
+        if split.kept_whole is not None and answer.status == 200:
+            # Served whole (a short prompt for an elastic pool or --skip-prefill-below): once more, longer.
+            longer = _fit(body, answer.evidence.prompt_tokens, max_model_len)
+            if longer is not None:
+                body, request_id = longer, f"{request_id}-longer"
+                answer = ask(proxy_url, path, kvproof.with_evidence(body, endpoint), request_id=request_id)
+                split = split_of(proxy_url, request_id, admin_key)
         report.answers.append((label, answer))
+        unread += [split.unknown] if split.unknown else []
+        who = f"{label} [{answer.request_id}]"
+        if split.kept_whole is not None and answer.status == 200:
+            report.check(
+                False, f"{who}: the proxy served it whole ({split.kept_whole}): no transfer to prove"
+            )
+            never_split.append(split.kept_whole)
+            continue
+        prompt_tokens = answer.evidence.prompt_tokens or 0
+        if answer.status == 200:
+            report.check(
+                prompt_tokens >= min_tokens,
+                f"{who}: its prompt is {prompt_tokens} tokens (at least {min_tokens}: "
+                f"{kvproof.MIN_PROMPT_BLOCKS} KV blocks)",
+            )
         alone = None
-        if not body.get("stream"):
-            alone = ask(decode_urls[0], path, {**body, "cache_salt": f"pdserve-alone-{nonce}-{i}"})
-        check_answer(report, label, answer, decode_urls[0], model, tolerance, alone)
+        if tolerance.exact_text and not body.get("stream"):
+            salted = {**body, "cache_salt": kvproof.fresh_salt("alone")}
+            alone = ask(
+                reference.base, path, salted, request_id=f"{request_id}-alone", headers=reference.headers
+            )
+        check_answer(report, label, answer, reference, model, tolerance, alone, split.moved)
+    if len(never_split) == len(report.answers):
+        report.check(False, f"cannot prove: this pool never splits ({never_split[0]})")
+    if unread:
+        say(f"could not read the proxy's /requests ({unread[0]}): each request's own evidence speaks")
     return report
+
+
+def _fit(body: dict[str, Any], prompt_tokens: int | None, max_model_len: int | None) -> dict[str, Any] | None:
+    """``body`` with a prompt as long as the model allows (up to 4×), or None if it cannot be longer."""
+    room = (max_model_len or 4 * (prompt_tokens or 1)) - kvproof.MIN_ANSWER_TOKENS - 64
+    factor = min(4, room // max(prompt_tokens or 1, 1))
+    return _longer(body, factor) if factor >= 2 else None

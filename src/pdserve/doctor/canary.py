@@ -1,10 +1,13 @@
 """One canary handoff on one prefill→decode pair, straight to the instances (not through the proxy):
 the prefill request as the proxy sends it, a TCP connect to the side channel prefill names, the decode
-request with prefill's params, and the evidence: the canary's own cached-token count on decode (its
-prompt, unique from the first token, was not computed there; pdserve.kvproof), and decode's NIXL
-counters for the figures. Then the answer oracle (decode scores the canary's tokens teacher-forced, no
-PD; in float32 also the greedy text of decode alone) and a prefill-only request there (what prefilling
-costs).
+request with prefill's params, and the evidence: the canary's own cached-token count on decode, which
+alone decides whether its KV came over (pdserve.kvproof). Its prompt is fresh from first word to last,
+at least ``kvproof.MIN_PROMPT_BLOCKS`` blocks, under a fresh ``cache_salt`` on both legs, so decode holds
+no prefix of it. Without that count (a decode started without ``--enable-prompt-tokens-details``) the
+canary fails: decode's NIXL counters are every client's, so they give the figures (bytes, time) and can
+show that nothing moved, but never that the canary's KV did. Then the answer oracle (decode scores the
+canary's tokens teacher-forced, no PD; in float32 also the greedy text of decode alone) and a
+prefill-only request there (what prefilling costs).
 
 Decode's prefix cache would make the baselines reuse the canary's pulled blocks, so each carries its
 own ``cache_salt`` (vLLM hashes it into the first block): they compute the prompt from scratch, and a
@@ -90,11 +93,14 @@ def _count_tokens(url: str, model: str, text: str) -> int | None:
 
 
 def build_prompt(url: str, model: str, target_tokens: int) -> tuple[str, int | None]:
-    """A prompt of about ``target_tokens`` tokens, unique from its first token so no cache holds it."""
-    head = f"pdserve doctor canary {uuid.uuid4().hex[:12]}:"
-    probe = _count_tokens(url, model, _SENTENCE * 20)
-    per_repeat = probe / 20 if probe else len(_SENTENCE) / 4  # ~4 characters a token without a tokenizer
-    text = head + _SENTENCE * repeats_for(target_tokens, per_repeat, overhead_tokens=24)
+    """A prompt of about ``target_tokens`` tokens, fresh from its first word to its last, so no cache
+    holds any of it."""
+    sample = kvproof.fresh_text(100, "pdserve-doctor-canary")
+    probe = _count_tokens(url, model, sample)
+    per_word = probe / 100 if probe else len(sample) / 4 / 100  # ~4 characters a token without a tokenizer
+    text = kvproof.fresh_text(
+        repeats_for(target_tokens, per_word, overhead_tokens=24), "pdserve-doctor-canary"
+    )
     return text, _count_tokens(url, model, text)
 
 
@@ -202,14 +208,17 @@ def run(
     d: InstanceFacts,
     model: str,
     target_tokens: int,
-    max_tokens: int = 16,
+    max_tokens: int = kvproof.MIN_ANSWER_TOKENS,
     timeout: float = 120.0,
 ) -> dict[str, Any] | None:
     """The canary; its checks go into ``pair``, its numbers into ``pair.handoff``. Returns prefill's
     params (None if prefill gave none), for the engine-id checks that follow."""
-    budget = prompt_budget(target_tokens, d.max_model_len or p.max_model_len, max_tokens)
+    min_tokens = kvproof.min_prompt_tokens(d.block_size or p.block_size)
+    budget = prompt_budget(max(target_tokens, min_tokens), d.max_model_len or p.max_model_len, max_tokens)
     text, num_tokens = build_prompt(d.url, model, budget)
-    body = {"model": model, "prompt": text, "max_tokens": max_tokens, "temperature": 0.0}
+    # One salt for both legs (their block hashes must agree), fresh: decode holds no prefix of it.
+    body = {"model": model, "prompt": text, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "cache_salt": kvproof.fresh_salt("doctor")}  # fmt: skip
     request_id = f"doctor-{uuid.uuid4().hex[:12]}"
     try:
         before_d, before_p = scrape(d.url, _SCRAPE_TIMEOUT), scrape(p.url, _SCRAPE_TIMEOUT)
@@ -315,10 +324,11 @@ def tolerance_for(p: InstanceFacts, d: InstanceFacts) -> kvproof.Tolerance:
 
 
 def _own_transfer(pair: PairReport, evidence: kvproof.Evidence) -> None:
-    """The canary's own proof, whatever else decode serves meanwhile."""
+    """The canary's own proof, whatever else decode serves meanwhile; without it the canary fails, as
+    decode's counters move with every client's transfers."""
     ok, said = evidence.transfer()
-    if evidence.cached_tokens is None:  # an instance started without the flag: nothing to read
-        pair.add("warn", f"canary: {said}; only decode's counters speak for the transfer")
+    if evidence.cached_tokens is None:
+        pair.check(False, f"canary: {said}: nothing proves the canary's own KV came over")
         return
     pair.check(ok, f"canary: {said}")
 
@@ -341,23 +351,29 @@ def _counters(
         return None
     count, failed = _delta(after_d, before_d, XFER_COUNT), _delta(after_d, before_d, XFER_FAILED)
     moved, xfer_s = _delta(after_d, before_d, BYTES_SUM), _delta(after_d, before_d, XFER_TIME_SUM)
-    pair.check(
-        failed == 0, f"decode's failed-transfer counter (vllm:nixl_num_failed_transfers) rose by {failed:g}"
-    )
+    if failed:  # maybe another client's: the canary's own answer (its status, its evidence) decides
+        pair.add(
+            "warn",
+            f"decode's failed-transfer counter (vllm:nixl_num_failed_transfers) rose by {failed:g} while the "
+            "canary ran (its own evidence decides; other clients' pulls count here too)",
+        )
     if failed or decode_status != 200:
         return None
     descriptors = _delta(after_d, before_d, DESCRIPTORS_SUM) if DESCRIPTORS_SUM in after_d else None
     is_moved = count >= 1 and moved > 0
     counter = f"decode's transfer counter (vllm:nixl_xfer_time_seconds_count) rose by {count:g}"
-    pair.check(
-        is_moved,
-        f"{counter}: {size(moved)} of KV pulled over NIXL in {duration(xfer_s)}"
-        + (f" ({descriptors:g} descriptors)" if descriptors else "")
-        if is_moved
-        else f"{counter}: decode answered without pulling the KV (is it a kv_consumer NixlConnector? "
-        "did the params reach it?)",
-    )
-    if not is_moved:
+    if is_moved:  # the figures; other clients' transfers may be among them, so they prove nothing
+        pair.add(
+            "info",
+            f"{counter}: {size(moved)} of KV pulled over NIXL in {duration(xfer_s)}"
+            + (f" ({descriptors:g} descriptors)" if descriptors else ""),
+        )
+    else:  # nothing moved at all: not the canary's either
+        pair.check(
+            False,
+            f"{counter}: decode answered without pulling the KV (is it a kv_consumer NixlConnector? "
+            "did the params reach it?)",
+        )
         pair.add(
             "info",
             f"prefill keeps the canary's KV until its lease runs out (kv_lease_duration, {_DEFAULT_LEASE_S:g} s "

@@ -31,6 +31,7 @@ from pdserve.proxy.choice import Chooser
 from pdserve.proxy.decode import Decoder
 from pdserve.proxy.guard import LeaseGuard
 from pdserve.proxy.holding import Hold
+from pdserve.proxy.instance import Instance
 from pdserve.proxy.migrate import Migrator
 from pdserve.proxy.otel import RequestTracing
 from pdserve.proxy.plan import DecodeStep, Plan, Rules
@@ -78,9 +79,11 @@ class Flow:
         out: Responder,
         arrived: float | None = None,
         arrived_ns: int | None = None,
+        whole_on: Instance | None = None,
     ) -> None:
         """Serve one request; ``arrived`` (perf_counter) and ``arrived_ns`` (epoch) mark when it came in,
-        before it waited for an admission slot."""
+        before it waited for an admission slot. ``whole_on``: the admin asked for that instance's whole
+        answer (wholeon.py): no hold, no placement and no migration either."""
         admitted = time.perf_counter()
         arrived = admitted if arrived is None else arrived
         arrived_ns = time.time_ns() if arrived_ns is None else arrived_ns
@@ -103,7 +106,8 @@ class Flow:
         call = Call(endpoint, body, headers, out, is_stream, deadline, self._t.request, protocol.PATHS[endpoint],
                     self._prompt(body), progress)  # fmt: skip
         trace = Trace(out.request_id, endpoint, stream=is_stream)
-        plan = Plan(self._rules, call, trace, Timeline(arrived, admitted, itl=self._state.stats.timings.itl))
+        timeline = Timeline(arrived, admitted, itl=self._state.stats.timings.itl)
+        plan = Plan(self._rules, call, trace, timeline, whole_on=whole_on)
         self._state.record(trace)
         span = None
         if self._tracing is not None:
@@ -112,10 +116,12 @@ class Flow:
             plan.traced(f"{span.get_span_context().trace_id:032x}")
         begun = time.perf_counter()
         try:
-            await self._run(plan)
+            await (self._run(plan) if whole_on is None else self._steps(plan))
         except UpstreamError as failed:
-            # A stream that broke after the client had tokens may go on elsewhere (migrate.py).
-            told = await self._migrator.resume(plan, failed, self._run) if out.started else failed
+            # A stream that broke after the client had tokens may go on elsewhere (migrate.py); the
+            # answer of one named instance may not.
+            is_movable = out.started and whole_on is None
+            told = await self._migrator.resume(plan, failed, self._run) if is_movable else failed
             if told is not None:
                 log.warning("request %s failed: %s", out.request_id, told)
                 retry_after = getattr(told, "retry_after_s", None)

@@ -111,7 +111,8 @@ class Plan:
     """One request (or a migrated stream's continuation) from its first step to its last."""
 
     __slots__ = ("_decode", "_delivered", "_handoff", "_local_reason", "_pending", "_phase", "_placed",
-                 "_round", "_rules", "_sent", "_tries", "_was_split", "call", "timeline", "trace")  # fmt: skip
+                 "_round", "_rules", "_sent", "_tries", "_was_split", "_whole_on", "call", "timeline",
+                 "trace")  # fmt: skip
 
     # Written before anything reads them: with each prefill round (``_round``: its attempts), with each
     # decode attempt (``_sent``: the handoff whose params went with it; ``_was_split``: a fixed pool's
@@ -121,8 +122,16 @@ class Plan:
     _was_split: bool
 
     def __init__(
-        self, rules: Rules, call: Call, trace: Trace, timeline: Timeline, avoid: Sequence[Instance] = ()
+        self,
+        rules: Rules,
+        call: Call,
+        trace: Trace,
+        timeline: Timeline,
+        avoid: Sequence[Instance] = (),
+        whole_on: Instance | None = None,
     ) -> None:
+        """``avoid``: decodes a migrated stream's continuation does not go back to; ``whole_on``: the
+        admin's reference request (wholeon.py), that instance's own answer or its error, nothing else."""
         self._rules = rules
         self.call = call
         self.trace = trace
@@ -137,6 +146,10 @@ class Plan:
         self._delivered: Handoff | None = None  # the one decode's answer rests on, once it began
         self._placed: Placed | None = None  # an elastic pool's placement
         self._pending: Step | None = None  # a step decided with the last result, to take next
+        self._whole_on = whole_on
+        if whole_on is not None:
+            self._tries.again = whole_on
+            self._local_reason = f"asked whole on {whole_on.url} (X-Pdserve-Whole-On)"
 
     # --- what the flow asks ------------------------------------------------------------------------
 
@@ -203,6 +216,11 @@ class Plan:
             return None
         tries.is_first = False  # what follows is a retry
         self._phase = _PICK
+        if self._whole_on is not None:  # that instance's answer or its error: nothing else
+            self._phase = _DONE
+            failure = result.failure if isinstance(result, DecodeFailed) else UpstreamUnavailable(
+                "decode", decode.url, result.why)  # fmt: skip
+            return GiveUp("decode", decode.url, failure)
         if isinstance(result, DecodeFailed) and result.is_stale and not tries.num_stale:
             self._once_more_on_a_fresh_connection(decode)
         elif isinstance(result, DecodeFailed) and tries.is_last:
@@ -380,7 +398,11 @@ class Plan:
         # A retry goes to another instance: none left (or no attempts left) makes this the last, whose
         # failure the client hears of.
         tries.has_others = has_others = rules.chooser.has_other("decode", tries.tried, decode)
-        tries.is_last = tries.num_failed + 1 >= rules.config.retries.max_decode_attempts or not has_others
+        tries.is_last = (
+            tries.num_failed + 1 >= rules.config.retries.max_decode_attempts
+            or not has_others
+            or self._whole_on is not None
+        )
         trace.decode_url = decode.url
         self._sent = handoff = self._handoff
         self._was_split = handoff is not None and self._placed is None

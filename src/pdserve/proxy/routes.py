@@ -1,6 +1,8 @@
 """The proxy's routes: the two generation endpoints (raw ASGI) and the read-only ones.
 
-    POST /v1/completions, /v1/chat/completions   the PD flow (flow.py), behind the API key and admission
+    POST /v1/completions, /v1/chat/completions   the PD flow (flow.py), behind the API key and admission;
+                                                 with X-Pdserve-Whole-On, one named instance's whole
+                                                 answer (wholeon.py, behind the admin key)
     GET  /v1/models                              a decode instance's answer, behind the API key
     GET  /health                                 200 when >= 1 prefill and >= 1 decode instance can serve
     GET  /instances                              each instance's role, URL, state, circuit, in-flight, load
@@ -26,13 +28,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from pdserve import protocol
-from pdserve.asgi import Receive, Scope, Send, read_body, run_until_disconnect, two_headers
-from pdserve.errors import BodyTooLarge, ClientGone, Overloaded, UpstreamError
+from pdserve.asgi import Receive, Scope, Send, read_body, run_until_disconnect, three_headers
+from pdserve.errors import BodyTooLarge, ClientGone, Overloaded, UpstreamError, WholeOnRefused
 from pdserve.protocol import Endpoint
 from pdserve.proxy.context import Context, context
 from pdserve.proxy.exposition import render as render_metrics
 from pdserve.proxy.responder import Redact, Responder
 from pdserve.proxy.state import ProxyState
+from pdserve.proxy.wholeon import WHOLE_ON, asked_whole_on
 
 log = logging.getLogger("pdserve.proxy")
 
@@ -114,7 +117,7 @@ class GenerationEndpoint:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         arrived, arrived_ns = time.perf_counter(), time.time_ns()
-        given_id, auth = two_headers(scope, b"x-request-id", b"authorization")
+        given_id, auth, named = three_headers(scope, b"x-request-id", b"authorization", WHOLE_ON)
         request_id, replaced = usable_request_id(given_id)
         out = Responder(send, request_id or self._new_request_id(), self._redact, replaced)
         if self._expected_auth is not None:
@@ -125,6 +128,14 @@ class GenerationEndpoint:
                 return
             auth = None  # the proxy's key is not the instances' key
         auth = self._upstream_auth or auth
+        whole_on = None
+        if named is not None:  # the admin's reference request (wholeon.py)
+            try:
+                whole_on = asked_whole_on(named, scope, self._ctx.state, self._ctx.config.api_keys.admin)
+            except WholeOnRefused as exc:
+                kind = "AuthenticationError" if exc.status == 401 else "NotFoundError"
+                await out.error(exc.status, exc.message, kind)
+                return
         max_body = self._ctx.config.admission.max_body_bytes
         try:
             raw = await read_body(receive, max_body)
@@ -135,7 +146,7 @@ class GenerationEndpoint:
             return
         try:
             async with self._ctx.admission.slot():
-                work = self._ctx.flow.serve(self._endpoint, raw, auth, out, arrived, arrived_ns)
+                work = self._ctx.flow.serve(self._endpoint, raw, auth, out, arrived, arrived_ns, whole_on)
                 if await run_until_disconnect(work, receive, out, loop=self._ctx.state.loop):
                     log.info("request %s: client disconnected; upstream calls cancelled", request_id)
         except Overloaded as exc:

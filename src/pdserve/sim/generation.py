@@ -198,6 +198,7 @@ class GenerationEndpoint:
             inst.system_fingerprint,
             req.include_usage,
             req.prompt_token_ids if req.return_token_ids else None,
+            req.tokens_as_ids,
         )
         delay = inst.faults.spec.token_delay_s
         stop = _Stop(req.stop) if req.stop else None
@@ -235,8 +236,11 @@ class GenerationEndpoint:
                     elif finish is not None:
                         text += stop.flush()
                     text_json = orjson.dumps(text)
+                logprob = None
+                if req.logprobs and event.logprob is not None:
+                    logprob = self._noisy(event.logprob)
                 if finish is None:
-                    await out.chunk(head + fmt.token(text_json, event.token_id))
+                    await out.chunk(head + fmt.token(text_json, event.token_id, logprob))
                     if num_tokens == answer.drop_after:
                         out.drop()
                         return "abort"
@@ -245,7 +249,10 @@ class GenerationEndpoint:
                 if req.include_usage:
                     tail = fmt.usage(len(req.prompt_token_ids), num_tokens, self._cached_tokens(req, cached))
                 await out.end(
-                    head + fmt.final(text_json, finish, stop_reason, event.token_id) + tail + sse.DONE
+                    head
+                    + fmt.final(text_json, finish, stop_reason, event.token_id, logprob)
+                    + tail
+                    + sse.DONE
                 )
                 return finish
         return "abort"  # the engine ended the stream without a finish reason (stopped)

@@ -169,8 +169,8 @@ class StreamFormat:
     With ``return_token_ids`` (``prompt_ids`` given) each token's choice carries its id, and the first
     event the prompt's ids, as vLLM writes them."""
 
-    __slots__ = ("_final_fp", "_head", "_ids_tail", "_mid_tail", "_object", "_prefix", "_prompt", "fingerprint",
-                 "role_chunk")  # fmt: skip
+    __slots__ = ("_as_ids", "_final_fp", "_head", "_ids_tail", "_mid_tail", "_object", "_prefix", "_prompt",
+                 "fingerprint", "role_chunk")  # fmt: skip
 
     def __init__(
         self,
@@ -181,8 +181,10 @@ class StreamFormat:
         fingerprint: str,
         include_usage: bool,
         prompt_ids: tuple[int, ...] | None = None,
+        tokens_as_ids: bool = False,
     ) -> None:
         obj = "text_completion" if endpoint == "completions" else "chat.completion.chunk"
+        self._as_ids = tokens_as_ids
         self._object = obj
         self.fingerprint = fingerprint
         self._prefix = (
@@ -217,7 +219,27 @@ class StreamFormat:
             b'"token_ids":' + ids
         )
 
-    def token(self, text_json: bytes, token_id: int = 0) -> bytes:
+    def _logprobs(self, chunk: bytes, token_id: int, logprob: float | None) -> bytes:
+        """``chunk`` with its token's logprob, as vLLM streams it when asked (``logprobs``): a JSON
+        string cannot hold ``"logprobs":null`` unescaped, so the replace hits the field itself."""
+        if logprob is None:
+            return chunk
+        name = f"token_id:{token_id}" if self._as_ids else tokenizer.piece(token_id)
+        if self._object == "text_completion":
+            value = {
+                "text_offset": [0],
+                "token_logprobs": [logprob],
+                "tokens": [name],
+                "top_logprobs": [{name: logprob}],
+            }
+        else:
+            value = {"content": [{"token": name, "logprob": logprob, "bytes": list(tokenizer.piece(token_id).encode()),
+                                  "top_logprobs": []}], "refusal": None}  # fmt: skip
+        return chunk.replace(b'"logprobs":null', b'"logprobs":' + orjson.dumps(value), 1)
+
+    def token(self, text_json: bytes, token_id: int = 0, logprob: float | None = None) -> bytes:
+        if logprob is not None:
+            return self._logprobs(self.token(text_json, token_id), token_id, logprob)
         if not self._ids_tail:
             return self._head + text_json + self._mid_tail
         if self._object == "text_completion":
@@ -227,8 +249,17 @@ class StreamFormat:
         return self._head + text_json + middle + self._ids(token_id) + b"}]}\n\n"
 
     def final(
-        self, text_json: bytes, finish_reason: str, stop_reason: str | None, token_id: int = 0
+        self,
+        text_json: bytes,
+        finish_reason: str,
+        stop_reason: str | None,
+        token_id: int = 0,
+        logprob: float | None = None,
     ) -> bytes:
+        if logprob is not None:
+            return self._logprobs(
+                self.final(text_json, finish_reason, stop_reason, token_id), token_id, logprob
+            )
         reason = b'"' + finish_reason.encode() + b'","stop_reason":' + orjson.dumps(stop_reason)
         if self._object == "text_completion":
             tail = b',"logprobs":null,"finish_reason":' + reason + b"," + self._ids(token_id) + b"}]"
