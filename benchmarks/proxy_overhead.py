@@ -432,11 +432,11 @@ def process(
 
 def _pdserve(prefill: int, decode: int, port: int, workers: int = 1) -> list[str]:
     # Defaults but for the pool size, which must hold --open-streams decode connections at once. A
-    # --baseline-src from before --workers serves from proxy/server.py.
+    # --baseline-src from before --workers serves from proxy/serving/server.py.
     many = f", workers={workers}" if workers > 1 else ""
     code = ("from pdserve.config import ProxyConfig\n"
-            "try:\n    from pdserve.proxy.workers import serve\n"
-            "except ImportError:\n    from pdserve.proxy.server import serve\n"
+            "try:\n    from pdserve.proxy.serving.workers import serve\n"
+            "except ImportError:\n    from pdserve.proxy.serving.server import serve\n"
             f"serve(ProxyConfig(prefill_urls=('http://{HOST}:{prefill}',), decode_urls=('http://{HOST}:{decode}',), "
             f"host='{HOST}', port={port}, max_connections_per_upstream=4096{many}), 'warning')")  # fmt: skip
     return [sys.executable, "-c", code]

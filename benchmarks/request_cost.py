@@ -79,7 +79,7 @@ class _Instance:
     """An instance that answers at once: prefill its params, decode its tokens (the proxy's Upstream)."""
 
     def __init__(self, role: str, url: str) -> None:
-        from pdserve.proxy.upstream import Reply
+        from pdserve.proxy.wire.upstream import Reply
 
         self.role, self.url = role, url
         self._prefill = Reply(200, "application/json", _answer(1, _KV))
@@ -110,7 +110,7 @@ async def _serve(
 ) -> list[float]:
     """CPU µs per request of each round, after ``num_warm`` requests to warm up."""
     from pdserve.config import ProxyConfig
-    from pdserve.proxy.app import ProxyApp, create_app
+    from pdserve.proxy.serving.app import ProxyApp, create_app
 
     options: dict[str, Any] = {}
     if not migrate:

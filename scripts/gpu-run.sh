@@ -38,11 +38,11 @@ if [ -d "$wheels" ]; then
     $(ls "$wheels"/*.whl | grep -v /protobuf-) 2>&1 | grep -v "is ignored" | tail -3
 fi
 export PYTHONPATH=$PWD/src:$PYTHONPATH:/tmp/pdsite
-if ! python3 -c "import pdserve.proxy.otel" 2>/dev/null && ls "$wheels"/protobuf-*.whl >/dev/null 2>&1; then
+if ! python3 -c "import pdserve.proxy.record.otel" 2>/dev/null && ls "$wheels"/protobuf-*.whl >/dev/null 2>&1; then
   say "the image's protobuf is too old for OpenTelemetry: installing the one in $wheels"
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/pdsite "$wheels"/protobuf-*.whl
 fi
-python3 -c "import pdserve.proxy.app, pdserve.cli" || say "pdserve does not import here (see above); steps that need it will fail"
+python3 -c "import pdserve.proxy.serving.app, pdserve.cli" || say "pdserve does not import here (see above); steps that need it will fail"
 
 if [ -n "$limit" ]; then
   left=$((limit - (SECONDS - start)))

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from pdserve import httpclient
 from pdserve.config import ProxyConfig
-from pdserve.proxy.server import make_server
+from pdserve.proxy.serving.server import make_server
 from pdserve.sim.fleet import SimInstanceSpec, sim_in_thread
 from pdserve.sim.profile import load_profile
 

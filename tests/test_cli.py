@@ -307,7 +307,7 @@ def test_the_pool_plans_with_the_slo_and_the_step_costs_of_the_engines_it_fronts
 
 def test_proxy_instance_fronts_an_elastic_pool(monkeypatch: pytest.MonkeyPatch) -> None:
     served: list[ProxyConfig] = []
-    monkeypatch.setattr("pdserve.proxy.workers.serve", lambda config, _level: served.append(config))
+    monkeypatch.setattr("pdserve.proxy.serving.workers.serve", lambda config, _level: served.append(config))
     argv = ["proxy", "--instance", "h:1", "--instance", "h:2", "--slo", "ttft:900", "tpot:90",
             "--cost-profile", "tiny-cpu"]  # fmt: skip
     assert main(argv) == 0

@@ -1,7 +1,7 @@
 """Chained KV block hashes, as vLLM keys its prefix cache: a block's hash covers its own tokens and,
 through its parent's hash, every token before it, so equal i-th hashes mean equal first i+1 blocks.
 
-One hasher for the proxy's prefix index (proxy/prefix.py) and the simulator's block pool (sim/kvcache.py).
+One hasher for the proxy's prefix index (proxy/pool/prefix.py) and the simulator's block pool (sim/kvcache.py).
 Only full blocks are hashed: a trailing partial block is never cached.
 """
 

@@ -46,7 +46,7 @@ def _raise_on_sigterm() -> None:
 
 
 def cmd_up(a: argparse.Namespace) -> int:
-    from pdserve.proxy.server import tune_gc
+    from pdserve.proxy.serving.server import tune_gc
     from pdserve.stack import Stack
 
     _raise_on_sigterm()
@@ -77,7 +77,7 @@ def cmd_up(a: argparse.Namespace) -> int:
 
 def cmd_proxy(a: argparse.Namespace) -> int:
     from pdserve.k8s.command import k8s_discovery
-    from pdserve.proxy.workers import serve
+    from pdserve.proxy.serving.workers import serve
 
     if a.instance and a.decode:
         raise ConfigError(

@@ -29,7 +29,7 @@ from pdserve.errors import ConfigError
 from pdserve.tppairing import UNKNOWN_SHAPE, KVShape, TPPairing, block_size, pair_tp, tensor_parallel_size
 
 # An instance's role: prefill or decode of a PD topology, or one of an elastic pool, which takes either
-# per request (or serves it whole) as the proxy decides (proxy/elastic.py).
+# per request (or serves it whole) as the proxy decides (proxy/pool/elastic.py).
 Role = Literal["prefill", "decode", "elastic"]
 Device = Literal["cpu", "cuda"]
 EngineKind = Literal["vllm", "sim"]
@@ -91,9 +91,9 @@ class ProxySettings:
     api_keys: ApiKeys = field(default_factory=ApiKeys)
     max_connections_per_upstream: int = 512  # pooled keep-alive connections to one instance
     # The instances' kv_lease_duration: the lease guard judges answers by it, and a handoff's params go to
-    # a second decode only while younger than half of it (proxy/ledger.py, Handoff.is_fresh).
+    # a second decode only while younger than half of it (proxy/kv/ledger.py, Handoff.is_fresh).
     kv_lease_s: float = 30.0
-    # Proxy processes serving the port together (SO_REUSEPORT; proxy/workers.py): each enforces its share
+    # Proxy processes serving the port together (SO_REUSEPORT; proxy/serving/workers.py): each enforces its share
     # of the admission limits, and answers the reads (/metrics, ledger, requests) for them all.
     workers: int = 1
     otlp_traces_endpoint: str | None = None  # OTLP/HTTP traces URL (…/v1/traces): spans of every request
@@ -141,7 +141,7 @@ class ProxyConfig(ProxySettings):
     # baseline that `pdserve bench --compare` measures disaggregation against, through the same proxy.
     colocated: bool = False
     # Instances of any role (``decode_urls``; ``--instance URL``): per request the proxy decides whether
-    # to split and which instance prefills and which decodes (proxy/elastic.py, ``elastic_pool``).
+    # to split and which instance prefills and which decodes (proxy/pool/elastic.py, ``elastic_pool``).
     elastic: bool = False
 
     def __post_init__(self) -> None:

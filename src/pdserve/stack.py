@@ -3,7 +3,7 @@
 ``Stack`` is what `pdserve up`, `pdserve demo`, `pdserve bench --compare` and the end-to-end test fixture
 share: resolve the engine venv and model, plan instances, start them on an engine backend (processes on
 this host, or Ray actors: engines/backend.py), then serve the proxy on a thread of its own
-(proxy/thread.py), its config built once from the settings given and what the engines tell. Leaving the
+(proxy/serving/thread.py), its config built once from the settings given and what the engines tell. Leaving the
 ``with`` block stops the proxy and every instance, whatever happened inside.
 
 Once the proxy serves, the backend watches the instances (restarts, Ray's restarts, lease evidence in
@@ -32,8 +32,8 @@ from pdserve.engines.supervisor import RestartPolicy
 from pdserve.engines.venv import engine_vllm_version, find_engine_python, version_warning
 from pdserve.errors import EngineError
 from pdserve.events import InstanceEvent, KVLogEvent
-from pdserve.proxy.thread import ProxyThread, proxy_for
-from pdserve.proxy.workers import ProxyWorkers
+from pdserve.proxy.serving.thread import ProxyThread, proxy_for
+from pdserve.proxy.serving.workers import ProxyWorkers
 from pdserve.sim.profile import load_profile
 from pdserve.tppairing import KVShape
 

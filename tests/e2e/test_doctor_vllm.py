@@ -15,7 +15,7 @@ import pytest
 from pdserve import cli, httpclient
 from pdserve.config import ProxyConfig
 from pdserve.doctor.report import EXIT_COULD_NOT_RUN, EXIT_DOES_NOT_PAY, EXIT_FAILED, EXIT_HEALTHY
-from pdserve.proxy.thread import ProxyThread
+from pdserve.proxy.serving.thread import ProxyThread
 from pdserve.stack import Stack
 
 pytestmark = pytest.mark.vllm

@@ -31,7 +31,7 @@ from pdserve.engines.model import resolve_model
 from pdserve.engines.placement import InstanceSpec, plan_instances
 from pdserve.engines.transfers import transfer_counts
 from pdserve.engines.venv import find_engine_python
-from pdserve.proxy.thread import ProxyThread
+from pdserve.proxy.serving.thread import ProxyThread
 
 pytestmark = pytest.mark.vllm
 

@@ -17,7 +17,7 @@ from pdserve.config import ProxyConfig, Timeouts
 from pdserve.configparts import Retries
 from pdserve.engines.backend import LocalEngines
 from pdserve.engines.transfers import transfer_counts
-from pdserve.proxy.thread import ProxyThread
+from pdserve.proxy.serving.thread import ProxyThread
 from pdserve.stack import Stack
 
 # Each role's failure reaches the client: the tests of that path need no survivor stepping in.

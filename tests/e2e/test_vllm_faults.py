@@ -29,7 +29,7 @@ from pdserve.engines.placement import InstanceSpec
 from pdserve.engines.transfers import transfer_counts
 from pdserve.events import InstanceEvent
 from pdserve.prometheus import KV_USAGE, scrape
-from pdserve.proxy.thread import ProxyThread
+from pdserve.proxy.serving.thread import ProxyThread
 from pdserve.stack import Stack, wait_http_ok
 
 pytestmark = pytest.mark.vllm

@@ -20,7 +20,7 @@ from lightkube.types import PatchType
 from asgi_rig import listening_socket, serve_in_thread
 from pdserve.config import ProxyConfig, Timeouts
 from pdserve.configparts import HealthChecks, K8sDiscovery
-from pdserve.proxy.server import make_server
+from pdserve.proxy.serving.server import make_server
 
 NAMESPACE = "serving"
 APP = {"app.kubernetes.io/name": "pdserve"}

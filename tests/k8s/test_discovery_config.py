@@ -10,8 +10,8 @@ from pdserve.config import ProxyConfig
 from pdserve.configparts import K8sDiscovery
 from pdserve.errors import ConfigError
 from pdserve.labels import label_selector
-from pdserve.proxy.discovery import pod_url
-from pdserve.proxy.k8s_watch import PodView
+from pdserve.proxy.pool.discovery import pod_url
+from pdserve.proxy.pool.k8s_watch import PodView
 
 
 def test_a_proxy_with_discovery_starts_with_no_instances_and_one_without_does_not() -> None:

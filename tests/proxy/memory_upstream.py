@@ -16,7 +16,7 @@ import orjson
 from asgi_rig import Recorder as Recorder  # re-exported: the flow tests import it from here
 from pdserve.config import Role
 from pdserve.errors import UpstreamTimeout
-from pdserve.proxy.upstream import Reply, Stream
+from pdserve.proxy.wire.upstream import Reply, Stream
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from fake_vllm import FakeVLLM
 from asgi_rig import listening_socket, serve_in_thread
 from pdserve.config import ProxyConfig, Timeouts
 from pdserve.configparts import HealthChecks, Retries
-from pdserve.proxy.server import make_server
+from pdserve.proxy.serving.server import make_server
 
 # Short, so fault tests end quickly; every wait in a test is bounded by one of these plus slack.
 TIMEOUTS = Timeouts(connect=1, prefill=2, first_token=2, idle=1, decode=3)

@@ -15,7 +15,7 @@ from test_flow import COMPLETION, post
 from pdserve.config import ProxyConfig
 from pdserve.configparts import AdmissionLimits, ApiKeys
 from pdserve.errors import ConfigError
-from pdserve.proxy.app import create_app
+from pdserve.proxy.serving.app import create_app
 
 ADMIN = {"Authorization": "Bearer admin-secret"}
 

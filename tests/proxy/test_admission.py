@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from pdserve.proxy.admission import Admission, Overloaded
+from pdserve.proxy.serving.admission import Admission, Overloaded
 
 
 async def test_requests_beyond_the_limit_wait_in_order_and_run_when_a_slot_frees() -> None:

@@ -19,8 +19,8 @@ from proxy_rig import NO_BREAKER, Rig, running_proxy
 
 from pdserve.config import ProxyConfig, Role
 from pdserve.configparts import AdmissionLimits, HealthChecks
-from pdserve.proxy.app import create_app
-from pdserve.proxy.upstream import Reply, Stream
+from pdserve.proxy.serving.app import create_app
+from pdserve.proxy.wire.upstream import Reply, Stream
 
 
 async def get_json(http: aiohttp.ClientSession, url: str) -> tuple[int, dict]:

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from pdserve.costmodel import Calibration
-from pdserve.proxy.calibrator import MIN_SAMPLES, Calibrator
+from pdserve.proxy.pool.calibrator import MIN_SAMPLES, Calibrator
 
 
 def test_no_measurements_leave_the_model_as_it_is() -> None:

@@ -1,4 +1,4 @@
-"""Client connections are held to deadlines and a cap (proxy/server.py): a connection that sends nothing,
+"""Client connections are held to deadlines and a cap (proxy/serving/server.py): a connection that sends nothing,
 trickles its headers or its body, or idles after an answer is closed; one past the cap is refused with a
 503 it can read. Thousands of idle sockets are all closed."""
 

@@ -10,7 +10,7 @@ from contextlib import asynccontextmanager
 import pytest
 
 from pdserve.errors import UpstreamConnectError, UpstreamStaleConnection, UpstreamTimeout, UpstreamUnavailable
-from pdserve.proxy.upstream import HTTPUpstream
+from pdserve.proxy.wire.upstream import HTTPUpstream
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 

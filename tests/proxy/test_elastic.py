@@ -1,4 +1,4 @@
-"""The elastic pool's router (proxy/elastic.py): per request, whole or split, on the layout the cost model
+"""The elastic pool's router (proxy/pool/elastic.py): per request, whole or split, on the layout the cost model
 ranks best for the recent arrivals; sides move with the load, as few as possible, and an instance that
 leaves is forgotten. Driven on a hand-moved clock, as the proxy's flow and the simulated cluster drive it."""
 
@@ -11,8 +11,8 @@ import pytest
 
 from pdserve.configparts import ElasticPool
 from pdserve.errors import ConfigError
-from pdserve.proxy.elastic import ElasticRouter, Measured, Placement
-from pdserve.proxy.routing import Load
+from pdserve.proxy.pool.elastic import ElasticRouter, Measured, Placement
+from pdserve.proxy.pool.routing import Load
 from pdserve.sim.profile import load_profile
 from pdserve.slo import Slo
 

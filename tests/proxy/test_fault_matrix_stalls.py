@@ -38,7 +38,7 @@ from pdserve.config import ProxyConfig, Timeouts
 from pdserve.configparts import ApiKeys, HealthChecks, Retries
 from pdserve.prometheus import parse_prometheus
 from pdserve.protocol import Endpoint
-from pdserve.proxy.server import make_server
+from pdserve.proxy.serving.server import make_server
 from pdserve.sim.fleet import SimInstanceSpec, sim_in_thread
 
 MAX_TOKENS = 8

@@ -15,10 +15,10 @@ from pdserve.config import ProxyConfig, Role, Timeouts
 from pdserve.configparts import Retries
 from pdserve.errors import UpstreamConnectError, UpstreamStaleConnection, UpstreamUnavailable
 from pdserve.events import InstanceEvent
-from pdserve.proxy.flow import Flow
-from pdserve.proxy.policies import make_policy
-from pdserve.proxy.responder import Responder
-from pdserve.proxy.state import Outcome, ProxyState
+from pdserve.proxy.pool.policies import make_policy
+from pdserve.proxy.pool.state import Outcome, ProxyState
+from pdserve.proxy.record.responder import Responder
+from pdserve.proxy.request.flow import Flow
 
 PARAMS = {"do_remote_prefill": True, "remote_block_ids": [[1]], "remote_engine_id": "e0",
           "remote_request_id": "cmpl-r-0-00000000", "remote_host": "127.0.0.1", "remote_port": 5600, "tp_size": 1}  # fmt: skip

@@ -14,7 +14,7 @@ from test_flow_memory import COMPLETION, PARAMS, System, decode_text, prefill_ok
 from pdserve import sse
 from pdserve.config import Timeouts
 from pdserve.events import KVLogEvent
-from pdserve.proxy.health import HealthChecker
+from pdserve.proxy.pool.health import HealthChecker
 
 LEASE_S = 2.0  # the guard's margin is 1 s: an answer past 1 s after prefill's is "past the lease"
 

@@ -7,12 +7,12 @@ from dataclasses import dataclass
 from pdserve.config import ProxyConfig
 from pdserve.configparts import HealthChecks, Routing
 from pdserve.errors import UpstreamUnavailable
-from pdserve.proxy.breaker import CircuitBreaker
-from pdserve.proxy.health import HealthChecker
-from pdserve.proxy.instance import EngineLoad, Instance, Lifecycle
-from pdserve.proxy.policies import make_policy
-from pdserve.proxy.state import Pool, ProxyState
-from pdserve.proxy.upstream import Reply
+from pdserve.proxy.pool.breaker import CircuitBreaker
+from pdserve.proxy.pool.health import HealthChecker
+from pdserve.proxy.pool.instance import EngineLoad, Instance, Lifecycle
+from pdserve.proxy.pool.policies import make_policy
+from pdserve.proxy.pool.state import Pool, ProxyState
+from pdserve.proxy.wire.upstream import Reply
 
 METRICS = b'vllm:num_requests_running{engine="0"} 3.0\nvllm:num_requests_waiting{engine="0"} 2.0\n'
 

@@ -1,4 +1,4 @@
-"""The elastic pool's hold (proxy/holding.py): with a TPOT objective, requests wait at the proxy while
+"""The elastic pool's hold (proxy/pool/holding.py): with a TPOT objective, requests wait at the proxy while
 every decode-side instance runs the most the objective allows; room goes first to requests that can
 still meet their TTFT, nothing waits past the hold's limit, and a client that leaves gives its turn on.
 Driven with the router on a hand-moved clock (tests/proxy/test_elastic.py's), as the flow drives it."""
@@ -12,8 +12,8 @@ from test_elastic import H200, SLO, Clock, Member, drive, pool
 
 from pdserve.configparts import ElasticPool
 from pdserve.errors import ConfigError
-from pdserve.proxy.elastic import ElasticRouter, Placement
-from pdserve.proxy.holding import Hold
+from pdserve.proxy.pool.elastic import ElasticRouter, Placement
+from pdserve.proxy.pool.holding import Hold
 
 
 def full_pool(

@@ -18,12 +18,12 @@ from pdserve.config import ProxyConfig, Role, Timeouts
 from pdserve.configparts import Retries
 from pdserve.errors import UpstreamTimeout, UpstreamUnavailable
 from pdserve.protocol import Endpoint
-from pdserve.proxy.admission import Admission
-from pdserve.proxy.exposition import render
-from pdserve.proxy.flow import Flow
-from pdserve.proxy.policies import make_policy
-from pdserve.proxy.responder import Responder
-from pdserve.proxy.state import Outcome, ProxyState
+from pdserve.proxy.pool.policies import make_policy
+from pdserve.proxy.pool.state import Outcome, ProxyState
+from pdserve.proxy.record.responder import Responder
+from pdserve.proxy.request.flow import Flow
+from pdserve.proxy.serving.admission import Admission
+from pdserve.proxy.serving.exposition import render
 
 BROKEN = UpstreamUnavailable("decode", "http://d0:1", "connection closed before the answer was complete")
 STALLED = UpstreamTimeout("decode", "http://d0:1", "no answer within 1 s")

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 import pytest
 
 from pdserve.blocks import block_hashes
-from pdserve.proxy.policies import POLICIES, PolicyOptions
-from pdserve.proxy.prefix import PrefixAware, PrefixIndex, should_skip_prefill
-from pdserve.proxy.routing import Pick
+from pdserve.proxy.pool.policies import POLICIES, PolicyOptions
+from pdserve.proxy.pool.prefix import PrefixAware, PrefixIndex, should_skip_prefill
+from pdserve.proxy.pool.routing import Pick
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pdserve import sse
-from pdserve.proxy.progress import Progress
+from pdserve.proxy.request.progress import Progress
 
 
 def completion_event(

@@ -12,7 +12,7 @@ from test_tokens import SYSTEM, _write_model_dir
 
 from pdserve.config import ProxyConfig
 from pdserve.configparts import Routing
-from pdserve.proxy.app import create_app
+from pdserve.proxy.serving.app import create_app
 
 
 async def test_short_prompts_skip_prefill_and_long_ones_are_split(

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pdserve.errors import ConfigError
-from pdserve.proxy.policies import POLICIES, make_policy
-from pdserve.proxy.routing import RoundRobin
+from pdserve.proxy.pool.policies import POLICIES, make_policy
+from pdserve.proxy.pool.routing import RoundRobin
 
 
 def test_round_robin_takes_each_instance_in_turn() -> None:

@@ -25,7 +25,7 @@ from packaging.requirements import Requirement
 from proxy_rig import listening_socket, serve_in_thread
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from pdserve.proxy.server import CorkedTransport, _CorkedHttpToolsProtocol
+from pdserve.proxy.serving.server import CorkedTransport, _CorkedHttpToolsProtocol
 from pdserve.sim.wire import drop_unanswered
 
 PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
@@ -47,7 +47,7 @@ def test_installed_uvicorn_is_the_release_pyproject_pins() -> None:
     pinned, installed = _uvicorn_requirement(), version("uvicorn")
     assert pinned.specifier.contains(installed), (
         f"uvicorn {installed} is installed but pyproject.toml pins {pinned}: run tests/proxy/test_server.py "
-        f"against it, adapt proxy/server.py and sim/wire.py if it fails, then move the pin"
+        f"against it, adapt proxy/serving/server.py and sim/wire.py if it fails, then move the pin"
     )
     upper = [s for s in pinned.specifier if s.operator == "<"]
     assert upper, f"pyproject.toml's {pinned} has no upper bound: uvicorn's internals change between minors"
@@ -57,11 +57,11 @@ def test_httptools_protocol_still_takes_the_transport_in_connection_made() -> No
     params = list(inspect.signature(HttpToolsProtocol.connection_made).parameters)
     assert params == ["self", "transport"], (
         f"uvicorn's HttpToolsProtocol.connection_made now takes {params}; _CorkedHttpToolsProtocol in "
-        f"proxy/server.py overrides it with (self, transport) to wrap the transport"
+        f"proxy/serving/server.py overrides it with (self, transport) to wrap the transport"
     )
     assert "self.loop = " in inspect.getsource(HttpToolsProtocol.__init__), (
         "uvicorn's HttpToolsProtocol no longer sets self.loop in __init__; _CorkedHttpToolsProtocol in "
-        "proxy/server.py reads it to schedule CorkedTransport's flush"
+        "proxy/serving/server.py reads it to schedule CorkedTransport's flush"
     )
 
 
@@ -91,7 +91,7 @@ def test_uvicorn_calls_on_the_transport_only_what_the_cork_handles() -> None:
     unknown = called - CORKED - PASSED_THROUGH
     assert not unknown, (
         f"uvicorn now calls transport.{', transport.'.join(sorted(unknown))} on a connection; CorkedTransport "
-        f"(proxy/server.py) passes those straight to the real transport, ahead of writes it still holds: "
+        f"(proxy/serving/server.py) passes those straight to the real transport, ahead of writes it still holds: "
         f"flush first in CorkedTransport if they write or close, then add them to this test's sets"
     )
     assert all(callable(getattr(CorkedTransport, name, None)) for name in CORKED)
@@ -128,7 +128,7 @@ def test_a_real_uvicorn_corks_the_proxy_and_lets_the_simulator_drop_a_connection
     assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"\r\n\r\nok"), answer
     assert isinstance(seen["transport"], CorkedTransport), (
         f"the ASGI send callable is {type(seen.get('transport'))}'s, not bound to a request cycle whose "
-        f".transport is proxy/server.py's CorkedTransport: uvicorn changed how send, its cycle or "
+        f".transport is proxy/serving/server.py's CorkedTransport: uvicorn changed how send, its cycle or "
         f"connection_made hold the transport (sim/wire.py's Writer.drop reaches send.__self__.transport)"
     )
     assert dropped == b"", (
@@ -139,18 +139,18 @@ def test_a_real_uvicorn_corks_the_proxy_and_lets_the_simulator_drop_a_connection
 
 def test_httptools_protocol_still_has_what_the_client_deadlines_hook_into() -> None:
     """_CorkedHttpToolsProtocol sets its deadlines in these parser callbacks, sweeps uvicorn's set of open
-    connections, and reads the cycle's state to decide whether a 408 may be written (proxy/server.py)."""
+    connections, and reads the cycle's state to decide whether a 408 may be written (proxy/serving/server.py)."""
     for name in ("on_message_begin", "on_headers_complete", "on_message_complete"):
         assert callable(getattr(HttpToolsProtocol, name, None)), (
-            f"uvicorn's HttpToolsProtocol has no {name} now; proxy/server.py's client deadlines hook into it"
+            f"uvicorn's HttpToolsProtocol has no {name} now; proxy/serving/server.py's client deadlines hook into it"
         )
     init = inspect.getsource(HttpToolsProtocol.__init__)
     assert "self.connections = " in init and "self.cycle" in init, (
-        "uvicorn's HttpToolsProtocol no longer keeps self.connections/self.cycle; proxy/server.py's "
+        "uvicorn's HttpToolsProtocol no longer keeps self.connections/self.cycle; proxy/serving/server.py's "
         "connection cap and 408 read them"
     )
     cycle_init = inspect.getsource(uvicorn_httptools.RequestResponseCycle.__init__)
     assert "self.response_started" in cycle_init and "self.response_complete" in cycle_init, (
-        "uvicorn's RequestResponseCycle no longer has response_started/response_complete; proxy/server.py "
+        "uvicorn's RequestResponseCycle no longer has response_started/response_complete; proxy/serving/server.py "
         "reads them so that a 408 never interrupts an answer being written"
     )

@@ -12,7 +12,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from pdserve.blocks import block_hashes
 from pdserve.engines.model import embedded_model_dir
 from pdserve.errors import ConfigError
-from pdserve.proxy.tokens import PromptTokenizer
+from pdserve.proxy.request.tokens import PromptTokenizer
 
 CORPUS = [
     "You are a helpful assistant that answers questions about prefill and decode.",

@@ -9,9 +9,9 @@ import orjson
 from proxy_rig import STRICT, TIMEOUTS, Rig, running_proxy
 from test_flow import COMPLETION, post
 
-from pdserve.proxy.breaker import CircuitBreaker
-from pdserve.proxy.instance import Instance
-from pdserve.proxy.upstream import HTTPUpstream
+from pdserve.proxy.pool.breaker import CircuitBreaker
+from pdserve.proxy.pool.instance import Instance
+from pdserve.proxy.wire.upstream import HTTPUpstream
 
 
 async def test_waiting_for_a_pooled_connection_is_not_a_connect_timeout(

@@ -1,4 +1,4 @@
-"""What decode alone would refuse is refused before prefill runs (proxy/validation.py), in vLLM's words;
+"""What decode alone would refuse is refused before prefill runs (proxy/request/validation.py), in vLLM's words;
 and, over any JSON body, the proxy either refuses it cleanly before calling an instance or sends prefill
 and decode the client's body with only the documented fields changed."""
 
@@ -14,7 +14,7 @@ from memory_upstream import Recorder
 from test_flow_memory import PARAMS, System, decode_text, prefill_ok
 
 from pdserve.protocol import PREFILL_KV_PARAMS, Endpoint
-from pdserve.proxy.responder import Responder
+from pdserve.proxy.record.responder import Responder
 
 CHAT: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 COMPLETION: dict[str, Any] = {"model": "m", "prompt": "hello"}

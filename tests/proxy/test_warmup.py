@@ -12,14 +12,14 @@ from pdserve import sse
 from pdserve.config import ProxyConfig, Role, Timeouts
 from pdserve.configparts import HealthChecks, Retries
 from pdserve.events import InstanceEvent
-from pdserve.proxy.admission import Admission
-from pdserve.proxy.exposition import render
-from pdserve.proxy.flow import Flow
-from pdserve.proxy.instance import Lifecycle
-from pdserve.proxy.policies import make_policy
-from pdserve.proxy.responder import Responder
-from pdserve.proxy.state import ProxyState
-from pdserve.proxy.warmup import pairs_of
+from pdserve.proxy.pool.instance import Lifecycle
+from pdserve.proxy.pool.policies import make_policy
+from pdserve.proxy.pool.state import ProxyState
+from pdserve.proxy.pool.warmup import pairs_of
+from pdserve.proxy.record.responder import Responder
+from pdserve.proxy.request.flow import Flow
+from pdserve.proxy.serving.admission import Admission
+from pdserve.proxy.serving.exposition import render
 
 PARAMS = {"do_remote_prefill": True, "remote_engine_id": "e", "remote_block_ids": [1, 2, 3],
           "remote_request_id": "cmpl-r", "remote_host": "127.0.0.1", "remote_port": 5600, "tp_size": 1}  # fmt: skip

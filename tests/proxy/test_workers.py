@@ -27,8 +27,8 @@ from pdserve.configparts import ApiKeys, HealthChecks, Routing
 from pdserve.errors import ProxyStartError
 from pdserve.events import InstanceEvent
 from pdserve.prometheus import parse_prometheus, parse_samples
-from pdserve.proxy.peers import Peers, merge_descriptions, socket_path
-from pdserve.proxy.workers import ProxyWorkers
+from pdserve.proxy.serving.peers import Peers, merge_descriptions, socket_path
+from pdserve.proxy.serving.workers import ProxyWorkers
 
 KEY = "admin-key"
 ADMIN = {"Authorization": f"Bearer {KEY}"}

@@ -31,7 +31,7 @@ from pdserve.bench.workload import Workload, client_args, rate_arg
 from pdserve.config import ProxySettings, Topology
 from pdserve.engines.venv import find_engine_python
 from pdserve.errors import BenchError, ConfigError, Unreachable
-from pdserve.proxy.thread import proxy_for
+from pdserve.proxy.serving.thread import proxy_for
 from pdserve.stack import Stack, wait_http_ok
 
 SIM_ROOT_PREFIX = "pdserve-sim/"  # the simulator's /v1/models "root": it has no tokenizer on disk

@@ -11,7 +11,7 @@ Goodput is vLLM's: requests that met every SLO per second of the run.
 ``replay`` runs a time-varying trace (bench/trace.py: phases, bursts) against a fixed layout, taken round
 robin as above, or against an elastic pool: N engines of role "both" (each serves whole requests, holds
 KV for a remote decode and pulls one) placed per request by the proxy's own ``ElasticRouter``
-(proxy/elastic.py), behind its own ``Hold`` (proxy/holding.py), on the virtual clock, so what is
+(proxy/pool/elastic.py), behind its own ``Hold`` (proxy/pool/holding.py), on the virtual clock, so what is
 measured is the code that serves.
 """
 
@@ -29,9 +29,9 @@ from pdserve.bench.load import percentile
 from pdserve.bench.trace import Arrival, Served, Trace, TraceRun
 from pdserve.configparts import ElasticPool
 from pdserve.errors import ConfigError
-from pdserve.proxy.elastic import ElasticRouter, Measured, Placement
-from pdserve.proxy.holding import Hold
-from pdserve.proxy.routing import Load
+from pdserve.proxy.pool.elastic import ElasticRouter, Measured, Placement
+from pdserve.proxy.pool.holding import Hold
+from pdserve.proxy.pool.routing import Load
 from pdserve.sim.engine import SimEngine, VirtualClock
 from pdserve.sim.profile import Profile
 from pdserve.sim.types import RemoteKV, SimRequest, SimRole

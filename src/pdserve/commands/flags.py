@@ -17,7 +17,7 @@ from pdserve.config import INSTANCE_ROLES, ROLES, ProxySettings, Role, Timeouts,
 from pdserve.configparts import AdmissionLimits, ApiKeys, ElasticPool, HealthChecks, Retries, Routing
 from pdserve.costmodel import Costs
 from pdserve.errors import ConfigError
-from pdserve.proxy.policies import POLICIES
+from pdserve.proxy.pool.policies import POLICIES
 from pdserve.slo import Slo
 from pdserve.topologyfile import load_topology, resource_pairs
 

@@ -3,7 +3,7 @@ proxy is reachable) and the proxy's own record of whether it split a request.
 
 A deployment that exposes only the proxy (a Kubernetes port-forward, or decodes firewalled to the proxy
 as docs/kv-integrity.md advises) still gets the whole proof: the proxy serves one named instance's whole
-answer on request (``X-Pdserve-Whole-On``, proxy/wholeon.py), the reference the PD answers are scored
+answer on request (``X-Pdserve-Whole-On``, proxy/request/wholeon.py), the reference the PD answers are scored
 against. Only the KV block size is then unknown, and the largest default is assumed.
 """
 

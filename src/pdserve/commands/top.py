@@ -26,7 +26,7 @@ from pdserve import httpclient
 from pdserve.errors import MetricsUnreadable, Unreachable
 from pdserve.prometheus import EngineScrape, parse_samples, scrape, scrape_text
 
-# The proxy's outcomes (proxy/state.py Outcome) in the order an operator reads them; others follow.
+# The proxy's outcomes (proxy/pool/state.py Outcome) in the order an operator reads them; others follow.
 _OUTCOMES = ("ok", "client_error", "error", "stream_error", "client_disconnected")
 _HANDOFFS = ("open", "overdue", "issued", "delivered", "abandoned", "suspect")
 

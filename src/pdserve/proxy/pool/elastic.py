@@ -1,0 +1,374 @@
+"""The elastic pool's router: per request, whole on one instance, or prefill on A and decode on B.
+
+Every instance of an elastic pool can take any role (vLLM decides per request from its
+``kv_transfer_params``), so the split is the proxy's choice, made again as the traffic moves:
+
+- every ``replan_s`` the recent arrivals (rate, prompt and output lengths over ``window_s``) go to the
+  cost model (costmodel.py, the one `pdserve plan` uses), which ranks every layout of the pool's N
+  instances: N colocated, 1P(N-1)D … (N-1)P1D. The best (the most capacity among those that meet the
+  SLO, or the lowest latency without one) becomes the pool's layout; a close second does not displace
+  it (hysteresis), so the layout moves with the load, not with noise.
+- the layout gives instances roles, softly: an instance leaving the decode side is the one decoding the
+  least, one leaving the prefill side the one with the least prefill work waiting, and nothing restarts.
+  Requests already running finish where they are.
+- each request then goes, under a colocated layout, whole to the instance whose queued prompts end
+  soonest (by the step costs); under a split one, its prefill to the prefill-side instance with the
+  least prompt work in flight and its decode to the decode-side instance with the fewest requests,
+  except that a prompt cheaper to compute than a decode step stays whole on that decode (a split would
+  cost more than it saves).
+- with a TPOT objective, each decode-side instance runs at most the requests whose steps keep within it
+  (``room``: the cost model's ``max_batch``, not calibrated); beyond that the proxy holds new requests back
+  (holding.py) rather than slow every stream on the instance past the objective.
+- an instance out of service leaves both sides; with one instance left everything is whole there.
+- each stream that ended tells the router what it measured (``done``): measured over predicted, per
+  kind of placement, calibrates the next plans (calibrator.py), so a profile of another GPU, or
+  instances sharing one, still lead to the layout that meets the SLO here.
+
+Pure: no HTTP, no clock but the one given; the proxy's flow and the simulated cluster
+(bench/simcluster.py) both drive it, so the benchmark measures the code that serves.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Generic, Literal
+
+from pdserve.configparts import ElasticPool
+from pdserve.costmodel import Calibration, Layout, Load, Model, rank_layouts
+from pdserve.proxy.pool.calibrator import Calibrator
+from pdserve.proxy.pool.routing import C, load_score
+
+Side = Literal["prefill", "decode"]
+
+_HYSTERESIS = 1.05  # the capacity (or slack) a new layout needs over the current one to displace it
+_DEFAULT_OUTPUT_LEN = 128  # a request that does not say its max_tokens
+_UNPLANNED_SPLIT_TOKENS = 512  # no step costs known: prompts this long are split, shorter ones whole
+_CALIBRATION_SAMPLES = 128  # the requests of each kind whose measurements calibrate the model
+
+
+@dataclass(frozen=True)
+class Placement(Generic[C]):
+    """Where one request goes: ``prefill`` None means whole on ``decode``."""
+
+    prefill: C | None
+    decode: C
+    layout: str  # the pool's layout when it was placed ("5P3D", "8 colocated")
+    reason: str  # why, in words, for /requests and the trace
+    # The model's (TTFT, TPOT) for it before calibration, seconds; None: none to compare a measurement to
+    predicted: tuple[float, float] | None = None
+
+    @property
+    def is_split(self) -> bool:
+        return self.prefill is not None
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What a stream measured: arrival to first token, and the mean gap between its tokens (seconds)."""
+
+    ttft_s: float
+    tpot_s: float
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """A request as the router counted it on arrival (``ElasticRouter.arrive``)."""
+
+    at: float
+    input_len: int
+    output_len: int
+
+
+class ElasticRouter:
+    """The one owner of the pool's layout, its instances' sides and the work the router has put on each;
+    the flow tells it when a request's prefill ends (``prefilled``) and when the request ends (``done``)."""
+
+    def __init__(self, settings: ElasticPool, clock: Callable[[], float] = time.monotonic) -> None:
+        self._settings = settings
+        self._clock = clock
+        self._arrivals: deque[Arrival] = deque()
+        self._first_arrival: float | None = None
+        self._layout: Layout | None = None
+        self._planned_at = -float("inf")
+        self._sides: dict[str, Side] = {}
+        self._prefill_tokens: dict[str, int] = {}  # prompt tokens being prefilled there for a split
+        self._requests: dict[str, int] = {}  # requests decoding (or served whole) there
+        # When the prompts sent there whole should be computed, by the step costs: a whole request's
+        # first token is the flow's to see, not the router's, so its prefill is estimated instead.
+        self._prompts_until: dict[str, float] = {}
+        self.decisions = {"whole": 0, "split": 0}
+        self._calibrator = Calibrator(_CALIBRATION_SAMPLES, Load(1.0, 1, 2).quantile)
+        self._calibration = Calibration()
+        self._max_batch = math.inf  # requests a decode-side instance may run within the TPOT objective
+
+    # --- what the flow calls ----------------------------------------------------------------------
+
+    def arrive(self, prompt_tokens: int, max_tokens: int | None) -> Arrival:
+        """Count a request of ``prompt_tokens`` uncached tokens asking ``max_tokens`` into the traffic the
+        plans see, when it arrives (a request the proxy holds back is traffic all the same)."""
+        now = self._clock()
+        output_len = max(2, max_tokens if max_tokens is not None else _DEFAULT_OUTPUT_LEN)
+        arrival = Arrival(now, prompt_tokens, output_len)
+        self._arrivals.append(arrival)
+        if self._first_arrival is None:
+            self._first_arrival = now
+        while self._arrivals and self._arrivals[0].at < now - self._settings.window_s:
+            self._arrivals.popleft()
+        return arrival
+
+    def place(self, members: Sequence[C], prompt_tokens: int, max_tokens: int | None,
+              arrival: Arrival | None = None) -> Placement[C]:  # fmt: skip
+        """Where a request of ``prompt_tokens`` uncached tokens asking ``max_tokens`` goes, among the
+        instances in service (``members``, at least one); ``arrival``: what ``arrive`` counted for it,
+        if it was called (else ``place`` counts it)."""
+        if not members:
+            raise LookupError("no instance to place a request on")
+        if arrival is None:
+            arrival = self.arrive(prompt_tokens, max_tokens)
+        now = self._clock()
+        if now - self._planned_at >= self._settings.replan_s:
+            self._replan(len(members), now)
+        self._assign_sides(members)
+        placement = self._choose(members, prompt_tokens)
+        self._begin(placement, prompt_tokens)
+        return placement
+
+    def room(self) -> float:
+        """How many more requests the decode side takes before each of its instances runs the most its
+        TPOT objective allows (inf: no objective, no plan yet, or no step costs to count with)."""
+        if math.isinf(self._max_batch):
+            return math.inf
+        decodes = [url for url, side in self._sides.items() if side == "decode"]
+        if not decodes:
+            return math.inf
+        return sum(max(0.0, self._max_batch - self._requests.get(url, 0)) for url in decodes)
+
+    def prefilled(self, placement: Placement[C], prompt_tokens: int) -> None:
+        """The request's prefill ended (its KV is held for decode, or it failed)."""
+        if placement.prefill is not None:
+            url = placement.prefill.url
+            self._prefill_tokens[url] = max(0, self._prefill_tokens.get(url, 0) - prompt_tokens)
+
+    def done(self, placement: Placement[C], measured: Measured | None = None) -> None:
+        """The request ended, whatever the outcome; ``measured``: what it measured, when it streamed
+        its answer as placed."""
+        url = placement.decode.url
+        self._requests[url] = max(0, self._requests.get(url, 0) - 1)
+        if measured is not None and placement.predicted is not None:
+            ttft, tpot = placement.predicted
+            if self._calibrator.observe(placement.is_split, measured.ttft_s / ttft if ttft > 0 else math.nan,
+                                        measured.tpot_s / tpot if tpot > 0 else math.nan):  # fmt: skip
+                self._planned_at = -math.inf  # its first factors: the next request re-plans with them
+
+    def forget(self, url: str) -> None:
+        """The instance left the pool: its side and counts go with it."""
+        for table in (self._sides, self._prefill_tokens, self._requests, self._prompts_until):
+            table.pop(url, None)
+
+    # --- what the routes read ---------------------------------------------------------------------
+
+    @property
+    def layout(self) -> str:
+        if self._layout is None:
+            return "not planned yet"
+        return self._layout.describe() + (" (pinned)" if self._settings.num_prefill is not None else "")
+
+    @property
+    def calibration(self) -> Calibration:
+        """The factors the last plan multiplied the cost model's predictions by."""
+        return self._calibration
+
+    def calibration_samples(self) -> dict[str, int]:
+        return self._calibrator.num_samples()
+
+    def side(self, url: str) -> Side | None:
+        return self._sides.get(url)
+
+    def describe(self) -> dict[str, object]:
+        load = self._load()
+        return {
+            "layout": self.layout,
+            "load": None if load is None else _describe_load(load),
+            "predicted_ttft_ms": None if self._layout is None else _ms(self._layout.ttft_s),
+            "predicted_tpot_ms": None if self._layout is None else _ms(self._layout.tpot_s),
+            "sides": dict(self._sides),
+            "decisions": dict(self.decisions),
+            "calibration": {**vars(self._calibration), "samples": self.calibration_samples()},
+            "max_requests_per_decode": None if math.isinf(self._max_batch) else round(self._max_batch, 1),
+        }
+
+    # --- deciding ---------------------------------------------------------------------------------
+
+    def _load(self) -> Load | None:
+        if not self._arrivals or self._first_arrival is None:
+            return None
+        now = self._clock()
+        span = min(self._settings.window_s, max(now - self._first_arrival, self._settings.replan_s))
+        n = len(self._arrivals)
+        input_len = max(1, round(sum(a.input_len for a in self._arrivals) / n))
+        output_len = max(2, round(sum(a.output_len for a in self._arrivals) / n))
+        # Each of several proxy workers sees its share of the pool's arrivals and plans for the whole pool.
+        return Load(n / span / self._settings.traffic_share, input_len, output_len)
+
+    def _replan(self, num_instances: int, now: float) -> None:
+        self._planned_at = now
+        costs, load = self._settings.costs, self._load()
+        if costs is None or load is None or num_instances < 2:
+            self._layout, self._max_batch = None, math.inf
+            return
+        slo = self._settings.slo if self._settings.slo.ttft_ms is not None else None
+        self._calibration = self._calibrator.calibration()
+        ranked = rank_layouts(costs, num_instances, load, slo, self._calibration)
+        pinned = self._settings.num_prefill
+        keep = min(pinned, num_instances - 1) if pinned is not None else None
+        if keep is None and self._layout is not None:
+            keep = self._layout.num_prefill
+        best, current = ranked[0], next((lay for lay in ranked if lay.num_prefill == keep), None)
+        if current is not None and (pinned is not None or not _clearly_better(best, current)):
+            best = current
+        self._layout = best
+        # Each of several proxy workers counts only the requests it placed, so it takes its share.
+        batch = Model(costs, load, slo).max_batch(best.is_split) * self._settings.traffic_share
+        self._max_batch = max(1.0, math.floor(batch)) if batch < math.inf else math.inf
+
+    def _assign_sides(self, members: Sequence[C]) -> None:
+        """Give the members the layout's sides, moving as few as possible."""
+        urls = [m.url for m in members]
+        for url in list(self._sides):
+            if url not in urls:
+                del self._sides[url]
+        want_prefill = self._layout.num_prefill if self._layout is not None else 0
+        want_prefill = min(want_prefill, len(urls) - 1)
+        for url in urls:
+            self._sides.setdefault(url, "decode")
+        prefills = [u for u in urls if self._sides[u] == "prefill"]
+        decodes = [u for u in urls if self._sides[u] == "decode"]
+        while len(prefills) < want_prefill:
+            url = min(decodes, key=lambda u: self._requests.get(u, 0))
+            decodes.remove(url)
+            prefills.append(url)
+            self._sides[url] = "prefill"
+        while len(prefills) > want_prefill:
+            url = min(prefills, key=lambda u: self._prefill_tokens.get(u, 0))
+            prefills.remove(url)
+            self._sides[url] = "decode"
+
+    def _choose(self, members: Sequence[C], prompt_tokens: int) -> Placement[C]:
+        layout = self.layout
+        prefill_side = [m for m in members if self._sides.get(m.url) == "prefill"]
+        decode_side = [m for m in members if self._sides.get(m.url) == "decode"]
+        if self._layout is None and self._settings.costs is None and len(members) > 1:
+            # No step costs to plan with: split long prompts over the two least-loaded instances.
+            if prompt_tokens >= _UNPLANNED_SPLIT_TOKENS:
+                decode = self._least_requests(members)
+                prefill = self._least_prefill([m for m in members if m is not decode])
+                return Placement(prefill, decode, "unplanned", f"{prompt_tokens} prompt tokens >= "
+                                 f"{_UNPLANNED_SPLIT_TOKENS}: split (no step costs known)")  # fmt: skip
+            return Placement(None, self._least_requests(members), "unplanned",
+                             f"{prompt_tokens} prompt tokens < {_UNPLANNED_SPLIT_TOKENS}: whole")  # fmt: skip
+        if not prefill_side or not decode_side:
+            why = f"{layout}: whole" if self._layout is not None else "one instance in service: whole"
+            if self._layout is not None and self._is_cheap(prompt_tokens):
+                why = f"{layout}: {prompt_tokens} prompt tokens cost less than a decode step: whole"
+            whole = self._least_prompt_backlog(self._with_room(members))
+            return Placement(None, whole, layout, why, self._predicted(False))
+        decode = self._least_requests(decode_side)
+        if self._is_cheap(prompt_tokens):
+            return Placement(None, decode, layout, f"{layout}: {prompt_tokens} prompt tokens cost less than a "
+                             "decode step: whole on a decode")  # fmt: skip
+        prefill = self._least_prefill(prefill_side)
+        return Placement(prefill, decode, layout, self._why_split(layout), self._predicted(True))
+
+    def _predicted(self, is_split: bool) -> tuple[float, float] | None:
+        """The layout's (TTFT, TPOT) before calibration, for a placement of its own kind (what a
+        measurement is compared to); None for another kind, or no layout."""
+        if self._layout is None or self._layout.is_split != is_split:
+            return None
+        ttft_factor, tpot_factor = self._calibration.factors(is_split)
+        return self._layout.ttft_s / ttft_factor, self._layout.tpot_s / tpot_factor
+
+    def _why_split(self, layout: str) -> str:
+        assert self._layout is not None
+        load = self._load()
+        rate = f"{load.rate:.1f} req/s of {load.input_len} in / {load.output_len} out" if load else "no load"
+        ttft_factor, tpot_factor = self._calibration.factors(True)
+        calibrated = (
+            f" (measured x{ttft_factor:.2g} and x{tpot_factor:.2g} the model here)"
+            if (ttft_factor, tpot_factor) != (1.0, 1.0)
+            else ""
+        )
+        return (
+            f"{layout} for {rate}: predicted TTFT {_ms(self._layout.ttft_s)} ms, "
+            f"TPOT {_ms(self._layout.tpot_s)} ms{calibrated}"
+        )
+
+    def _is_cheap(self, prompt_tokens: int) -> bool:
+        """Whether the prompt costs less to compute than a decode step (a split would cost more)."""
+        costs = self._settings.costs
+        return costs is not None and prompt_tokens * costs.prefill_per_token_s < costs.step_base_s
+
+    def _with_room(self, members: Sequence[C]) -> Sequence[C]:
+        """Those of ``members`` below the most requests the TPOT objective allows (all, if none is)."""
+        below = [m for m in members if self._requests.get(m.url, 0) < self._max_batch]
+        return below or members
+
+    def _least_requests(self, members: Sequence[C]) -> C:
+        return min(members, key=lambda m: (self._requests.get(m.url, 0), load_score(m)))
+
+    def _least_prompt_backlog(self, members: Sequence[C]) -> C:
+        """Where a whole request's prompt is computed soonest. Its TTFT is the prompts queued ahead of it
+        there; decodes cost it a few ms a step. The fewest requests would send it, every time a
+        decode finishes, to an instance still computing a long prompt (colocated at 90 req/s of 2,000
+        tokens: TTFT p90 264 ms against round robin's 82)."""
+        if self._settings.costs is None:
+            return self._least_requests(members)
+        now = self._clock()
+        return min(members, key=lambda m: (max(now, self._prompts_until.get(m.url, now)),
+                                           self._requests.get(m.url, 0), load_score(m)))  # fmt: skip
+
+    def _least_prefill(self, members: Sequence[C]) -> C:
+        return min(members, key=lambda m: (self._prefill_tokens.get(m.url, 0), load_score(m)))
+
+    def _begin(self, placement: Placement[C], prompt_tokens: int) -> None:
+        decode = placement.decode.url
+        self._requests[decode] = self._requests.get(decode, 0) + 1
+        if placement.prefill is not None:
+            url = placement.prefill.url
+            self._prefill_tokens[url] = self._prefill_tokens.get(url, 0) + prompt_tokens
+            self.decisions["split"] += 1
+        else:
+            self.decisions["whole"] += 1
+            costs = self._settings.costs
+            if costs is not None:
+                steps = -(-prompt_tokens // costs.max_num_batched_tokens)
+                now = self._clock()
+                start = max(now, self._prompts_until.get(decode, now))
+                self._prompts_until[decode] = (
+                    start + steps * costs.step_base_s + costs.prefill_per_token_s * prompt_tokens
+                )
+
+
+def _describe_load(load: Load) -> dict[str, object]:
+    return {"rate": round(load.rate, 2), "input_len": load.input_len, "output_len": load.output_len}
+
+
+def _clearly_better(new: Layout, current: Layout) -> bool:
+    """Whether ``new`` (ranked first) should displace ``current``: by a margin, so noise in the load
+    estimate does not flip the pool back and forth."""
+    if new.num_prefill == current.num_prefill:
+        return False
+    if new.capacity is not None and current.capacity is not None:
+        if new.meets_slo != current.meets_slo:
+            return new.meets_slo
+        return new.capacity > current.capacity * _HYSTERESIS
+    if current.slack > 0:
+        return new.slack > current.slack * _HYSTERESIS
+    return new.slack > current.slack / _HYSTERESIS  # both negative (no SLO: minus the latency)
+
+
+def _ms(seconds: float) -> float | None:
+    return None if seconds != seconds or seconds == float("inf") else round(seconds * 1000, 1)

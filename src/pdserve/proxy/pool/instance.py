@@ -1,0 +1,325 @@
+"""One vLLM instance as the proxy sees it: its upstream client, its lifecycle, breaker, load, in-flight.
+
+The lifecycle, and who moves it:
+
+    serving ──3 failed checks (1 if it never answered)──▶ unhealthy ──a passed check──▶ serving
+       │                                                                  (reported: it may have restarted)
+       ├── the launcher saw it exit ──▶ restarting ──the launcher has it back──▶ serving (breaker reset)
+       │                                    └──the launcher gave up──▶ unhealthy
+       ├── back (ready, or a passed check after unreachable) ──▶ warming ──its canaries done──▶ serving
+       └── admin drain / remove ──▶ draining ──in-flight reaches 0 (remove)──▶ removed
+
+Health checks (health.py) report through ``check_passed``/``check_failed``; the launcher (through
+``ProxyState.on_event``) through ``restarting``/``restarted``/``gave_up``; requests through
+``dispatched``/``succeeded``/``failed``, which feed the circuit breaker; the admin API through
+``ProxyState`` (state.py), which owns membership; ``ProxyState`` also through ``warming``/``warmed``
+around a returning instance's handshake canaries (warmup.py). Nobody else writes these fields.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pdserve import prometheus
+from pdserve.config import Role
+from pdserve.proxy.pool.breaker import CircuitBreaker
+from pdserve.proxy.pool.routing import Load
+from pdserve.proxy.wire.upstream import Upstream
+
+log = logging.getLogger("pdserve.proxy")
+
+
+class Lifecycle(enum.Enum):
+    SERVING = "serving"
+    UNHEALTHY = "unhealthy"
+    RESTARTING = "restarting"  # its process exited; the launcher is starting it again
+    DRAINING = "draining"  # takes no new requests; in-flight ones finish
+    WARMING = "warming"  # back, and meeting its peers (NIXL handshakes) before it takes requests
+    REMOVED = "removed"
+
+
+@dataclass(frozen=True)
+class EngineLoad(Load):
+    """What the engine's /metrics said at the last scrape."""
+
+    num_kv_expired: float = 0.0  # prefill: leases that ran out unpulled (vllm:nixl_num_kv_expired_reqs)
+    num_tokens: float = 0.0  # prompt and generated tokens the engine processed so far (counters)
+
+    @classmethod
+    def from_metrics(cls, text: str) -> EngineLoad:
+        samples = prometheus.parse_prometheus(text)
+        return cls(
+            samples.get(prometheus.NUM_RUNNING, 0.0),
+            samples.get(prometheus.NUM_WAITING, 0.0),
+            samples.get(prometheus.KV_USAGE, 0.0),
+            samples.get(prometheus.KV_EXPIRED, 0.0),
+            samples.get(prometheus.PROMPT_TOKENS, 0.0) + samples.get(prometheus.GENERATION_TOKENS, 0.0),
+        )
+
+
+class Instance:
+    def __init__(self, upstream: Upstream, breaker: CircuitBreaker, unhealthy_after_checks: int = 3) -> None:
+        self.upstream = upstream
+        self.url = upstream.url  # read on every attempt: an attribute, not a property call
+        self.breaker = breaker
+        # One slow /health from a busy API server must not take a working instance out of service.
+        self._unhealthy_after_checks = unhealthy_after_checks
+        self._is_healthy = True  # optimistic until the first check: a fresh proxy serves at once
+        self._has_answered = False  # a health check has passed at least once
+        self._num_failed_checks = 0  # consecutive
+        self._is_draining = False
+        self._is_removed = False
+        self._is_restarting = False
+        self._is_warming = False
+        self._was_unreachable = False
+        self._num_in_flight = 0
+        self._load = EngineLoad()
+        self._has_load = False  # a /metrics scrape has succeeded (since the last restart)
+        self._last_error: str | None = None
+        self._awaiting_first: dict[int, float] = {}  # streamed requests with no first byte yet → since
+        # The last sign that its engine steps while the proxy has requests there: its token counters
+        # moved, or an answer (a stream's first byte, a whole answer) came.
+        self._progress_at = time.monotonic()
+
+    @property
+    def role(self) -> Role:
+        return self.upstream.role
+
+    @property
+    def lifecycle(self) -> Lifecycle:
+        if self._is_removed:
+            return Lifecycle.REMOVED
+        if self._is_draining:
+            return Lifecycle.DRAINING
+        if self._is_restarting:
+            return Lifecycle.RESTARTING
+        if not self._is_healthy:
+            return Lifecycle.UNHEALTHY
+        return Lifecycle.WARMING if self._is_warming else Lifecycle.SERVING
+
+    def is_available(self, now: float) -> bool:
+        # ``lifecycle is Lifecycle.SERVING``, without building it: asked of each instance per attempt.
+        return (
+            self._is_healthy
+            and not (self._is_removed or self._is_draining or self._is_restarting)
+            and self.breaker.allows(now)
+        )
+
+    @property
+    def is_panic_candidate(self) -> bool:
+        """Out of service by its health, its circuit or its warm-up, not by intent (draining, removed,
+        restarting): a request no instance in service can take goes to one of these."""
+        return self.lifecycle in (Lifecycle.SERVING, Lifecycle.UNHEALTHY, Lifecycle.WARMING)
+
+    @property
+    def failure_score(self) -> tuple[int, int]:
+        """Lower is likelier to answer: fewer failed requests in a row, then fewer failed checks."""
+        return (self.breaker.num_consecutive_failures, self._num_failed_checks)
+
+    def why_unavailable(self, now: float) -> str:
+        lifecycle = self.lifecycle
+        if lifecycle is Lifecycle.UNHEALTHY:
+            return f"unhealthy: {self._last_error}"
+        if lifecycle is not Lifecycle.SERVING:
+            return str(lifecycle.value)
+        return f"circuit {self.breaker.state(now)}"
+
+    # --- health checks --------------------------------------------------------------------------
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._is_healthy
+
+    @property
+    def was_unreachable(self) -> bool:
+        """A failed check since the last passed one could not connect: if it answers again, it is a new
+        process (its peers have not met it)."""
+        return self._was_unreachable
+
+    @property
+    def load(self) -> EngineLoad:
+        return self._load
+
+    @property
+    def num_kv_expired(self) -> float | None:
+        """Prefill's count of leases that ran out unpulled at the last scrape; None before one."""
+        return self._load.num_kv_expired if self._has_load else None
+
+    @property
+    def last_error(self) -> str | None:
+        return self._last_error
+
+    def check_passed(self, load: EngineLoad | None) -> bool:
+        """A health check passed; True when the instance was unhealthy before (it may have restarted)."""
+        if self._is_restarting:
+            return False  # the old process's port may still answer a moment; the launcher says when
+        recovered = not self._is_healthy
+        self._is_healthy, self._has_answered, self._num_failed_checks = True, True, 0
+        self._was_unreachable = False
+        self._last_error = None
+        if load is not None:
+            if not self._has_load or load.num_tokens != self._load.num_tokens:
+                self._progress_at = time.monotonic()
+            self._load, self._has_load = load, True
+        return recovered
+
+    def check_failed(self, error: str, unreachable: bool = False) -> None:
+        """A health check failed; ``unreachable``: nothing accepted the connection (the process is gone,
+        not stalled: a stopped process's socket still accepts)."""
+        self._last_error = error
+        self._was_unreachable = self._was_unreachable or unreachable
+        self._num_failed_checks += 1
+        if not self._has_answered or self._num_failed_checks >= self._unhealthy_after_checks:
+            self._is_healthy = False
+
+    # --- the launcher ----------------------------------------------------------------------------
+
+    def restarting(self, detail: str) -> None:
+        self._is_restarting = True
+        self._is_healthy = False
+        self._last_error = detail
+
+    def restarted(self) -> None:
+        """A new process answers: in service at once, with none of the old one's failures held against it."""
+        self._is_restarting = False
+        self._is_healthy, self._has_answered, self._num_failed_checks = True, True, 0
+        self._last_error = None
+        self._load, self._has_load = EngineLoad(), False
+        self.breaker.reset()
+
+    def warming(self) -> None:
+        """Back, but out of service until its canaries have met its peers (``warmed``)."""
+        self._is_warming = True
+
+    def warmed(self) -> None:
+        self._is_warming = False
+
+    def gave_up(self, detail: str) -> None:
+        """The launcher stopped restarting it; health checks still readmit it if someone starts it."""
+        self._is_restarting = False
+        self._is_healthy = False
+        self._last_error = detail
+
+    # --- requests -------------------------------------------------------------------------------
+
+    @property
+    def num_in_flight(self) -> int:
+        return self._num_in_flight
+
+    def dispatched(self) -> _Dispatched:
+        """``with instance.dispatched():`` counts one request in flight here for the block (a class,
+        not a generator: twice per request)."""
+        return _Dispatched(self)
+
+    def awaiting_first_byte(self) -> _AwaitingFirstByte:
+        """Within the block the instance owes a streamed request its first byte; call what it yields
+        when the byte comes. How long the oldest such wait is tells a stalled engine from a busy one."""
+        return _AwaitingFirstByte(self)
+
+    def _dispatch(self) -> None:
+        now = time.monotonic()
+        self.breaker.on_dispatch(now)
+        if self._num_in_flight == 0:
+            self._progress_at = now  # idle until now: the wait for progress starts here
+        self._num_in_flight += 1
+
+    def _undispatch(self) -> None:
+        self._num_in_flight -= 1
+
+    def _owe_first_byte(self, key: int) -> None:
+        self._awaiting_first[key] = time.monotonic()
+
+    def _first_byte(self, key: int) -> None:
+        if self._awaiting_first.pop(key, None) is not None:
+            self._progress_at = time.monotonic()
+
+    def first_byte_wait_s(self, now: float) -> float:
+        """How long the oldest streamed request here has waited for its first byte (0: none waits)."""
+        return now - min(self._awaiting_first.values()) if self._awaiting_first else 0.0
+
+    def lag_s(self, now: float) -> float:
+        """How long its engine has shown no sign of stepping while the proxy has requests there: the
+        oldest stream's wait for a first byte, or the time since its token counters last moved (or an
+        answer came). 0 with nothing in flight. A stalled engine sends decode no lease heartbeats."""
+        stalled = now - self._progress_at if self._num_in_flight else 0.0
+        return max(stalled, self.first_byte_wait_s(now))
+
+    def succeeded(self) -> None:
+        self._progress_at = time.monotonic()
+        self.breaker.record_success()
+
+    def failed(self, detail: str, is_slow: bool = False) -> None:
+        """A failure of the instance itself (not of the client's request). Hard failures (refused,
+        5xx, broken answers) count toward its breaker; a slow one (a timeout) does not: a slow instance
+        is not a dead one, and health checks, not single timeouts, take it out of service."""
+        self._last_error = detail
+        if is_slow:
+            return
+        now = time.monotonic()
+        was_closed = self.breaker.state(now) == "closed"
+        self.breaker.record_failure(now)
+        if was_closed and self.breaker.state(now) != "closed":
+            log.warning("%s instance %s: circuit open after %d failures (%s)", self.role, self.url,
+                        self.breaker.num_consecutive_failures, detail)  # fmt: skip
+
+    # --- membership (called by ProxyState only) -------------------------------------------------
+
+    @property
+    def is_draining(self) -> bool:
+        return self._is_draining
+
+    def start_draining(self) -> None:
+        self._is_draining = True
+
+    def mark_removed(self) -> None:
+        self._is_draining = self._is_removed = True
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "role": self.role,
+            "url": self.url,
+            "state": self.lifecycle.value,
+            "healthy": self._is_healthy,
+            "draining": self._is_draining,
+            "circuit": self.breaker.state(time.monotonic()),
+            "in_flight": self._num_in_flight,
+            "running": self._load.num_running,
+            "waiting": self._load.num_waiting,
+            "kv_usage": self._load.kv_usage,
+            "lag_s": round(self.lag_s(time.monotonic()), 1),
+            "error": self._last_error,
+        }
+
+
+class _Dispatched:
+    __slots__ = ("_instance",)
+
+    def __init__(self, instance: Instance) -> None:
+        self._instance = instance
+
+    def __enter__(self) -> None:
+        self._instance._dispatch()
+
+    def __exit__(self, *exc: object) -> None:
+        self._instance._undispatch()
+
+
+class _AwaitingFirstByte:
+    __slots__ = ("_instance",)
+
+    def __init__(self, instance: Instance) -> None:
+        self._instance = instance
+
+    def __enter__(self) -> Callable[[], None]:
+        self._instance._owe_first_byte(id(self))
+        return self.arrived
+
+    def arrived(self) -> None:
+        self._instance._first_byte(id(self))
+
+    def __exit__(self, *exc: object) -> None:
+        self.arrived()

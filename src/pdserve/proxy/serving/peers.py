@@ -1,0 +1,314 @@
+"""A proxy of several worker processes (workers.py), as each worker's handlers see it: the one place
+that asks the other workers, merges their answers and shares prefix-index picks with them.
+
+Every worker serves the same app on the shared TCP port and on a Unix socket of its own in a private
+directory. A request that comes in over a Unix socket is a peer's (``is_peer``): it is answered from
+that worker's own state and never passed on. So what a client reads of the proxy (/metrics, /instances,
+/requests, /admin/ledger) is the answering worker's state merged with its peers', and what the admin API
+changes, every worker changes. Two things travel between workers unasked: what the launcher tells the
+proxy (workers.py delivers it to each), and the prefix index's new entries, in batches, so that a
+prompt-aware policy in one worker knows where the others sent a prefix.
+
+A handler hands its own answer to the app's ``Fanout`` and gets the proxy's back, in one line. A proxy
+of one process has ``Fanout`` itself, which hands the answer back and wraps no policy: nothing here runs
+per request then. One worker of several has ``Peers``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+
+from pdserve.asgi import Scope
+from pdserve.config import ROLES, Role
+from pdserve.proxy.pool.routing import C, Pick, Policy
+from pdserve.proxy.serving.exposition import format_number
+from pdserve.proxy.wire.connection import RequestWriter, parse_response
+
+log = logging.getLogger("pdserve.proxy")
+
+PEER_TIMEOUT_S = 2.0
+PEER_REQUEST = RequestWriter("pdserve-worker")
+_GOSSIP_S = 0.1  # how stale one worker's view of another's prefix index may be
+_MAX_PICKS = 10_000  # picks kept for the next batch; beyond it the oldest go (the index is an estimate)
+_NUM_RECENT = 256  # handoffs a merged /admin/ledger lists, as one worker's ledger keeps
+
+Described = list[dict[str, Any]]  # Instance.describe() of each instance, as JSON reads it back
+
+
+def socket_path(directory: str, index: int) -> str:
+    return os.path.join(directory, f"worker-{index}.sock")
+
+
+def is_peer(scope: Scope) -> bool:
+    """Whether the request came over a worker's Unix socket (uvicorn gives such a server no port)."""
+    server = scope.get("server")
+    return server is not None and server[1] is None
+
+
+class Fanout:
+    """The proxy is one process: its own answer is the proxy's, and no pick is shared."""
+
+    def sharing(self, role: Role, policy: Policy) -> Policy:
+        """The policy to route ``role`` with: ``policy``, or it telling the other workers its picks."""
+        return policy
+
+    async def instances(self, request: Request, own: Described) -> Described:
+        """Each instance as this worker sees it, with the requests every worker has in flight there."""
+        return own
+
+    async def requests(self, request: Request, own: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Every worker's recent requests (``Trace.as_dict``), oldest first."""
+        return own
+
+    async def metrics(self, request: Request, own: str) -> str:
+        """Every worker's Prometheus text (metrics.py) as one."""
+        return own
+
+    async def ledger(self, request: Request, own: dict[str, Any]) -> dict[str, Any]:
+        """Every worker's ``Ledger.snapshot`` as one."""
+        return own
+
+    async def repeat(self, request: Request, response: Response) -> None:
+        """This worker made the admin change ``request`` asked for (``response``): so do the others."""
+        return None
+
+    async def run(self) -> None:
+        """What the fan-out does in the background while the app serves (its lifespan cancels it)."""
+        return None
+
+
+class Peers(Fanout):
+    """The workers other than this one (``index`` of ``count``), over their Unix sockets."""
+
+    def __init__(self, directory: str, index: int, count: int, timeout_s: float = PEER_TIMEOUT_S) -> None:
+        self.directory = directory
+        self.index = index
+        self.count = count
+        self._timeout_s = timeout_s
+        self._paths = [socket_path(directory, i) for i in range(count) if i != index]
+        self._picks: list[dict[str, Any]] = []
+        self._is_sharing = False  # a prompt-aware policy tells its picks (``sharing``)
+
+    # --- what handlers call ----------------------------------------------------------------------
+
+    def sharing(self, role: Role, policy: Policy) -> Policy:
+        if not policy.wants_prompt:
+            return policy
+        self._is_sharing = True
+        return _SharingPolicy(role, policy, self._share_pick)
+
+    async def instances(self, request: Request, own: Described) -> Described:
+        if is_peer(request.scope):
+            return own
+        return merge_descriptions(own, [orjson.loads(b) for b in await self._same_of_others(request)])
+
+    async def requests(self, request: Request, own: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        if is_peer(request.scope):
+            return own
+        found = own + [t for b in await self._same_of_others(request) for t in orjson.loads(b)["requests"]]
+        return sorted(found, key=lambda t: t["started"])  # oldest first, as one worker lists them
+
+    async def metrics(self, request: Request, own: str) -> str:
+        if is_peer(request.scope):
+            return own
+        return merge_metrics([own, *(b.decode() for b in await self._same_of_others(request))])
+
+    async def ledger(self, request: Request, own: dict[str, Any]) -> dict[str, Any]:
+        if is_peer(request.scope):
+            return own
+        return merge_snapshots([own, *(orjson.loads(b) for b in await self._same_of_others(request))])
+
+    async def repeat(self, request: Request, response: Response) -> None:
+        if is_peer(request.scope) or response.status_code >= 300:
+            return
+        sent = await request.body()
+        answers = await self.ask(request.method, request.url.path, sent, _credentials(request))
+        for status, body in answers:
+            if status >= 300:
+                log.warning("a proxy worker refused %s %s: %s %s", request.method, request.url.path,
+                            status, body[:300])  # fmt: skip
+
+    async def run(self) -> None:
+        """Send the picks of each ``_GOSSIP_S`` to the peers, until cancelled."""
+        while self._is_sharing:
+            await asyncio.sleep(_GOSSIP_S)
+            if self._picks:
+                batch, self._picks = self._picks, []
+                await self.ask("POST", "/_pdserve/prefix", orjson.dumps(batch))
+
+    # --- asking ----------------------------------------------------------------------------------
+
+    async def ask(
+        self, method: str, path: str, body: bytes | None = None, headers: Mapping[str, str] | None = None
+    ) -> list[tuple[int, bytes]]:
+        """Every peer's answer; one that does not answer in time is left out (and logged): a read then
+        shows fewer workers' state, never blocks on a stuck one."""
+        request = PEER_REQUEST(method.encode("ascii"), path, {**(headers or {}), "Connection": "close"}, body)
+        results = await asyncio.gather(
+            *(self._ask_one(p, request) for p in self._paths), return_exceptions=True
+        )
+        answers = []
+        for sock, result in zip(self._paths, results, strict=True):
+            if isinstance(result, BaseException):
+                log.warning(
+                    "worker %d: no answer from %s for %s %s: %r", self.index, sock, method, path, result
+                )
+            else:
+                answers.append(result)
+        return answers
+
+    async def _same_of_others(self, request: Request) -> list[bytes]:
+        """The bodies of the peers' 200 answers to the same GET, with the client's credentials."""
+        target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        answers = await self.ask("GET", target, None, _credentials(request))
+        return [body for status, body in answers if status == 200]
+
+    async def _ask_one(self, sock: str, request: bytes) -> tuple[int, bytes]:
+        async with asyncio.timeout(self._timeout_s):
+            reader, writer = await asyncio.open_unix_connection(sock)
+            try:
+                writer.write(request)
+                raw = await reader.read()  # to the end: Connection: close
+            finally:
+                writer.close()
+        return parse_response(raw)
+
+    def _share_pick(self, role: Role, url: str, hashes: Sequence[int]) -> None:
+        """This worker sent a prompt with these block hashes to ``url``: the others learn it soon."""
+        self._picks.append({"role": role, "url": url, "hashes": list(hashes)})
+        if len(self._picks) > _MAX_PICKS:
+            del self._picks[: len(self._picks) - _MAX_PICKS]
+
+
+def read_picks(body: bytes) -> list[tuple[Role, str, list[int]]]:
+    """Another worker's batch of picks (``Peers.run``) as (role, url, block hashes); ValueError if the
+    body is not such a batch. A pick of an unknown role, or with a URL that is not text, is skipped."""
+    try:
+        return [
+            (p["role"], p["url"], p["hashes"])
+            for p in orjson.loads(body)
+            if p["role"] in ROLES and isinstance(p["url"], str) and isinstance(p["hashes"], list)
+        ]
+    except (orjson.JSONDecodeError, TypeError, KeyError) as exc:
+        raise ValueError(f"not a list of picks: {exc}") from None
+
+
+def _credentials(request: Request) -> dict[str, str]:
+    """The client's credentials, for a peer worker's answer to the same question."""
+    given = request.headers.get("authorization")
+    return {"Authorization": given} if given else {}
+
+
+class _SharingPolicy:
+    """A prompt-aware policy whose picks the other workers learn (``Peers.run`` sends them)."""
+
+    def __init__(self, role: Role, policy: Policy, share: Callable[[Role, str, Sequence[int]], None]) -> None:
+        self._role = role
+        self._policy = policy
+        self._share = share
+
+    @property
+    def wants_prompt(self) -> bool:
+        return self._policy.wants_prompt
+
+    def pick(self, candidates: Sequence[C], prompt: Sequence[int] | None = None) -> Pick[C]:
+        pick = self._policy.pick(candidates, prompt)
+        if prompt:
+            self._share(self._role, pick.instance.url, prompt)
+        return pick
+
+    def forget(self, url: str) -> None:
+        self._policy.forget(url)
+
+    def learn(self, url: str, prompt: Sequence[int]) -> None:
+        self._policy.learn(url, prompt)
+
+
+# --- merging the workers' answers ------------------------------------------------------------------
+
+
+def merge_descriptions(own: Described, others: Sequence[Described]) -> Described:
+    """This worker's view of its instances, with the requests every worker has in flight at each and
+    the KV each holds for every worker's decodes (so drained means drained for the whole proxy)."""
+    sums: dict[str, Counter[object]] = {"in_flight": Counter(), "kv_held": Counter()}
+    for view in others:
+        for d in view:
+            for key, counts in sums.items():
+                count = d.get(key)
+                if isinstance(count, int):
+                    counts[d.get("url")] += count
+    merged = []
+    for d in own:
+        totals = {}
+        for key, counts in sums.items():
+            count = d.get(key)
+            totals[key] = (count if isinstance(count, int) else 0) + counts[d.get("url")]
+        drained = bool(d.get("draining")) and not totals["in_flight"] and not totals["kv_held"]
+        merged.append({**d, **totals, "drained": drained})
+    return merged
+
+
+def merge_snapshots(snapshots: Sequence[dict[str, Any]], num_recent: int = _NUM_RECENT) -> dict[str, Any]:
+    """Several workers' ``Ledger.snapshot`` as one: counts summed, handoffs side by side (the newest
+    recent ones first, at most ``num_recent``)."""
+    first = snapshots[0]
+    abandoned: Counter[str] = Counter()
+    suspects: Counter[str] = Counter()
+    for snap in snapshots:
+        abandoned.update(snap["abandoned"])
+        suspects.update(snap["suspect"])
+    recent = sorted((h for snap in snapshots for h in snap["recent"]), key=lambda h: h["age_s"])
+    return {
+        "lease_s": first["lease_s"],
+        "issued": sum(s["issued"] for s in snapshots),
+        "delivered": sum(s["delivered"] for s in snapshots),
+        "abandoned": dict(abandoned),
+        "suspect": dict(suspects),
+        "open": [h for snap in snapshots for h in snap["open"]],
+        "overdue": sum(s["overdue"] for s in snapshots),
+        "recent": recent[:num_recent],
+    }
+
+
+# Per-instance states, not counts: several workers' views merge to 1 only where every one says 1.
+_ALL_OF = frozenset({"pdserve_instance_healthy", "pdserve_instance_available"})
+
+
+def merge_metrics(texts: Sequence[str]) -> str:
+    """Several workers' Prometheus texts as one: a sample present in several is summed (counts,
+    in-flight gauges, histogram buckets), but for the per-instance states in ``_ALL_OF``."""
+    families: dict[str, tuple[list[str], dict[str, float]]] = {}
+    current: dict[str, float] = {}
+    name = ""
+    for text in texts:
+        for line in text.splitlines():
+            if line.startswith("# HELP "):
+                name = line.split(" ", 3)[2]
+                if name not in families:
+                    families[name] = ([line], {})
+                current = families[name][1]
+            elif line.startswith("# TYPE "):
+                meta = families[name][0]
+                if len(meta) == 1:
+                    meta.append(line)
+            elif line:
+                key, _, value = line.rpartition(" ")
+                number = float(value)
+                if key in current:
+                    current[key] = min(current[key], number) if name in _ALL_OF else current[key] + number
+                else:
+                    current[key] = number
+    lines = []
+    for meta, samples in families.values():
+        lines += meta
+        lines += (f"{key} {format_number(value)}" for key, value in samples.items())
+    return "\n".join(lines) + "\n"
