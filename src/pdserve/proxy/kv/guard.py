@@ -11,7 +11,7 @@ client has any of it:
 3. past that point, prefill's ``vllm:nixl_num_kv_expired_reqs_total``: if it did not move since the
    handoff opened, no lease ran out there, whatever decode's queueing (its heartbeats kept it alive).
 
-A suspect answer is never relayed: the flow prefills again, under a fresh ``cache_salt``. vLLM puts the
+A suspect answer is never relayed: the plan prefills again, under a fresh ``cache_salt``. vLLM puts the
 blocks a pull filled into decode's prefix cache, so a late pull leaves wrong blocks there under the
 prompt's hashes; ``purge`` empties that decode's prefix cache (``POST /reset_prefix_cache``, served by
 vLLM in dev mode, which ``pdserve up`` turns on for decodes) so later requests with that prefix (the

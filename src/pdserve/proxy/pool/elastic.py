@@ -85,7 +85,7 @@ class Arrival:
 
 class ElasticRouter:
     """The one owner of the pool's layout, its instances' sides and the work the router has put on each;
-    the flow tells it when a request's prefill ends (``prefilled``) and when the request ends (``done``)."""
+    a request's plan tells it when its prefill ends (``prefilled``), the flow when the request ends (``done``)."""
 
     def __init__(self, settings: ElasticPool, clock: Callable[[], float] = time.monotonic) -> None:
         self._settings = settings

@@ -1,7 +1,7 @@
 """What happened to one request, as `pdserve demo` narrates it and GET /requests serves it.
 
-A record only: written as the request goes by the part that saw each thing (prefill.py its own fields
-and retries, decode.py decode's status, flow.py the rest), and never read to decide anything."""
+A record only: written as the request goes by its plan (request/plan.py), the one writer, from what each
+step reported, and never read to decide anything."""
 
 from __future__ import annotations
 

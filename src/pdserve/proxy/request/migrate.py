@@ -3,7 +3,7 @@ after the client has tokens, the answer goes on from another instance instead of
 
 The continuation is the original prompt plus every token id the client was sent (ids, not text: the
 model sees exactly the tokens it produced, so the text goes on where it stopped), prefilled again and
-decoded through the flow's own attempts (split prefill→decode, or whole on one instance, as the router
+decoded through a continuation plan's own steps (split prefill→decode, or whole on one instance, as the router
 and the survivor rules choose; the failed decode avoided), with ``max_tokens`` less what was sent. Its
 events reach the client through a ``Seam`` (seam.py): the client's stream goes on, same id and shape, no
 error, no gap, no repeat; stop strings, logprobs and usage are carried across.

@@ -15,7 +15,7 @@ is rare: its cost is not on the common path) and writes the client's own stream 
 - ``[DONE]`` once, at the end.
 
 Until the continuation's first event the Seam is "not started": a continuation that fails before it is
-retried by the flow's usual rules on another instance, unseen by the client.
+retried by the plan's usual rules on another instance, unseen by the client.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ would take is never refused here: where its rule is not modelled, the request go
 ``max_tokens`` beyond the model's context (``max_model_len``, as decode's /v1/models tells it) is
 refused too, once the proxy knows that length. What is not checked: ``min_tokens`` above the output
 budget vLLM clamps ``max_tokens`` to (the context left after the prompt), which needs the prompt's
-length; decode refuses it, and the flow then frees prefill's blocks (release.py).
+length; decode refuses it, and the plan then has prefill's blocks freed (release.py).
 """
 
 from __future__ import annotations
