@@ -57,6 +57,26 @@ class Chooser:
         self._state.stats.stood_in()
         return self._pick("prefill", candidates, None).instance
 
+    def stand_in_for(self, decode: Instance, tried: Sequence[Instance]) -> Instance | None:
+        """A fixed pool whose only decode (``decode``) failed before the client's first byte and could not
+        compute the prompt itself: the prefill instance that takes the request whole, or None when
+        none may."""
+        if not self._config.retries.prefill_stands_in or not self._state.pool("prefill").available():
+            return None
+        return self.stand_in([*tried, decode], NoInstanceAvailable("decode", "-"))
+
+    def elsewhere(
+        self, tried: Sequence[Instance], holder_url: str | None, prompt: Prompt | None
+    ) -> tuple[Instance, bool]:
+        """An elastic pool's decode retry: another instance, and whether the handoff still in play (one
+        the failed decode never read; its KV on ``holder_url``) goes there, which it does when that is
+        not the instance holding the KV; otherwise the retry is served whole (the holder cannot pull
+        from itself; the lease frees its blocks)."""
+        holder = self._state.find(holder_url) if holder_url is not None else None
+        if holder is not None and self.has_other("decode", [*tried, holder]):
+            return self.decode([*tried, holder], prompt)[0], True
+        return self.decode(tried, prompt)[0], False
+
     def members(self) -> list[Instance]:
         """The instances an elastic pool's router may place a request on: those in service, or panic
         mode's one when none is."""

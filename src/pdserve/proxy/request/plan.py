@@ -64,13 +64,7 @@ from pdserve.proxy.request.steps import (
     Served,
     describe,
 )
-from pdserve.proxy.request.survivors import (
-    Tries,
-    computes_itself,
-    elastic_retry,
-    may_compute_itself,
-    stand_in,
-)
+from pdserve.proxy.request.survivors import Tries, computes_itself, may_compute_itself
 from pdserve.proxy.wire.upstream import Reply
 
 log = logging.getLogger("pdserve.proxy")
@@ -314,7 +308,8 @@ class Plan:
         elif placed is not None:
             # A retry in an elastic pool: the instance that prefilled may be the only one left, and it
             # cannot pull from itself.
-            decode, keeps_handoff = elastic_retry(rules.state, chooser, call, self._handoff, tries)
+            holder = self._handoff.prefill_url if self._handoff is not None else None
+            decode, keeps_handoff = chooser.elsewhere(tries.tried, holder, call.prompt)
             if not keeps_handoff:
                 self._abandon("elastic pool: the retry is served whole", "decode_failed")
                 self._local_reason = self._local_reason or "elastic pool: a retry is served whole"
@@ -432,8 +427,8 @@ class Plan:
             tries.again = decode
             self._salted("redo")
             self._local_reason = f"{failed} on a split request: it computes the prompt itself"
-        elif not (tries.has_others or self._placed is not None) and (
-            stood_in := stand_in(rules.state, rules.chooser, decode, tries, rules.config.retries)
+        elif not (tries.has_others or self._placed is not None or tries.stood_in) and (
+            stood_in := rules.chooser.stand_in_for(decode, tries.tried)
         ):
             tries.stood_in = True
             tries.tried.append(decode)

@@ -1,17 +1,15 @@
-"""The rules that let the instances left serve a request when its own choice failed, as the plan
-(plan.py) consults them. Each reads the request's tries and the pool and answers; the plan acts on the
-answer and writes what follows.
+"""What a request's decode attempts leave to the next one (``Tries``), and the rule that lets the
+decode that failed a split request serve it after all, as the plan (plan.py) consults it.
 
-- ``stand_in``: a fixed pool whose only decode failed before the client's first byte (or none is in
-  service): a prefill instance in service serves the request whole, as any vLLM instance can.
 - ``computes_itself``: a fixed pool's last decode answered a split request with a 5xx or, streamed, an
   error event before any token (alive, but its pull failed: the prefill holding the KV died or freed
   it): that decode serves the request whole, once, before any prefill is asked to stand in (the prefill
   that held the KV is the likely casualty).
-- ``elastic_retry``: an elastic pool's decode retry goes to another instance, with the unread handoff
-  when that is not the instance holding the KV, else whole.
 
-``Tries`` is what the decode attempts of one request so far leave to the next one.
+The other survivors' rules choose an instance, so they are the chooser's (pool/choice.py): a prefill
+stands in for a fixed pool's only decode (``Chooser.stand_in_for``), and an elastic pool's retry goes
+to another instance, with the unread handoff when that is not the one holding the KV, else whole
+(``Chooser.elsewhere``). The plan reads each answer and writes what follows.
 """
 
 from __future__ import annotations
@@ -19,12 +17,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pdserve.configparts import Retries
-from pdserve.errors import NoInstanceAvailable
-from pdserve.proxy.kv.ledger import Handoff
-from pdserve.proxy.pool.choice import Chooser
 from pdserve.proxy.pool.instance import Instance
-from pdserve.proxy.pool.state import ProxyState
-from pdserve.proxy.request.steps import Call, DecodeFailed
+from pdserve.proxy.request.steps import DecodeFailed
 from pdserve.proxy.wire.upstream import Reply
 
 
@@ -51,17 +45,6 @@ class Tries:
         self.is_first = not avoid
 
 
-def stand_in(
-    state: ProxyState, chooser: Chooser, decode: Instance, tries: Tries, config: Retries
-) -> Instance | None:
-    """The prefill instance that takes the request whole after its only decode (``decode``) failed
-    before the client's first byte and could not compute the prompt itself; None: none can, or one
-    already did."""
-    if tries.stood_in or not config.prefill_stands_in or not state.pool("prefill").available():
-        return None
-    return chooser.stand_in([*tries.tried, decode], NoInstanceAvailable("decode", "-"))
-
-
 def may_compute_itself(tries: Tries, config: Retries, was_split: bool) -> bool:
     """Whether a failure of this decode attempt may still be followed by ``computes_itself``."""
     return was_split and not tries.computed_itself and config.fallback_to_local_prefill
@@ -80,18 +63,3 @@ def computes_itself(tries: Tries, config: Retries, was_split: bool, decoded: Dec
     if not isinstance(failure, Reply) or 200 < failure.status < 500:
         return None  # a Reply here is a 5xx, or a 200 stream whose first event was an error
     return failure.status
-
-
-def elastic_retry(
-    state: ProxyState, chooser: Chooser, call: Call, handoff: Handoff | None, tries: Tries
-) -> tuple[Instance, bool]:
-    """An elastic pool's decode retry: another instance, and whether the handoff still in play (one the
-    failed decode never read) goes there, which it does when that is not the instance holding the KV;
-    otherwise the retry is served whole (the holder cannot pull from itself; the lease frees its
-    blocks)."""
-    holder = state.find(handoff.prefill_url) if handoff is not None else None
-    if holder is not None and chooser.has_other("decode", [*tries.tried, holder]):
-        decode, _ = chooser.decode([*tries.tried, holder], call.prompt)
-        return decode, True
-    decode, _ = chooser.decode(tries.tried, call.prompt)
-    return decode, False
