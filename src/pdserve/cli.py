@@ -100,7 +100,7 @@ def cmd_verify(a: argparse.Namespace) -> int:
     from pdserve.commands.verify import verify
 
     print(f"verifying {a.url} ...")
-    report = verify(a.url, admin_key=a.admin_api_key)
+    report = verify(a.url, admin_key=a.admin_api_key, waiting=flags.waiting_from_args(a))
     print("\n".join(report.lines()))
     print("verify: " + ("all checks passed" if report.ok else "FAILED"))
     return 0 if report.ok else 1
@@ -218,6 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     ver.add_argument("--admin-api-key",
                      help="the proxy's admin key, if it has one (to read /requests, and for the reference "
                      "answer through the proxy where verify cannot reach the instances)")  # fmt: skip
+    flags.add_waiting(ver)
     ver.set_defaults(func=cmd_verify)
 
     tr = sub.add_parser("trace", help="one request's timeline from the proxy and the instances' logs")

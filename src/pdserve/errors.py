@@ -7,6 +7,7 @@
     ├── ProxyStartError        a worker of a multi-process proxy died or did not answer while starting
     ├── ModelBuildError        the embedded tiny model could not be built
     ├── VerifyError            `pdserve verify` could not run its checks (not: a check failed)
+    ├── Stalled                a tool's request saw nothing move for too long, or ran past its limit
     ├── CalibrationError       `pdserve sim calibrate` could not measure or fit the instance
     ├── BenchError             `pdserve bench` could not run vLLM's benchmark client or read its results
     ├── Unreachable            a blocking HTTP call (httpclient.py) reached no server
@@ -72,6 +73,11 @@ class ModelBuildError(PDServeError):
 
 class VerifyError(PDServeError):
     """`pdserve verify` could not run (proxy unreachable, no instances listed)."""
+
+
+class Stalled(PDServeError):
+    """A request of verify, doctor's canary or the demo got no answer while no instance made progress
+    for the stated time (or past the overall limit); the message names the request and the instances."""
 
 
 class CalibrationError(PDServeError):
