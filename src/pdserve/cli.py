@@ -124,7 +124,8 @@ def cmd_doctor(a: argparse.Namespace) -> int:
     from pdserve.doctor.run import diagnose
 
     say = (lambda m: print(m, file=sys.stderr, flush=True)) if a.json else (lambda m: print(m, flush=True))
-    report = diagnose(a.url, a.logs or (), a.prompt_tokens, a.admin_api_key, say=say)
+    waiting = flags.waiting_from_args(a)
+    report = diagnose(a.url, a.logs or (), a.prompt_tokens, a.admin_api_key, say=say, waiting=waiting)
     print(report.to_json() if a.json else "\n".join(render(report)))
     return report.exit_code
 
@@ -246,6 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="canary prompt length, kept within max_model_len (default %(default)s)")  # fmt: skip
     doc.add_argument("--admin-api-key", help="the proxy's admin key, if it has one (to read /requests)")
     doc.add_argument("--json", action="store_true", help="the report as JSON on stdout")
+    flags.add_waiting(doc)
     doc.set_defaults(func=cmd_doctor)
 
     from pdserve.bench.command import add_bench_arguments, add_plan_arguments
