@@ -152,7 +152,7 @@ def cmd_demo(a: argparse.Namespace) -> int:
         raise ConfigError(
             "demo walks one request through a prefill/decode pair: run `pdserve up --elastic N`"
         )
-    return run_demo(topology, keep=a.keep)
+    return run_demo(topology, keep=a.keep, waiting=flags.waiting_from_args(a))
 
 
 def cmd_sim(a: argparse.Namespace) -> int:
@@ -266,6 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="up + verify + a request walk-through, then shut down")
     flags.add_topology(demo)
     demo.add_argument("--keep", action="store_true", help="leave the system running afterwards")
+    flags.add_waiting(demo)
     demo.set_defaults(func=cmd_demo)
 
     sim = sub.add_parser(
