@@ -3,13 +3,14 @@ stated time of nothing moving, and an overall limit however busy the system."""
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Callable, Sequence
 
 import pytest
 
-from pdserve import httpclient
-from pdserve.errors import Stalled, Unreachable
+from pdserve import httpclient, patience
+from pdserve.errors import MetricsUnreadable, Stalled, Unreachable
 from pdserve.patience import Patience, Patient, Reading, Waiting
 
 DECODE = "decode http://127.0.0.1:8200"
@@ -142,3 +143,27 @@ def test_a_refused_connection_is_still_cannot_reach() -> None:
 
     with pytest.raises(Unreachable, match="cannot reach"):
         _patient(lambda: [], clock, said).call(call, "verify-1")
+
+
+def test_where_this_host_cannot_read_an_instance_the_proxys_instances_view_stands_in(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    listing = [
+        {"role": "prefill", "url": "http://10.0.0.1:8100", "running": 0, "waiting": 0, "lag_s": 0.0},
+        {"role": "decode", "url": "http://10.0.0.2:8200", "running": 8, "waiting": 14, "lag_s": 3.5},
+    ]
+
+    def request(url: str, **_kw: object) -> httpclient.Response:
+        assert url == "http://proxy:8000/instances"
+        return httpclient.Response(200, {}, json.dumps(listing).encode())
+
+    def firewalled(url: str, timeout: float) -> dict[str, float]:
+        raise MetricsUnreadable(f"cannot read {url}/metrics: timed out")
+
+    monkeypatch.setattr(httpclient, "request", request)
+    monkeypatch.setattr(patience, "scrape", firewalled)
+    readings = patience.proxy_readings("http://proxy:8000")()
+    assert readings == [
+        Reading("prefill http://10.0.0.1:8100", 0, 0, None, 0.0),
+        Reading("decode http://10.0.0.2:8200", 8, 14, None, 3.5),
+    ]
