@@ -167,3 +167,15 @@ def test_where_this_host_cannot_read_an_instance_the_proxys_instances_view_stand
         Reading("prefill http://10.0.0.1:8100", 0, 0, None, 0.0),
         Reading("decode http://10.0.0.2:8200", 8, 14, None, 3.5),
     ]
+
+
+def test_a_request_sent_straight_to_one_instance_stalls_with_it_however_busy_the_others() -> None:
+    clock = FakeClock()
+    other = "decode http://127.0.0.1:8201"
+    patience = Patience(Waiting(stall_s=60), clock, target="http://127.0.0.1:8200/v1/completions")
+    for step in range(3):
+        clock.now += 31
+        patience.note([_busy(7.0), _busy(100.0 * step, name=other)])
+    why = patience.stall("verify-1-oracle") or ""
+    assert f"nothing moved for 93 s (--stall-after 60) at {DECODE} (running 8, waiting 14):" in why
+    assert other not in why

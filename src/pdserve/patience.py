@@ -53,6 +53,10 @@ class Reading:
     lag_s: float | None = None  # the proxy's view: how long it has seen the engine not step
 
     @property
+    def url(self) -> str:
+        return self.name.rsplit(" ", 1)[-1].rstrip("/")
+
+    @property
     def queue(self) -> float:
         return (self.running or 0.0) + (self.waiting or 0.0)
 
@@ -66,30 +70,44 @@ Source = Callable[[], Sequence[Reading]]
 
 
 class Patience:
-    """The deadline of one wait: pure state over readings and a clock, so tests drive both."""
+    """The deadline of one wait: pure state over readings and a clock, so tests drive both.
 
-    def __init__(self, waiting: Waiting, clock: Callable[[], float] = time.monotonic) -> None:
+    ``target``: the URL the request went to. Sent straight to one instance, only that instance's
+    progress is its progress (another one busy beside a stalled one must not keep the wait going);
+    sent to the proxy, any instance may hold it."""
+
+    def __init__(
+        self, waiting: Waiting, clock: Callable[[], float] = time.monotonic, target: str = ""
+    ) -> None:
         self.waiting = waiting
         self.clock = clock
+        self.target = target
         self.begun = self.progress_at = clock()
         self.last: dict[str, Reading] = {}
+
+    def _counted(self) -> list[Reading]:
+        """The readings that speak of this request: its instance's, or all where it went to the proxy."""
+        readings = list(self.last.values())
+        mine = [r for r in readings if self.target.startswith(r.url + "/")]
+        return mine or readings
 
     def elapsed(self) -> float:
         return self.clock() - self.begun
 
     def note(self, readings: Sequence[Reading]) -> None:
         now = self.clock()
-        for reading in readings:
-            before = self.last.get(reading.name)
+        before = dict(self.last)
+        self.last.update((r.name, r) for r in readings)
+        for reading in self._counted():
+            earlier = before.get(reading.name)
             if reading.tokens is not None:
-                if before is not None and before.tokens is not None and reading.tokens != before.tokens:
+                if earlier is not None and earlier.tokens is not None and reading.tokens != earlier.tokens:
                     self.progress_at = now
             elif reading.lag_s is not None and reading.queue > 0:
                 self.progress_at = max(self.progress_at, now - reading.lag_s)
-            self.last[reading.name] = reading
 
     def busiest(self) -> Reading | None:
-        busy = [r for r in self.last.values() if r.queue > 0]
+        busy = [r for r in self._counted() if r.queue > 0]
         return max(busy, key=lambda r: r.queue) if busy else None
 
     def still_waiting(self, who: str) -> str:
@@ -110,7 +128,7 @@ class Patience:
             )
         if still < self.waiting.stall_s:
             return None
-        holding = [r for r in self.last.values() if r.queue > 0] or list(self.last.values())
+        holding = [r for r in self._counted() if r.queue > 0] or self._counted()
         where = "; ".join(r.says() for r in holding) or "no instance could be read"
         return (
             f"{who}: stalled: nothing moved for {still:.0f} s (--stall-after {self.waiting.stall_s:g}) at "
@@ -185,9 +203,9 @@ class Patient:
         """``timeout`` is ignored: the wait is this object's. Unreachable only when no connection is made."""
         del timeout
         who = (headers or {}).get("X-Request-Id") or url
-        return self.call(lambda: httpclient.post_json(url, data, self.waiting.limit_s, headers), who)
+        return self.call(lambda: httpclient.post_json(url, data, self.waiting.limit_s, headers), who, url)
 
-    def call(self, fn: Callable[[], httpclient.Response], who: str) -> httpclient.Response:
+    def call(self, fn: Callable[[], httpclient.Response], who: str, target: str = "") -> httpclient.Response:
         box: list[httpclient.Response | BaseException] = []
 
         def run() -> None:
@@ -198,7 +216,7 @@ class Patient:
 
         thread = threading.Thread(target=run, name=f"pdserve-wait-{who}", daemon=True)
         thread.start()
-        patience = Patience(self.waiting, self.clock)
+        patience = Patience(self.waiting, self.clock, target)
         said_at = patience.begun
         while True:
             thread.join(self.waiting.poll_s)
