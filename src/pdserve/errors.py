@@ -11,6 +11,7 @@
     ├── CalibrationError       `pdserve sim calibrate` could not measure or fit the instance
     ├── BenchError             `pdserve bench` could not run vLLM's benchmark client or read its results
     ├── Unreachable            a blocking HTTP call (httpclient.py) reached no server
+    │   └── NoAnswer           it connected, but no answer came within the timeout (a busy server)
     ├── MetricsUnreadable      a ``/metrics`` could not be read (prometheus.scrape): each caller decides
     ├── DiscoveryError         the Kubernetes API could not be read (unreachable, forbidden, no config)
     ├── ClientGone             the client hung up while its request was being read
@@ -90,6 +91,11 @@ class BenchError(PDServeError):
 
 class Unreachable(PDServeError):
     """No HTTP server answered at the URL (refused, timed out, name not found)."""
+
+
+class NoAnswer(Unreachable):
+    """The server took the connection and the request, but its answer did not come within the timeout:
+    a queue or a stuck server, never a "cannot reach"."""
 
 
 class MetricsUnreadable(PDServeError):
