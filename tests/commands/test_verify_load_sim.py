@@ -4,14 +4,12 @@ stall that names it, not "cannot reach"."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 
 import pytest
 
-from pdserve import httpclient
+from pdserve import cli, httpclient
 from pdserve.commands.verify import verify
-from pdserve.errors import Stalled
 from pdserve.patience import Waiting
 from slow_pair import NUM_CLIENTS, SlowPair, heavy_traffic, slow_pair
 
@@ -41,10 +39,13 @@ def test_verify_beside_heavy_traffic_waits_its_turn_passes_and_names_its_request
         assert [r["request_id"] for r in listing["requests"]] == [rid]
 
 
-def test_verify_on_a_decode_that_stopped_stepping_fails_with_a_stall_naming_it(pair: SlowPair) -> None:
+def test_verify_on_a_decode_that_stopped_stepping_exits_with_a_stall_naming_it(
+    pair: SlowPair, capsys: pytest.CaptureFixture[str]
+) -> None:
     pair.stall_decode(20)
-    with pytest.raises(Stalled) as caught:
-        verify(pair.url, say=lambda _line: None, waiting=dataclasses.replace(_PATIENT, stall_s=3.0))
-    said = str(caught.value)
-    assert "stalled: nothing moved for" in said and f"decode {pair.decode}" in said
-    assert said.startswith("verify-") and "cannot reach" not in said
+    code = cli.main(["verify", pair.url, "--stall-after", "3"])
+    out, err = capsys.readouterr()
+    assert code == 2, out + err
+    assert err.startswith("pdserve: error: verify-") and "stalled: nothing moved for" in err, err
+    assert f"decode {pair.decode} (running" in err and "cannot reach" not in out + err
+    assert "its requests: X-Request-Id verify-" in out  # named before it waited
