@@ -100,7 +100,7 @@ def cmd_verify(a: argparse.Namespace) -> int:
     from pdserve.commands.verify import verify
 
     print(f"verifying {a.url} ...")
-    report = verify(a.url, admin_key=a.admin_api_key)
+    report = verify(a.url, admin_key=a.admin_api_key, waiting=flags.waiting_from_args(a))
     print("\n".join(report.lines()))
     print("verify: " + ("all checks passed" if report.ok else "FAILED"))
     return 0 if report.ok else 1
@@ -124,7 +124,8 @@ def cmd_doctor(a: argparse.Namespace) -> int:
     from pdserve.doctor.run import diagnose
 
     say = (lambda m: print(m, file=sys.stderr, flush=True)) if a.json else (lambda m: print(m, flush=True))
-    report = diagnose(a.url, a.logs or (), a.prompt_tokens, a.admin_api_key, say=say)
+    waiting = flags.waiting_from_args(a)
+    report = diagnose(a.url, a.logs or (), a.prompt_tokens, a.admin_api_key, say=say, waiting=waiting)
     print(report.to_json() if a.json else "\n".join(render(report)))
     return report.exit_code
 
@@ -151,7 +152,7 @@ def cmd_demo(a: argparse.Namespace) -> int:
         raise ConfigError(
             "demo walks one request through a prefill/decode pair: run `pdserve up --elastic N`"
         )
-    return run_demo(topology, keep=a.keep)
+    return run_demo(topology, keep=a.keep, waiting=flags.waiting_from_args(a))
 
 
 def cmd_sim(a: argparse.Namespace) -> int:
@@ -218,6 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     ver.add_argument("--admin-api-key",
                      help="the proxy's admin key, if it has one (to read /requests, and for the reference "
                      "answer through the proxy where verify cannot reach the instances)")  # fmt: skip
+    flags.add_waiting(ver)
     ver.set_defaults(func=cmd_verify)
 
     tr = sub.add_parser("trace", help="one request's timeline from the proxy and the instances' logs")
@@ -245,6 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="canary prompt length, kept within max_model_len (default %(default)s)")  # fmt: skip
     doc.add_argument("--admin-api-key", help="the proxy's admin key, if it has one (to read /requests)")
     doc.add_argument("--json", action="store_true", help="the report as JSON on stdout")
+    flags.add_waiting(doc)
     doc.set_defaults(func=cmd_doctor)
 
     from pdserve.bench.command import add_bench_arguments, add_plan_arguments
@@ -263,6 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="up + verify + a request walk-through, then shut down")
     flags.add_topology(demo)
     demo.add_argument("--keep", action="store_true", help="leave the system running afterwards")
+    flags.add_waiting(demo)
     demo.set_defaults(func=cmd_demo)
 
     sim = sub.add_parser(

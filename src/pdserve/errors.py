@@ -7,9 +7,11 @@
     ├── ProxyStartError        a worker of a multi-process proxy died or did not answer while starting
     ├── ModelBuildError        the embedded tiny model could not be built
     ├── VerifyError            `pdserve verify` could not run its checks (not: a check failed)
+    ├── Stalled                a tool's request saw nothing move for too long, or ran past its limit
     ├── CalibrationError       `pdserve sim calibrate` could not measure or fit the instance
     ├── BenchError             `pdserve bench` could not run vLLM's benchmark client or read its results
     ├── Unreachable            a blocking HTTP call (httpclient.py) reached no server
+    │   └── NoAnswer           it connected, but no answer came within the timeout (a busy server)
     ├── MetricsUnreadable      a ``/metrics`` could not be read (prometheus.scrape): each caller decides
     ├── DiscoveryError         the Kubernetes API could not be read (unreachable, forbidden, no config)
     ├── ClientGone             the client hung up while its request was being read
@@ -74,6 +76,11 @@ class VerifyError(PDServeError):
     """`pdserve verify` could not run (proxy unreachable, no instances listed)."""
 
 
+class Stalled(PDServeError):
+    """A request of verify, doctor's canary or the demo got no answer while no instance made progress
+    for the stated time (or past the overall limit); the message names the request and the instances."""
+
+
 class CalibrationError(PDServeError):
     """Calibration could not run: the server is unreachable, answered unexpectedly, or the data cannot be fitted."""
 
@@ -84,6 +91,11 @@ class BenchError(PDServeError):
 
 class Unreachable(PDServeError):
     """No HTTP server answered at the URL (refused, timed out, name not found)."""
+
+
+class NoAnswer(Unreachable):
+    """The server took the connection and the request, but its answer did not come within the timeout:
+    a queue or a stuck server, never a "cannot reach"."""
 
 
 class MetricsUnreadable(PDServeError):

@@ -4,7 +4,8 @@ The instances pdserve talks to are local or on the cluster network; sending a he
 request through a corporate proxy from the environment would only make it fail slowly. (The proxy's
 upstream calls go through its own HTTP/1.1 client, proxy/wire/connection.py, which reads no environment; the
 aiohttp sessions of the simulator and the measurement clients ignore ``$http_proxy`` unless told to trust it.)
-urllib's exceptions become ``Unreachable`` here and nowhere else.
+urllib's exceptions become ``Unreachable`` here and nowhere else; an answer that is only late (the
+connection made, the request sent) is ``NoAnswer``, one of them, so a queue never reads "cannot reach".
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.errors import Unreachable
+from pdserve.errors import NoAnswer, Unreachable
 
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -51,6 +52,10 @@ def request(
     except urllib.error.HTTPError as exc:
         with exc:
             return Response(exc.code, _lower(exc.headers.items()), exc.read())
+    except TimeoutError as exc:  # urllib wraps a connect timeout in URLError: this one came after the send
+        raise NoAnswer(
+            f"no answer from {url} within {timeout:g} s (it took the request: busy or stuck)"
+        ) from exc
     except (OSError, http.client.HTTPException, ValueError) as exc:  # URLError is an OSError
         raise Unreachable(f"cannot reach {url}: {exc}") from exc
 

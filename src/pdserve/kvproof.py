@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import random
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -210,11 +211,17 @@ def min_prompt_tokens(block_size: int | None) -> int:
 
 
 def teacher_forced(
-    url: str, model: str, evidence: Evidence, timeout: float = 120.0, headers: dict[str, str] | None = None
+    url: str,
+    model: str,
+    evidence: Evidence,
+    timeout: float = 120.0,
+    headers: dict[str, str] | None = None,
+    post: Callable[..., httpclient.Response] = httpclient.post_json,
 ) -> Agreement:
     """One instance (``url``, not through PD) scores the PD answer's prompt + tokens in one forward pass:
     its prompt logprob of each generated token against the logprob the PD answer reported for it.
-    ``url`` may be a proxy's, with ``headers`` naming the instance (X-Pdserve-Whole-On)."""
+    ``url`` may be a proxy's, with ``headers`` naming the instance (X-Pdserve-Whole-On). ``post``: as
+    ``httpclient.post_json``; a busy instance's queue needs one that waits while it moves (patience.py)."""
     if not evidence.prompt_ids or not evidence.token_ids:
         return Agreement((), "the answer carries no prompt/token ids (return_token_ids unsupported?)")
     if len(evidence.logprobs) != len(evidence.token_ids):
@@ -228,7 +235,7 @@ def teacher_forced(
         "cache_salt": fresh_salt("oracle"),
     }
     try:
-        response = httpclient.post_json(f"{url}/v1/completions", body, timeout, headers=headers)
+        response = post(f"{url}/v1/completions", body, timeout, headers=headers)
     except Unreachable as exc:
         return Agreement((), f"reference on {url}: {exc}")
     data = response.json()

@@ -1,4 +1,5 @@
-"""The per-request proof on the real vLLM pair: verify passes while other clients send traffic, fails
+"""The per-request proof on the real vLLM pair: verify passes while other clients send traffic (beside
+heavy traffic too, waiting its turn and naming its requests), fails
 naming the request whose decode recomputed its prompt (even while other requests transfer), and the
 teacher-forced oracle catches wrong KV (decode handed another fresh prompt's params) at the bf16
 tolerance used on GPUs, though every counter and the cached-token count say the KV came over."""
@@ -22,14 +23,14 @@ pytestmark = pytest.mark.vllm
 
 
 @contextmanager
-def _other_clients(url: str, model: str, num: int = 2) -> Iterator[list[int]]:
+def _other_clients(url: str, model: str, num: int = 2, max_tokens: int = 8) -> Iterator[list[int]]:
     """``num`` clients sending PD requests through ``url`` until the block ends; yields [sent, ok]."""
     stop, counts = threading.Event(), [0, 0]
 
     def client() -> None:
         while not stop.is_set():
             prompt = f"other client {uuid.uuid4().hex}: " + "the mill and the river " * 20
-            body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0.0}
+            body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
             status = httpclient.post_json(f"{url}/v1/completions", body, 120).status
             counts[0] += 1
             counts[1] += status == 200
@@ -53,6 +54,19 @@ def test_verify_passes_while_other_clients_send_traffic(stack: Stack, model_name
     # float32 on CPU: the logprobs agreed exactly, and so did the text.
     exact = verify(stack.proxy_url, say=lambda _m: None, tolerance=kvproof.FLOAT32)
     assert exact.ok, "\n".join(exact.lines())
+
+
+def test_verify_beside_heavy_traffic_passes_and_names_its_requests(stack: Stack, model_name: str) -> None:
+    said: list[str] = []
+    with _other_clients(stack.proxy_url, model_name, num=22, max_tokens=64) as counts:
+        report = verify(stack.proxy_url, say=said.append, tolerance=kvproof.FLOAT32)
+    assert report.ok, "\n".join([*report.lines(), *said])
+    assert counts[1] > 22
+    assert not any("cannot reach" in line for line in said)
+    assert said[-1] == "requests sent: " + ", ".join(report.request_ids)
+    for rid in (rid for rid in report.request_ids if rid.count("-") == 2):
+        listing = httpclient.get(f"{stack.proxy_url}/requests?id={rid}", 10).json()
+        assert [r["request_id"] for r in listing["requests"]] == [rid], said
 
 
 def test_verify_names_the_request_whose_decode_recomputed_the_prompt_beside_other_transfers(

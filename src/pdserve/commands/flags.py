@@ -17,6 +17,7 @@ from pdserve.config import INSTANCE_ROLES, ROLES, ProxySettings, Role, Timeouts,
 from pdserve.configparts import AdmissionLimits, ApiKeys, ElasticPool, HealthChecks, Retries, Routing
 from pdserve.costmodel import Costs
 from pdserve.errors import ConfigError
+from pdserve.patience import LIMIT_S, STALL_S, Waiting
 from pdserve.proxy.pool.policies import POLICIES
 from pdserve.slo import Slo
 from pdserve.topologyfile import load_topology, resource_pairs
@@ -372,3 +373,23 @@ class _PerRole(argparse.Action):
         by_role = dict(getattr(namespace, self.dest) or {})
         by_role[self.role] = [*by_role.get(self.role, []), values] if self.is_repeatable else values
         setattr(namespace, self.dest, by_role)
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
+    return value
+
+
+def add_waiting(p: argparse.ArgumentParser) -> None:
+    """How long a tool waits for its own requests on a busy system (pdserve.patience)."""
+    p.add_argument("--stall-after", type=_seconds, default=STALL_S, metavar="S",
+                   help="give up on a request when no instance's token counters moved for S seconds "
+                   f"(default {STALL_S:g}); while they move, a queued request is waited for")  # fmt: skip
+    p.add_argument("--max-wait", type=_seconds, default=LIMIT_S, metavar="S",
+                   help=f"give up on a request after S seconds however busy the system (default {LIMIT_S:g})")  # fmt: skip
+
+
+def waiting_from_args(a: argparse.Namespace) -> Waiting:
+    return Waiting(a.stall_after, a.max_wait)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve import httpclient, kvproof
-from pdserve.errors import MetricsUnreadable, Unreachable
+from pdserve.errors import MetricsUnreadable, NoAnswer, Unreachable
 from pdserve.prometheus import CACHE_CONFIG_INFO, labels_of, scrape_text
 
 _REACH_TIMEOUT = 3.0
@@ -50,6 +50,8 @@ def find_reference(
     try:
         status = httpclient.get(f"{url}/health", _REACH_TIMEOUT).status
         why = None if status == 200 else f"/health answered {status}"
+    except NoAnswer:  # reached, and busy: its answers come late, which verify waits for
+        why = None
     except Unreachable as exc:
         why = str(exc)
     if why is None:

@@ -17,6 +17,11 @@ least ``kvproof.MIN_PROMPT_BLOCKS`` KV blocks long, then checks for each one
    instance's own greedy answer.
 The reference instance is asked directly when verify can reach it, else through the proxy
 (``X-Pdserve-Whole-On``, with the admin key where the proxy has one); verify says which.
+
+Under load verify's requests queue behind everyone else's, so it waits for each answer as long as the
+instances make progress (pdserve.patience), says when it is queued, and fails only on a stall or past
+``--max-wait``. Every request it sends carries an X-Request-Id it names, for /requests and
+`pdserve trace`.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from pdserve.commands.proofpath import Reference, find_reference, split_of
 from pdserve.engines.transfers import TransferCounts, transfer_counts
 from pdserve.errors import Unreachable, VerifyError
 from pdserve.kvproof import Evidence, Tolerance
+from pdserve.patience import Patient, Waiting, proxy_readings
 
 # fresh_text's words are at least a token each in every tokenizer seen, and at most about 4 (pdserve's
 # tiny model's byte-level BPE, numbers included: 3.6)
@@ -53,6 +59,7 @@ class Answer:
 class Report:
     checks: list[tuple[bool, str]] = field(default_factory=list)
     answers: list[tuple[str, Answer]] = field(default_factory=list)
+    request_ids: list[str] = field(default_factory=list)  # every request verify sent, in order
 
     def check(self, ok: bool, what: str) -> bool:
         self.checks.append((ok, what))
@@ -97,11 +104,13 @@ def ask(
     timeout: float = 120.0,
     request_id: str | None = None,
     headers: dict[str, str] | None = None,
+    post: Callable[..., httpclient.Response] = httpclient.post_json,
 ) -> Answer:
-    """One request; a streamed one is read to the end, its deltas joined and its events checked."""
+    """One request; a streamed one is read to the end, its deltas joined and its events checked.
+    ``post``: as ``httpclient.post_json`` (verify's own waits while the instances make progress)."""
     sent = {**(headers or {}), **({"X-Request-Id": request_id} if request_id else {})}
     try:
-        response = httpclient.post_json(base + path, body, timeout, headers=sent)
+        response = post(base + path, body, timeout, headers=sent)
     except Unreachable as exc:
         raise VerifyError(str(exc)) from exc
     request_id = response.headers.get("x-request-id") or request_id
@@ -185,6 +194,7 @@ def check_answer(
     tolerance: Tolerance,
     alone: Answer | None = None,
     moved: str | None = None,
+    post: Callable[..., httpclient.Response] = httpclient.post_json,
 ) -> None:
     """The per-request checks of one PD answer; each names the request, so a failure says which.
     ``moved``: the stream went on from another instance mid-way (the proxy's record says so)."""
@@ -204,7 +214,10 @@ def check_answer(
         return
     ok, said = answer.evidence.transfer()
     report.check(ok, f"{who}: {said}")
-    agreement = kvproof.teacher_forced(reference.base, model, answer.evidence, headers=reference.headers)
+    oracle_id = f"{answer.request_id}-oracle"
+    report.request_ids.append(oracle_id)
+    headers = {**(reference.headers or {}), "X-Request-Id": oracle_id}
+    agreement = kvproof.teacher_forced(reference.base, model, answer.evidence, headers=headers, post=post)
     num_tokens = len(answer.evidence.token_ids)
     report.check(
         agreement.within(tolerance) and num_tokens >= kvproof.MIN_ANSWER_TOKENS,
@@ -243,9 +256,13 @@ def verify(
     say: Callable[[str], None] = print,
     tolerance: Tolerance = kvproof.BF16,
     admin_key: str | None = None,
+    waiting: Waiting | None = None,
 ) -> Report:
+    """The checks; Stalled if one of verify's requests got no answer while nothing moved (or past
+    ``waiting.limit_s``), VerifyError if the proxy cannot be reached."""
     proxy_url = proxy_url.rstrip("/")
     report = Report()
+    post = Patient(proxy_readings(proxy_url, admin_key), waiting, say).post_json
     status, instances = http_json(f"{proxy_url}/instances", timeout=10)
     if status != 200 or not isinstance(instances, list):
         raise VerifyError(f"{proxy_url}/instances answered {status}: is this a pdserve proxy?")
@@ -272,17 +289,24 @@ def verify(
         num_words = min(num_words, (max_model_len - kvproof.MIN_ANSWER_TOKENS - 64) // _MAX_TOKENS_PER_WORD)
     never_split: list[str] = []
     unread: list[str] = []
+    say(f"its requests: X-Request-Id verify-{nonce}-* (the proxy's /requests?id=…, `pdserve trace`)")
     for i, (label, path, body) in enumerate(cases(model, num_words)):
         endpoint = "chat" if "chat" in path else "completions"
         request_id = f"verify-{nonce}-{i}"
-        answer = ask(proxy_url, path, kvproof.with_evidence(body, endpoint), request_id=request_id)
+        say(f"{label}: sending {request_id}")
+        report.request_ids.append(request_id)
+        answer = ask(proxy_url, path, kvproof.with_evidence(body, endpoint), request_id=request_id, post=post)
         split = split_of(proxy_url, request_id, admin_key)
         if split.kept_whole is not None and answer.status == 200:
             # Served whole (a short prompt for an elastic pool or --skip-prefill-below): once more, longer.
             longer = _fit(body, answer.evidence.prompt_tokens, max_model_len)
             if longer is not None:
                 body, request_id = longer, f"{request_id}-longer"
-                answer = ask(proxy_url, path, kvproof.with_evidence(body, endpoint), request_id=request_id)
+                say(f"{label}: served whole, sending {request_id}, longer")
+                report.request_ids.append(request_id)
+                answer = ask(
+                    proxy_url, path, kvproof.with_evidence(body, endpoint), request_id=request_id, post=post
+                )
                 split = split_of(proxy_url, request_id, admin_key)
         report.answers.append((label, answer))
         unread += [split.unknown] if split.unknown else []
@@ -303,14 +327,21 @@ def verify(
         alone = None
         if tolerance.exact_text and not body.get("stream"):
             salted = {**body, "cache_salt": kvproof.fresh_salt("alone")}
+            report.request_ids.append(f"{request_id}-alone")
             alone = ask(
-                reference.base, path, salted, request_id=f"{request_id}-alone", headers=reference.headers
+                reference.base,
+                path,
+                salted,
+                request_id=f"{request_id}-alone",
+                headers=reference.headers,
+                post=post,
             )
-        check_answer(report, label, answer, reference, model, tolerance, alone, split.moved)
+        check_answer(report, label, answer, reference, model, tolerance, alone, split.moved, post)
     if len(never_split) == len(report.answers):
         report.check(False, f"cannot prove: this pool never splits ({never_split[0]})")
     if unread:
         say(f"could not read the proxy's /requests ({unread[0]}): each request's own evidence speaks")
+    say("requests sent: " + ", ".join(report.request_ids))
     return report
 
 

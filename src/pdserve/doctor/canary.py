@@ -19,6 +19,7 @@ from __future__ import annotations
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
 from urllib.parse import urlsplit
@@ -28,7 +29,8 @@ from pdserve.addresses import is_loopback
 from pdserve.doctor.advice import Handoff, duration, prompt_budget, repeats_for, size
 from pdserve.doctor.facts import InstanceFacts
 from pdserve.doctor.report import PairReport
-from pdserve.errors import MetricsUnreadable, Unreachable
+from pdserve.errors import MetricsUnreadable, Stalled, Unreachable
+from pdserve.patience import Patient, Waiting, instance_readings
 from pdserve.prometheus import (
     BYTES_SUM,
     DESCRIPTORS_SUM,
@@ -59,18 +61,22 @@ class Call:
     evidence: kvproof.Evidence = field(default_factory=kvproof.Evidence)
 
     def says(self) -> str:
+        if self.status == 0:
+            return f"no answer in {duration(self.seconds)}: {self.raw.decode('utf-8', 'replace')[:600]}"
         return f"HTTP {self.status} in {duration(self.seconds)}" + (
             "" if self.status == 200 else f": {self.raw.decode('utf-8', 'replace')[:300]}"
         )
 
 
-def _call(url: str, body: dict[str, Any], request_id: str, timeout: float) -> Call:
+Post = Callable[..., httpclient.Response]
+
+
+def _call(url: str, body: dict[str, Any], request_id: str, post: Post) -> Call:
+    """``post``: as ``httpclient.post_json``; the canary's waits while the pair makes progress."""
     begun = time.monotonic()
     try:
-        response = httpclient.post_json(
-            f"{url}/v1/completions", body, timeout, headers={"X-Request-Id": request_id}
-        )
-    except Unreachable as exc:
+        response = post(f"{url}/v1/completions", body, headers={"X-Request-Id": request_id})
+    except (Unreachable, Stalled) as exc:
         return Call(0, time.monotonic() - begun, str(exc).encode())
     seconds = time.monotonic() - begun
     payload = response.json()
@@ -209,10 +215,15 @@ def run(
     model: str,
     target_tokens: int,
     max_tokens: int = kvproof.MIN_ANSWER_TOKENS,
-    timeout: float = 120.0,
+    waiting: Waiting | None = None,
+    say: Callable[[str], None] = lambda _m: None,
 ) -> dict[str, Any] | None:
     """The canary; its checks go into ``pair``, its numbers into ``pair.handoff``. Returns prefill's
-    params (None if prefill gave none), for the engine-id checks that follow."""
+    params (None if prefill gave none), for the engine-id checks that follow. On a busy pair each of
+    its requests waits while either instance makes progress (``waiting``), saying so through ``say``."""
+    post = Patient(
+        instance_readings({f"prefill {p.url}": p.url, f"decode {d.url}": d.url}), waiting, say
+    ).post_json
     min_tokens = kvproof.min_prompt_tokens(d.block_size or p.block_size)
     budget = prompt_budget(max(target_tokens, min_tokens), d.max_model_len or p.max_model_len, max_tokens)
     text, num_tokens = build_prompt(d.url, model, budget)
@@ -226,7 +237,7 @@ def run(
         pair.check(False, str(exc))
         return None
 
-    prefilled = _call(p.url, protocol.prefill_body(body), request_id, timeout)
+    prefilled = _call(p.url, protocol.prefill_body(body), request_id, post)
     if not pair.check(prefilled.status == 200, f"canary prefill on {p.url}: {prefilled.says()}"):
         return None
     try:
@@ -246,7 +257,7 @@ def run(
     _side_channel(pair, params, d.url)
 
     decode_body = kvproof.with_evidence(protocol.decode_body(body, params), "completions")
-    decoded = _call(d.url, decode_body, request_id, timeout)
+    decoded = _call(d.url, decode_body, request_id, post)
     is_decoded = pair.check(
         decoded.status == 200, f"canary decode on {d.url} with prefill's params: {decoded.says()}"
     )
@@ -268,7 +279,9 @@ def run(
 
     _own_transfer(pair, decoded.evidence)
     tolerance = tolerance_for(p, d)
-    agreement = kvproof.teacher_forced(d.url, model, decoded.evidence, timeout)
+    agreement = kvproof.teacher_forced(
+        d.url, model, decoded.evidence, headers={"X-Request-Id": f"{request_id}-oracle"}, post=post
+    )
     pair.check(
         agreement.within(tolerance),
         f"canary's logprobs agree with decode scoring the same tokens alone, no PD ({agreement.says()}; "
@@ -279,7 +292,7 @@ def run(
             else ": wrong KV arrived, or the two instances compute differently"
         ),
     )
-    alone = _call(d.url, {**body, "cache_salt": uuid.uuid4().hex}, f"{request_id}-alone", timeout)
+    alone = _call(d.url, {**body, "cache_salt": uuid.uuid4().hex}, f"{request_id}-alone", post)
     # Only in float32: in bf16/fp16 near-tied logits tip either way with the batch's shape.
     if tolerance.exact_text and alone.status == 200 and alone.text == decoded.text:
         pair.check(True, f"canary's greedy text equals decode serving it alone: {_short(decoded.text)}")
@@ -291,7 +304,7 @@ def run(
             "instances compute differently)",
         )
     local = [
-        _call(d.url, {**body, "max_tokens": 1, "cache_salt": uuid.uuid4().hex}, f"{request_id}-p{i}", timeout)
+        _call(d.url, {**body, "max_tokens": 1, "cache_salt": uuid.uuid4().hex}, f"{request_id}-p{i}", post)
         for i in range(_LOCAL_SAMPLES)
     ]
     timings = [c.seconds for c in local if c.status == 200]

@@ -23,6 +23,7 @@ from pdserve.doctor.logs import read_lanes, run_dirs
 from pdserve.doctor.report import DoctorReport, PairReport, Status
 from pdserve.doctor.report import brief as brief_lines
 from pdserve.errors import Unreachable, VerifyError
+from pdserve.patience import Waiting
 from pdserve.prometheus import (
     BYTES_SUM,
     KV_EXPIRED,
@@ -182,6 +183,8 @@ def _pair(
     dirs: list[Path],
     recent: list[dict[str, Any]],
     prompt_tokens: int,
+    waiting: Waiting | None = None,
+    say: Callable[[str], None] = lambda _m: None,
 ) -> PairReport:
     pair = PairReport(p.url, d.url)
     for facts in (p, d):
@@ -197,7 +200,7 @@ def _pair(
     lifetime(pair, d)
     begun = time.time()
     measured = PairReport(p.url, d.url)
-    params = canary.run(measured, p, d, d.model, prompt_tokens)
+    params = canary.run(measured, p, d, d.model, prompt_tokens, waiting=waiting, say=say)
     attach_log(p, dirs, begun, params.get("remote_engine_id") if params else None)
     attach_log(d, dirs, begun, None)
     for facts in (p, d):
@@ -221,8 +224,10 @@ def diagnose(
     prompt_tokens: int = DEFAULT_PROMPT_TOKENS,
     admin_key: str | None = None,
     say: Callable[[str], None] = lambda _m: None,
+    waiting: Waiting | None = None,
 ) -> DoctorReport:
-    """Every pair's checks, canary and verdict. VerifyError when the proxy cannot be asked at all."""
+    """Every pair's checks, canary and verdict. VerifyError when the proxy cannot be asked at all.
+    ``waiting``: how long each canary request waits on a busy pair (pdserve.patience)."""
     proxy_url = proxy_url.rstrip("/")
     report = DoctorReport(proxy_url)
     status, listing = _get_json(f"{proxy_url}/instances")
@@ -252,7 +257,7 @@ def diagnose(
     recent = _recent_requests(proxy_url, admin_key)
     for p, d in ring:
         say(f"pair {p.url} → {d.url} ...")
-        report.pairs.append(_pair(p, d, dirs, recent, prompt_tokens))
+        report.pairs.append(_pair(p, d, dirs, recent, prompt_tokens, waiting, say))
     return report
 
 
