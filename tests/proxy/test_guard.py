@@ -13,6 +13,7 @@ from test_flow_memory import COMPLETION, PARAMS, System, decode_text, prefill_ok
 
 from pdserve import sse
 from pdserve.config import Timeouts
+from pdserve.configparts import Retries
 from pdserve.events import KVLogEvent
 from pdserve.proxy.pool.health import HealthChecker
 
@@ -130,8 +131,33 @@ def released(system: System, body: dict[str, Any]) -> None:
     system.state.on_event(KVLogEvent("http://p0:1", "expired", rid, at=0.0))
 
 
-async def test_answers_that_rest_on_released_kv_every_time_end_in_a_502_naming_the_lease() -> None:
+async def test_answers_that_rest_on_released_kv_every_time_are_served_by_decode_computing_the_prompt() -> (
+    None
+):
     system = System([prefill_fresh_ids()], [decode_text(" wrong")], kv_lease_s=30)
+
+    def released_unless_whole(body: dict[str, Any]) -> Answer:
+        if "kv_transfer_params" not in body:
+            return decode_text(" right")(body)  # computed from the prompt: no KV to have lost
+        released(system, body)
+        return decode_text(" wrong")(body)
+
+    system.upstreams["http://d0:1"].script = released_unless_whole
+    answer = await system.ask(COMPLETION)
+    assert answer.status == 200
+    assert b" right" in answer.body and b" wrong" not in answer.body
+    assert len(system.calls("http://p0:1")) == 3  # the first prefill and two fresh ones, then no more
+    decode_calls = system.calls("http://d0:1")
+    assert "kv_transfer_params" not in decode_calls[-1]
+    assert decode_calls[-1]["cache_salt"] not in {c.get("cache_salt") for c in decode_calls[:-1]}
+    assert system.state.ledger.suspects["log"] == 3
+
+
+async def test_answers_that_rest_on_released_kv_every_time_end_in_a_502_naming_the_lease() -> None:
+    system = System(
+        [prefill_fresh_ids()], [decode_text(" wrong")], kv_lease_s=30,
+        retries=Retries(first_backoff_s=0, fallback_to_local_prefill=False),
+    )  # fmt: skip
 
     def always_released(body: dict[str, Any]) -> Answer:
         released(system, body)

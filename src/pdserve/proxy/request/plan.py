@@ -23,7 +23,7 @@ instances with backoff, then decode with prefill's params. Retries before the cl
   stand in (survivors.py); a kept-alive connection decode had closed → the same decode once more
   (``_once_more_on_a_fresh_connection`` says why).
 - the lease guard withholds an answer (guard.py) → prefill again under a fresh ``cache_salt``, at most
-  ``_MAX_LEASE_RETRIES`` times.
+  ``_MAX_LEASE_RETRIES`` times; then decode computes the prompt itself (no handoff to lose).
 Once the client has bytes, a broken stream goes on elsewhere (migrate.py) through a continuation plan
 that shares this one's record (``continuation``).
 """
@@ -462,17 +462,28 @@ class Plan:
     def _after_lease_suspect(self, decode: Instance, decoded: LeaseSuspect) -> None:
         """The lease guard withheld decode's answer (its handoff is closed as suspect): prefill again,
         under a fresh salt, since the late pull left its wrong blocks in decode's prefix cache under
-        this prompt's hashes."""
+        this prompt's hashes. After ``_MAX_LEASE_RETRIES`` fresh prefills whose leases all ran out (the
+        decode side cannot pull in time: a saturated or stalled host), decode computes the prompt
+        itself: the request needs no handoff at all, and an instance that can serve it still does
+        (docs/kv-integrity.md says why this cannot serve released KV)."""
         tries = self._tries
         tries.num_lease += 1
-        self.trace.retries.append(f"decode {decode.url}: {decoded.why}; prefilling again")
         self._rules.state.stats.retried("lease")
-        if tries.num_lease > _MAX_LEASE_RETRIES:
-            raise UpstreamUnavailable("decode", decode.url, f"KV lease: {decoded.why} "
-                                      f"(and after {_MAX_LEASE_RETRIES} fresh prefills)")  # fmt: skip
         if tries.has_others:
             tries.tried.append(decode)  # it may be the reason (stalled): let another take it
-        self._salted("lease-retry")
+        if tries.num_lease <= _MAX_LEASE_RETRIES:
+            self.trace.retries.append(f"decode {decode.url}: {decoded.why}; prefilling again")
+            self._salted("lease-retry")
+            return
+        if tries.computed_itself or not self._rules.config.retries.fallback_to_local_prefill:
+            self.trace.retries.append(f"decode {decode.url}: {decoded.why}")
+            raise UpstreamUnavailable("decode", decode.url, f"KV lease: {decoded.why} "
+                                      f"(and after {_MAX_LEASE_RETRIES} fresh prefills)")  # fmt: skip
+        tries.computed_itself = True
+        self._local_reason = f"KV lease lost after {_MAX_LEASE_RETRIES} fresh prefills ({decoded.why}): decode computes the prompt"
+        self.trace.retries.append(f"decode {decode.url}: {decoded.why}; decode computes the prompt itself")
+        log.warning("request %s: %s", self.call.out.request_id, self._local_reason)
+        self._salted("lease-local")
 
     def _after_failure(self, decode: Instance, decoded: DecodeFailed) -> None:
         """Another decode attempt follows, after a backoff: the handoff in play goes with it only if the
