@@ -253,9 +253,9 @@ class ElasticRouter:
         keep = min(pinned, num_instances - 1) if pinned is not None else None
         if keep is None and self._layout is not None:
             keep = self._layout.num_prefill
-        best, current = ranked[0], next((lay for lay in ranked if lay.num_prefill == keep), None)
         if pinned is None:
-            best = self._sooner(best, num_instances, slo)
+            ranked = self._sooner(ranked, num_instances, slo)
+        best, current = ranked[0], next((lay for lay in ranked if lay.num_prefill == keep), None)
         if current is not None and (pinned is not None or not _clearly_better(best, current)):
             best = current
         self._layout = best
@@ -275,15 +275,17 @@ class ElasticRouter:
                 model.decode_step_s(best.num_decode, load.rate), tpot_s,
             )  # fmt: skip
 
-    def _sooner(self, best: Layout, num_instances: int, slo: Slo | None) -> Layout:
-        """The layout the last seconds' arrivals rank first, where it has more prefill-side instances
-        than ``best`` (ranked on the whole window): a wave of long prompts grows the prefill side within
-        seconds; the window, not the wave, shrinks it."""
+    def _sooner(self, ranked: list[Layout], num_instances: int, slo: Slo | None) -> list[Layout]:
+        """The layouts as the last seconds' arrivals rank them, where their first has more prefill-side
+        instances than ``ranked``'s (the whole window's): a wave of long prompts grows the prefill side
+        within seconds; the window, not the wave, shrinks it. The whole ranking, not its first alone:
+        the current layout must be judged at the same load, or one that meets the SLO at the window's
+        average keeps the pool on it through the wave."""
         costs, fast = self._settings.costs, self._load(_FAST_WINDOW_S)
         if costs is None or fast is None or len(self._recent(_FAST_WINDOW_S)) < _FAST_MIN_ARRIVALS:
-            return best
-        first = rank_layouts(costs, num_instances, fast, slo, self._calibration)[0]
-        return first if first.num_prefill > best.num_prefill else best
+            return ranked
+        sooner = rank_layouts(costs, num_instances, fast, slo, self._calibration)
+        return sooner if sooner[0].num_prefill > ranked[0].num_prefill else ranked
 
     def _assign_sides(self, members: Sequence[C]) -> None:
         """Give the members the layout's sides, moving as few as possible."""
