@@ -265,7 +265,7 @@ def test_a_wave_of_long_prompts_grows_the_prefill_side_within_seconds() -> None:
     drive_mixed(r, clock, members, 30, 12, [(300, 500), (200, 800)])
     assert r.layout == "4 colocated"
     began = clock.t
-    for _ in range(round(60 * 6)):
+    for _ in range(60 * 6):
         drive_mixed(r, clock, members, 60, 1 / 60, [(4000, 100)])
         if r.layout != "4 colocated":
             break
