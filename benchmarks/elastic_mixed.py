@@ -1,6 +1,6 @@
 """The elastic pool against every fixed layout on traces of mixed request lengths, several seeds and SLO pairs. SIMULATED.
 
-    .venv/bin/python benchmarks/elastic_mixed.py [--profile llama3-8b-h200] [--instances 4] [--phase-s 12]
+    .venv/bin/python benchmarks/elastic_mixed.py [--profile llama3-8b-h200] [--instances 4] [--phase-s 8]
                                                  [--seeds 0,1,2,3] [--out FILE]
 
 Each seed draws its own trace (bench/mixed.py): four phases (chat-heavy, RAG-heavy, long answers, agent
@@ -116,7 +116,7 @@ def table(v: dict[str, Any], trace: MixedTrace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = script_parser(__doc__)
-    add_numbers(p, {"--instances": 4, "--phase-s": 12.0})
+    add_numbers(p, {"--instances": 4, "--phase-s": 8.0})
     p.add_argument("--profile", default="llama3-8b-h200")
     p.add_argument("--seeds", default="0,1,2,3")
     p.add_argument("--out", type=Path, default=None, help="write every run's figures here (JSON)")

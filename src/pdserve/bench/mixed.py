@@ -169,9 +169,11 @@ def generate(seed: int, num_instances: int, phase_s: float = 20.0) -> MixedTrace
         bursts = None
         if name == "agent-bursts":
             period = phase_s / 2
-            # 2 to 4 s of very long prompts: the wave a layout must turn to within seconds.
+            # 30 to 60 % of each period is a wave of very long prompts: a layout must turn within seconds.
             bursts = AgentBursts(
-                period, round(rng.uniform(2, 4), 1), round(num_instances * rng.uniform(1.0, 2.0), 1)
+                period,
+                round(period * rng.uniform(0.3, 0.6), 1),
+                round(num_instances * rng.uniform(1.0, 2.0), 1),
             )
         phases.append(MixedPhase(name, phase_s, rate, jittered, bursts))
     return MixedTrace(tuple(phases), seed)
