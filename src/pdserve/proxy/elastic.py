@@ -177,6 +177,20 @@ class ElasticRouter:
                                         measured.tpot_s / tpot if tpot > 0 else math.nan):  # fmt: skip
                 self._planned_at = -math.inf  # its first factors: the next request re-plans with them
 
+    def measured_alone(self, is_split: bool, prompt_tokens: int, output_len: int, measured: Measured) -> bool:
+        """A lone request of ``prompt_tokens`` and ``output_len`` measured ``measured`` at start-up,
+        served whole or split on an idle pool: its factors calibrate the kind until the kind's own
+        requests count (calibrator.py). False when there are no step costs to compare it to."""
+        costs = self._settings.costs
+        if costs is None:
+            return False
+        ttft, tpot = judging.alone(costs, is_split, prompt_tokens, output_len)
+        if not self._calibrator.prior(is_split, measured.ttft_s / ttft, measured.tpot_s / tpot):
+            return False
+        self._calibration = self._calibrator.calibration()
+        self._planned_at = -math.inf  # the next request plans with them
+        return True
+
     def forget(self, url: str) -> None:
         """The instance left the pool: its side and counts go with it."""
         for table in (self._sides, self._prefill_tokens, self._requests, self._prompts_until,
@@ -199,6 +213,10 @@ class ElasticRouter:
     def calibration_samples(self) -> dict[str, int]:
         return self._calibrator.num_samples()
 
+    def calibration_sources(self) -> dict[str, str]:
+        """Per kind: "requests", "startup" (a start-up measurement's factors) or "model" (none yet)."""
+        return self._calibrator.sources()
+
     def side(self, url: str) -> Side | None:
         return self._sides.get(url)
 
@@ -211,7 +229,11 @@ class ElasticRouter:
             "predicted_tpot_ms": None if self._layout is None else _ms(self._layout.tpot_s),
             "sides": dict(self._sides),
             "decisions": dict(self.decisions),
-            "calibration": {**vars(self._calibration), "samples": self.calibration_samples()},
+            "calibration": {
+                **vars(self._calibration),
+                "samples": self.calibration_samples(),
+                "sources": self._calibrator.sources(),
+            },
             "max_requests_per_decode": None if math.isinf(self._max_batch) else round(self._max_batch, 1),
             "whole_below_tokens": self._whole_below,
         }

@@ -58,3 +58,16 @@ def cheap_below(costs: Costs) -> int:
     if not costs.prefill_per_token_s > 0:
         return 0
     return max(0, math.ceil(costs.step_base_s / costs.prefill_per_token_s) - 1)
+
+
+def alone(costs: Costs, is_split: bool, prompt_tokens: int, output_len: int) -> tuple[float, float]:
+    """The model's (TTFT, TPOT) of a lone request on an idle pool: nothing queued ahead, a batch of one
+    (what a start-up measurement is compared to)."""
+    steps = -(-prompt_tokens // costs.max_num_batched_tokens)
+    per_seq = costs.decode_per_seq_s + costs.decode_per_ctx_token_s * (prompt_tokens + output_len / 2)
+    step = costs.step_base_s + per_seq
+    compute = steps * costs.step_base_s + costs.prefill_per_token_s * prompt_tokens
+    if not is_split:
+        return costs.lone_request_overhead_s + compute + step, step
+    blocks = -(-prompt_tokens // costs.block_size)
+    return 2 * costs.lone_request_overhead_s + compute + costs.pull_seconds(blocks) + 2 * step, step
