@@ -60,7 +60,7 @@ def figures(run: TraceRun, slo: Slo, num_phases: int) -> dict[str, Any]:
 def judge(slo: Slo, trace: MixedTrace, elastic: TraceRun, fixed: list[TraceRun],
           held: list[TraceRun]) -> dict[str, Any]:  # fmt: skip
     n = len(trace.phases)
-    phases = []
+    phases: list[dict[str, Any]] = []
     for k in range(n):
         best = max(fixed, key=lambda r: r.goodput(slo, k))
         best_held = max(held, key=lambda r: r.goodput(slo, k))
