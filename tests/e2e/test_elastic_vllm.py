@@ -34,6 +34,7 @@ from pdserve.commands.top import ProxyScrape
 from pdserve.commands.verify import wait_for_transfers
 from pdserve.config import ProxySettings, RoleSpec
 from pdserve.engines.transfers import transfer_counts
+from pdserve.errors import Unreachable
 from pdserve.stack import Stack
 
 pytestmark = pytest.mark.vllm
@@ -119,28 +120,30 @@ CALIBRATED_PORT = 18601
 
 
 @pytest.fixture(scope="module")
-def calibrated(pool: Stack) -> Iterator[str]:
+def calibrated(pool: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A proxy with step costs in front of the pool's instances; its URL once its start-up measurement
     has calibrated both kinds (what /metrics says)."""
     urls = pool.urls("elastic")
     cmd = [sys.executable, "-m", "pdserve.cli", "proxy", *(a for u in urls for a in ("--instance", u)),
            "--cost-profile", "tiny-cpu", "--slo", "ttft:5000", "tpot:10", "--pin-prefill", "1",
            "--port", str(CALIBRATED_PORT), "--host", "127.0.0.1"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = Path(tmp_path_factory.mktemp("calibrated")) / "proxy.log"
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{CALIBRATED_PORT}"
     try:
-        deadline, sources = time.monotonic() + 120, dict[str, str]()
+        deadline, sources = time.monotonic() + 300, dict[str, str]()
         while time.monotonic() < deadline and sources != {"whole": "startup", "split": "startup"}:
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            assert proc.poll() is None, log.read_text()
             time.sleep(0.5)
             try:
                 text = httpclient.get(f"{url}/metrics", 5).body.decode()
-            except OSError:
+            except Unreachable:  # not listening yet
                 continue
             sources = dict(
                 re.findall(r'pdserve_elastic_calibration_source\{kind="(\w+)",source="(\w+)"\} 1', text)
             )
-        assert sources == {"whole": "startup", "split": "startup"}, sources
+        listing = httpclient.get(f"{url}/instances", 10).body.decode()
+        assert sources == {"whole": "startup", "split": "startup"}, (sources, log.read_text(), listing)
         yield url
     finally:
         proc.terminate()
