@@ -233,16 +233,20 @@ class Model:
         slo = self.slo
         return _max_rate(lambda rate: slo.meets(*self.latency(num_prefill, num_decode, rate)))
 
-    def max_batch(self, is_split: bool) -> float:
+    def max_batch(self, is_split: bool, whole_tokens: float | None = None) -> float:
         """The most sequences one instance may run at once with their TPOT within the SLO, by the step
         costs: a step of B costs ``a + b·B`` and, serving whole, also the prompts the B bring (``c·L_in``
         each over ``L_out`` steps). Not calibrated: a calibration factor measured under overload is the
-        load estimate's lag, not the steps'. inf: no TPOT objective, or one a lone sequence misses."""
+        load estimate's lag, not the steps'. inf: no TPOT objective, or one a lone sequence misses.
+        ``whole_tokens``: the prompt tokens a request brings to compute there, on average (a split
+        layout's decode side computing the short prompts itself); by default all of ``L_in`` served
+        whole, none split."""
         if self.slo is None or self.slo.tpot_ms is None:
             return math.inf
         per_seq = self.per_seq_s
-        if not is_split:
-            per_seq += self.p.prefill_per_token_s * self.req.input_len / self.req.output_len
+        if whole_tokens is None:
+            whole_tokens = 0.0 if is_split else self.req.input_len
+        per_seq += self.p.prefill_per_token_s * whole_tokens / self.req.output_len
         if not per_seq > 0:
             return math.inf
         batch = (self.slo.tpot_ms / 1000 - self.p.step_base_s) / per_seq

@@ -283,12 +283,10 @@ class ElasticRouter:
         self._layout = best
         # Each of several proxy workers counts only the requests it placed, so it takes its share.
         model = Model(costs, load, slo, self._calibration)
-        batch = Model(costs, load, slo).max_batch(best.is_split) * self._settings.traffic_share
-        self._max_batch = max(1.0, math.floor(batch)) if batch < math.inf else math.inf
         tpot_s = slo.tpot_ms / 1000 if slo is not None and slo.tpot_ms is not None else None
         self._whole_below = judging.cheap_below(costs)
+        recent = self._recent(self._settings.window_s)
         if best.is_split:
-            recent = self._recent(self._settings.window_s)
             span = min(
                 self._settings.window_s, max(now - (self._first_arrival or now), self._settings.replan_s)
             )
@@ -296,6 +294,13 @@ class ElasticRouter:
                 costs, [a.input_len for a in recent], span * self._settings.traffic_share, best.num_decode,
                 model.decode_step_s(best.num_decode, load.rate), tpot_s,
             )  # fmt: skip
+        # The prompts a split layout's decode side computes itself stretch its steps as colocated ones
+        # do: its cap counts them, or a full batch takes them on top and misses the objective together.
+        whole_tokens = None
+        if best.is_split and recent:
+            whole_tokens = sum(a.input_len for a in recent if a.input_len <= self._whole_below) / len(recent)
+        batch = Model(costs, load, slo).max_batch(best.is_split, whole_tokens) * self._settings.traffic_share
+        self._max_batch = max(1.0, math.floor(batch)) if batch < math.inf else math.inf
 
     def _sooner(self, ranked: list[Layout], num_instances: int, slo: Slo | None) -> list[Layout]:
         """The layouts as the last seconds' arrivals rank them, where their first has more prefill-side
