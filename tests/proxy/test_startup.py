@@ -51,11 +51,12 @@ def test_the_first_placement_is_calibrated_by_what_the_start_up_measured() -> No
     split_ttft, split_tpot = router.calibration.factors(True)
     # 150 ms for a 256-token prompt where the profile says about 15, 50 ms a token where it says 5.
     assert whole_ttft > 5 and split_ttft > 5 and whole_tpot > 3 and split_tpot > 3
-    # Whole on the first instance (twice), then prefill there and decode on the second (three times each:
-    # the first handoff of the pair is not counted).
-    assert [len(u.calls) for u in upstreams] == [5, 3, 0]
+    # Whole on the first instance (three times: the first is not counted), then prefill there and decode
+    # on the second (three times each: the pair's first handoff is not counted).
+    assert [len(u.calls) for u in upstreams] == [6, 3, 0]
     first = upstreams[0].calls[0].body
     assert first["ignore_eos"] and first["cache_salt"].startswith("startup-") and first["max_tokens"] == 1
+    assert upstreams[0].calls[2].body["max_tokens"] == 33
     assert upstreams[1].calls[0].body["kv_transfer_params"]["do_remote_prefill"]
     placement = router.place(members, 2000, 128)
     assert "measured x" in placement.reason or not placement.is_split
@@ -90,3 +91,6 @@ def test_a_failed_measurement_leaves_the_model_as_it_is() -> None:
     assert router.calibration_sources() == {"whole": "model", "split": "model"}
     no_costs = ElasticRouter(ElasticPool())
     assert not no_costs.measured_alone(True, 256, 17, Measured(0.5, 0.05))
+    # A TPOT lost in the noise keeps the model's word for it, and the TTFT still counts.
+    assert router.measured_alone(False, 256, 33, Measured(0.5, 0.0))
+    assert router.calibration.factors(False)[1] == 1.0 and router.calibration.factors(False)[0] > 10

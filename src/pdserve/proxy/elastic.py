@@ -185,7 +185,9 @@ class ElasticRouter:
         if costs is None:
             return False
         ttft, tpot = judging.alone(costs, is_split, prompt_tokens, output_len)
-        if not self._calibrator.prior(is_split, measured.ttft_s / ttft, measured.tpot_s / tpot):
+        # A TPOT lost in the noise (the longer answer came no later) leaves the model's word for it.
+        tpot_ratio = measured.tpot_s / tpot if measured.tpot_s > 0 else 1.0
+        if not self._calibrator.prior(is_split, measured.ttft_s / ttft, tpot_ratio):
             return False
         self._calibration = self._calibrator.calibration()
         self._planned_at = -math.inf  # the next request plans with them

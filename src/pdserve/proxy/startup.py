@@ -6,8 +6,8 @@ GPU, with the pool's instances sharing one, or on vLLM for CPUs, they can be off
 until a kind of placement has measured ``MIN_SAMPLES`` requests of its own the router would take them at
 their word (calibrator.py). So once two instances serve, a handful of lone requests measure both kinds:
 
-- whole on one instance: one token (its TTFT), then the same prompt asking ``_TOKENS`` (the difference,
-  per token, its TPOT);
+- whole on one instance: one token (its TTFT; after one not counted, which may pay for the engine's
+  warm-up), then the same prompt asking ``_TOKENS`` (the difference, per token, its TPOT);
 - split: prefill on one, decode on the other pulling the KV, the same two ways, after one handoff that
   is not counted (the pair's first pull may start the NIXL handshake).
 
@@ -38,7 +38,7 @@ log = logging.getLogger("pdserve.proxy")
 
 # Sixteen blocks of 16 tokens: long enough for a pull of several blocks, short enough to cost little.
 _PROMPT = [100 + i % 50 for i in range(256)]
-_TOKENS = 17
+_TOKENS = 33
 
 
 async def measure(
@@ -50,6 +50,7 @@ async def measure(
         return "no instance in service"
     first, second = members[0], members[1] if len(members) > 1 else None
     try:
+        await _whole(first, 1, headers, timeout_s)  # an engine's first request may pay for its warm-up
         one = await _whole(first, 1, headers, timeout_s)
         many = await _whole(first, _TOKENS, headers, timeout_s)
         whole = _measured(one, many)
@@ -63,8 +64,8 @@ async def measure(
         many = await _split(first, second, _TOKENS, headers, timeout_s)
         split = _measured(one, many)
         if not split.tpot_s > 0:
-            # 16 tokens quicker than the noise between two handoffs: decode's steps are the same steps
-            # whole or split, so the whole measurement's pace stands for them.
+            # The tokens came quicker than the noise between two handoffs: decode's steps are the same
+            # steps whole or split, so the whole measurement's pace stands for them.
             split = Measured(split.ttft_s, whole.tpot_s)
         if not router.measured_alone(True, len(_PROMPT), _TOKENS, split):
             return f"split: measured {split}, nothing the model can be compared to"
