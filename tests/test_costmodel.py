@@ -89,3 +89,20 @@ def test_a_calibration_multiplies_each_kind_of_layout_and_its_capacity_follows()
     assert not coloc.meets_slo and coloc.capacity is not None
     assert coloc.capacity < plain["2 colocated"].capacity  # type: ignore[operator]
     assert calibrated[0].tpot_s == plain["1P1D"].tpot_s  # split: untouched
+
+
+def test_a_split_decode_that_computes_short_prompts_itself_takes_fewer_sequences() -> None:
+    costs = load_profile("llama3-8b-h200").costs()
+    m = Model(costs, Load(40.0, 1000, 200), Slo(ttft_ms=1000, tpot_ms=10))
+    assert m.max_batch(True, whole_tokens=0.0) == m.max_batch(True)
+    assert m.max_batch(True, whole_tokens=1000.0) == m.max_batch(False)  # all of them: colocated's cap
+    assert m.max_batch(False) < m.max_batch(True, whole_tokens=300.0) < m.max_batch(True)
+
+
+def test_mixed_prompt_lengths_queue_longer_and_stall_colocated_decodes_more() -> None:
+    costs = load_profile("llama3-8b-h200").costs()
+    same, mixed = Load(30.0, 1500, 200), Load(30.0, 1500, 200, input_cv2=1.5)
+    assert Model(costs, mixed).pd_latency(2, 2, 30.0)[0] > Model(costs, same).pd_latency(2, 2, 30.0)[0]
+    assert (
+        Model(costs, mixed).colocated_latency(4, 30.0)[1] > Model(costs, same).colocated_latency(4, 30.0)[1]
+    )

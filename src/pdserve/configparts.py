@@ -69,6 +69,9 @@ class ElasticPool:
     # choice; placement and the hold work as ever. A fixed layout with the pool's router: what
     # benchmarks/elastic.py measures the moving layout against.
     num_prefill: int | None = None
+    # Before the first request, measure a few lone requests of each kind (proxy/pool/startup.py), so the first
+    # placements are calibrated to these instances; the proxy's command line turns it on.
+    measure_at_start: bool = False
 
     def __post_init__(self) -> None:
         check_positive("proxy.elastic", window_s=self.window_s, replan_s=self.replan_s)

@@ -114,12 +114,18 @@ class Load:
     input_len: int
     output_len: int
     attainment: float = 0.9
+    # The prompt lengths' squared coefficient of variation (variance over the mean squared): 0 when every
+    # prompt has ``input_len`` tokens. Mixed lengths queue longer than their mean says (a short prompt
+    # waits behind a long one: M/G/1's 1 + cv² over M/D/1) and stall colocated decodes in lumps.
+    input_cv2: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.rate > 0 or self.input_len < 1 or self.output_len < 2:
             raise ConfigError(
                 f"the cost model needs rate > 0, input_len >= 1 and output_len >= 2, got {self}"
             )
+        if not self.input_cv2 >= 0:
+            raise ConfigError(f"input_cv2 must be >= 0, got {self.input_cv2}")
         if not 0.5 <= self.attainment < 1:
             raise ConfigError(f"attainment must be in [0.5, 1), got {self.attainment}")
 
@@ -149,6 +155,12 @@ class Model:
         # Decode's cost per sequence in a step: its own share plus reading its context (mean length).
         self.per_seq_s = p.decode_per_seq_s + p.decode_per_ctx_token_s * (n_in + n_out / 2)
 
+    def decode_step_s(self, num_decode: int, rate: float) -> float:
+        """The mean step of each of ``num_decode`` decode instances sharing ``rate`` requests/s, times the
+        calibration's split TPOT factor when there is one (inf: overloaded)."""
+        step = self._decode_step(rate / num_decode)[0]
+        return step * (self.calibration.split_tpot if self.calibration is not None else 1.0)
+
     def _decode_step(self, lam: float) -> tuple[float, float]:
         """(mean, quantile) step time of a decode instance taking ``lam`` requests/s."""
         load = lam * self.req.output_len * self.per_seq_s
@@ -166,7 +178,7 @@ class Model:
         """(TTFT, TPOT) quantiles in seconds of ``num_prefill``P``num_decode``D serving ``rate``/s."""
         s, q = self.prefill_s, self.req.quantile
         step, tpot = self._decode_step(rate / num_decode)
-        wait = _wait_quantile(q, rate / num_prefill, s, num_prefill)
+        wait = _wait_quantile(q, rate / num_prefill, s, num_prefill) * (1 + self.req.input_cv2)
         if math.isinf(step) or math.isinf(wait):
             return math.inf, math.inf
         overhead = 2 * self.p.lone_request_overhead_s  # prefill's request, then decode's
@@ -198,7 +210,8 @@ class Model:
         extra = 0.0
         for _ in range(20):
             mean = lam * ((n_out - 1) * plain + extra * prompt_s)
-            extra = mean + self.z * math.sqrt(mean / num) + 0.5
+            # Prompts of mixed lengths: the stretch is a compound Poisson sum, its spread 1 + cv² times.
+            extra = mean + self.z * math.sqrt(mean * (1 + self.req.input_cv2) / num) + 0.5
         tpot = ((n_out - 1 - extra) * plain + extra * long) / (n_out - 1)
         return p.lone_request_overhead_s + residual + own, max(tpot, step)
 
@@ -220,16 +233,20 @@ class Model:
         slo = self.slo
         return _max_rate(lambda rate: slo.meets(*self.latency(num_prefill, num_decode, rate)))
 
-    def max_batch(self, is_split: bool) -> float:
+    def max_batch(self, is_split: bool, whole_tokens: float | None = None) -> float:
         """The most sequences one instance may run at once with their TPOT within the SLO, by the step
         costs: a step of B costs ``a + b·B`` and, serving whole, also the prompts the B bring (``c·L_in``
         each over ``L_out`` steps). Not calibrated: a calibration factor measured under overload is the
-        load estimate's lag, not the steps'. inf: no TPOT objective, or one a lone sequence misses."""
+        load estimate's lag, not the steps'. inf: no TPOT objective, or one a lone sequence misses.
+        ``whole_tokens``: the prompt tokens a request brings to compute there, on average (a split
+        layout's decode side computing the short prompts itself); by default all of ``L_in`` served
+        whole, none split."""
         if self.slo is None or self.slo.tpot_ms is None:
             return math.inf
         per_seq = self.per_seq_s
-        if not is_split:
-            per_seq += self.p.prefill_per_token_s * self.req.input_len / self.req.output_len
+        if whole_tokens is None:
+            whole_tokens = 0.0 if is_split else self.req.input_len
+        per_seq += self.p.prefill_per_token_s * whole_tokens / self.req.output_len
         if not per_seq > 0:
             return math.inf
         batch = (self.slo.tpot_ms / 1000 - self.p.step_base_s) / per_seq

@@ -228,3 +228,20 @@ def test_live_view_redraws_in_place_on_a_terminal_and_appends_frames_elsewhere(
         assert text.count("\x1b[H") == 3 and text.endswith("\x1b[?25h")  # the cursor comes back
     else:
         assert "\x1b[" not in text
+
+
+def test_an_elastic_pool_says_where_its_factors_come_from() -> None:
+    text = "\n".join([
+        'pdserve_elastic_layout_info{layout="3 colocated"} 1',
+        'pdserve_elastic_calibration_factor{kind="whole",metric="ttft"} 21.0',
+        'pdserve_elastic_calibration_factor{kind="whole",metric="tpot"} 4.0',
+        'pdserve_elastic_calibration_factor{kind="split",metric="ttft"} 1.0',
+        'pdserve_elastic_calibration_factor{kind="split",metric="tpot"} 1.0',
+        'pdserve_elastic_calibration_source{kind="whole",source="startup"} 1',
+        'pdserve_elastic_calibration_source{kind="split",source="model"} 1',
+    ])  # fmt: skip
+    scrape = ProxyScrape.parse(text)
+    assert scrape.elastic is not None
+    assert scrape.elastic.line().endswith(
+        "measured/model: whole TTFT x21 TPOT x4 (startup)  split TTFT x1 TPOT x1 (model)"
+    )

@@ -6,11 +6,20 @@ which it was, where, and why.
 
 The proxy plans with no step costs (the router's rule then: long prompts split, short ones whole), so a
 few requests give both decisions. A pool of its own on ports of its own (18600-18799, side channels
-16000-16099): its transfer counts must move only with these requests."""
+16000-16099): its transfer counts must move only with these requests.
+
+A second proxy (`pdserve proxy --instance …`, no new vLLM) fronts the same three instances with the
+tiny model's step costs, as `up --model tiny` on CPU plans: it measures a lone request of each kind
+before its first client's, and under a mixed stream of short and long prompts it splits the long ones
+and serves the short ones whole, the first of them already calibrated by that measurement."""
 
 from __future__ import annotations
 
 import dataclasses
+import re
+import subprocess
+import sys
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,9 +30,11 @@ from greedy import greedy_text
 
 from conftest import E2E_TOPOLOGY
 from pdserve import httpclient, kvproof
+from pdserve.commands.top import ProxyScrape
 from pdserve.commands.verify import verify, wait_for_transfers
 from pdserve.config import ProxySettings, RoleSpec
 from pdserve.engines.transfers import transfer_counts
+from pdserve.errors import Unreachable
 from pdserve.stack import Stack
 
 pytestmark = pytest.mark.vllm
@@ -112,3 +123,67 @@ def test_verify_proves_the_split_path_of_the_pool_with_prompts_long_enough_to_be
     assert any("an elastic pool of 3 instance(s)" in line for line in said), said
     assert sum("decode computed 0 of" in what for _, what in report.checks) == 4
     assert not any("served it whole" in what for _, what in report.checks)
+
+
+CALIBRATED_PORT = 18601
+
+
+@pytest.fixture(scope="module")
+def calibrated(pool: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A proxy with step costs in front of the pool's instances; its URL once its start-up measurement
+    has calibrated both kinds (what /metrics says)."""
+    urls = pool.urls("elastic")
+    cmd = [sys.executable, "-m", "pdserve.cli", "proxy", *(a for u in urls for a in ("--instance", u)),
+           "--cost-profile", "tiny-cpu", "--slo", "ttft:5000", "tpot:10", "--pin-prefill", "1",
+           "--port", str(CALIBRATED_PORT), "--host", "127.0.0.1"]  # fmt: skip
+    log = Path(tmp_path_factory.mktemp("calibrated")) / "proxy.log"
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{CALIBRATED_PORT}"
+    try:
+        deadline, sources = time.monotonic() + 300, dict[str, str]()
+        while time.monotonic() < deadline and sources != {"whole": "startup", "split": "startup"}:
+            assert proc.poll() is None, log.read_text()
+            time.sleep(0.5)
+            try:
+                text = httpclient.get(f"{url}/metrics", 5).body.decode()
+            except Unreachable:  # not listening yet
+                continue
+            sources = dict(
+                re.findall(r'pdserve_elastic_calibration_source\{kind="(\w+)",source="(\w+)"\} 1', text)
+            )
+        listing = httpclient.get(f"{url}/instances", 10).body.decode()
+        assert sources == {"whole": "startup", "split": "startup"}, (sources, log.read_text(), listing)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def test_a_mixed_stream_splits_the_long_prompts_and_serves_the_short_ones_whole_calibrated_from_the_start(
+    calibrated: str, model: str
+) -> None:
+    scrape = ProxyScrape.parse(httpclient.get(f"{calibrated}/metrics", 10).body.decode())
+    assert scrape.elastic is not None
+    line = scrape.elastic.line()  # what `pdserve top` shows
+    assert "whole TTFT x" in line and "(startup)" in line, line
+    assert scrape.elastic.factors[("split", "ttft")] != 1.0, line  # vLLM on CPU is not the profile's
+    placements = []
+    for k, prompt in enumerate(
+        [LONG_PROMPT, SHORT_PROMPT, SHORT_PROMPT, LONG_PROMPT, SHORT_PROMPT, LONG_PROMPT]
+    ):
+        request_id = f"elastic-mixed-{uuid.uuid4().hex[:12]}"
+        text = _ask(
+            calibrated, model, "completions", f"{uuid.uuid4().hex[:8]} {prompt}", k % 2 == 0, request_id
+        )
+        assert text
+        answer = httpclient.get(f"{calibrated}/requests?id={request_id}", 10)
+        [record] = answer.json()["requests"]
+        placements.append((prompt is LONG_PROMPT, record["placement"]))
+    for is_long, placement in placements:
+        assert placement["split"] is is_long, placement
+        assert placement["layout"] == "1P2D (pinned)", placement
+    first_long = next(p for is_long, p in placements if is_long)
+    assert "measured x" in first_long["reason"], first_long  # the start-up factors, from the first request

@@ -216,3 +216,57 @@ def test_measurements_that_match_the_model_change_nothing() -> None:
 
     drive(again, clock, members, 90, 12, 2000, 128, measure=as_predicted)
     assert again.layout == as_planned
+
+
+def drive_mixed(router: ElasticRouter, clock: Clock, members: list[Member], rate: float, seconds: float,
+                lengths: list[tuple[int, int]]) -> list[tuple[int, Placement[Member]]]:  # fmt: skip
+    """``rate`` requests/s cycling through ``lengths`` (prompt, answer), each ending at once."""
+    placed = []
+    for i in range(round(rate * seconds)):
+        clock.t += 1 / rate
+        prompt, output = lengths[i % len(lengths)]
+        p = router.place(members, prompt, output)
+        router.prefilled(p, prompt)
+        router.done(p)
+        placed.append((prompt, p))
+    return placed
+
+
+def test_on_a_split_layout_short_prompts_stay_whole_on_a_decode_and_long_ones_split() -> None:
+    r, clock = router(slo=Slo(ttft_ms=300, tpot_ms=10))
+    members = pool(4)
+    mix = [(300, 150), (2500, 150), (250, 200), (5000, 100), (200, 150), (3000, 150)]
+    placed = drive_mixed(r, clock, members, 20, 12, mix)
+    assert r.layout.endswith("D")  # a split layout for this mix
+    last = placed[-120:]
+    assert all(p.is_split for n, p in last if n >= 2500)
+    short = [p for n, p in last if n <= 300]
+    assert short and all(not p.is_split and r.side(p.decode.url) == "decode" for p in short)
+    assert "within the decode side's spare time" in short[-1].reason
+    assert 300 <= r.describe()["whole_below_tokens"] < 2500  # type: ignore[operator]
+
+
+def test_each_request_is_predicted_by_its_own_length_and_the_queue_it_joins() -> None:
+    r, clock = router(slo=Slo(ttft_ms=300, tpot_ms=10))
+    members = pool(4)
+    drive_mixed(r, clock, members, 20, 12, [(2500, 150), (3000, 150)])
+    assert r.layout.endswith("D")
+    long = r.place(members, 5000, 100)
+    longer_queue = r.place([long.prefill, long.decode], 5000, 100)  # type: ignore[list-item]
+    short = r.place(members, 1200, 100)
+    assert long.predicted is not None and longer_queue.predicted is not None and short.predicted is not None
+    assert short.predicted[0] < long.predicted[0]  # its own prompt
+    assert longer_queue.predicted[0] > long.predicted[0] + 0.1  # behind the first 5,000 tokens: 121 ms
+
+
+def test_a_wave_of_long_prompts_grows_the_prefill_side_within_seconds() -> None:
+    r, clock = router(slo=Slo(ttft_ms=300, tpot_ms=10))
+    members = pool(4)
+    drive_mixed(r, clock, members, 30, 12, [(300, 500), (200, 800)])
+    assert r.layout == "4 colocated"
+    began = clock.t
+    for _ in range(60 * 6):
+        drive_mixed(r, clock, members, 60, 1 / 60, [(4000, 100)])
+        if r.layout != "4 colocated":
+            break
+    assert r.layout.endswith("D") and clock.t - began <= 3.0

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.bench.load import percentile
-from pdserve.bench.trace import Arrival, Served, Trace, TraceRun
+from pdserve.bench.trace import Arrival, Served, TraceRun, Traffic
 from pdserve.configparts import ElasticPool
 from pdserve.errors import ConfigError
 from pdserve.proxy.pool.elastic import ElasticRouter, Measured, Placement
@@ -249,7 +249,7 @@ class _Member:
         return Load(float(s.num_running), float(s.num_waiting), s.kv.usage)
 
 
-async def replay(profile: Profile, trace: Trace, arm: Fixed | Elastic, seed: int = 0) -> TraceRun:
+async def replay(profile: Profile, trace: Traffic, arm: Fixed | Elastic, seed: int = 0) -> TraceRun:
     """Every request of ``trace`` (its arrivals drawn with ``seed``) on ``arm``; waits for the last."""
     cluster = _Engines(profile)
     clock = cluster.clock
@@ -306,7 +306,7 @@ async def replay(profile: Profile, trace: Trace, arm: Fixed | Elastic, seed: int
     return TraceRun(arm.describe(), trace, tuple(sorted(served, key=lambda s: s.phase)))
 
 
-def run_trace(profile: Profile, trace: Trace, arm: Fixed | Elastic, seed: int = 0) -> TraceRun:
+def run_trace(profile: Profile, trace: Traffic, arm: Fixed | Elastic, seed: int = 0) -> TraceRun:
     """``replay`` on a fresh event loop, with the CPU time it took."""
     began = time.process_time()
     result = asyncio.run(replay(profile, trace, arm, seed))

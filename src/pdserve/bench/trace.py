@@ -15,7 +15,9 @@ Overall goodput is every good request over the trace's duration (the drain not c
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from pdserve.bench.load import percentile
 from pdserve.errors import ConfigError
@@ -108,6 +110,26 @@ class Trace:
         return out
 
 
+class _Timed(Protocol):
+    @property
+    def duration_s(self) -> float: ...
+
+    def describe(self) -> str: ...
+
+
+class Traffic(Protocol):
+    """What a replay needs of a trace: its phases' durations and its arrivals (``Trace`` here, or
+    bench/mixed.py's ``MixedTrace``, whose requests each draw their own lengths)."""
+
+    @property
+    def phases(self) -> Sequence[_Timed]: ...
+
+    @property
+    def duration_s(self) -> float: ...
+
+    def arrivals(self, seed: int = 0) -> list[Arrival]: ...
+
+
 @dataclass(frozen=True)
 class Served:
     """One request of a replay: its phase and latencies on the virtual clock."""
@@ -123,7 +145,7 @@ class TraceRun:
     """One arm's replay of a trace: every request's record (goodput and drain: the module's docstring)."""
 
     arm: str
-    trace: Trace
+    trace: Traffic
     served: tuple[Served, ...]
     cpu_s: float = 0.0
 

@@ -151,7 +151,7 @@ def elastic_pool_from_args(a: argparse.Namespace, topology: Topology | None = No
         raise ConfigError(f"--pin-prefill {a.pin_prefill} leaves no instance of the {pool.count} to decode: "
                           f"give at most {pool.count - 1}")  # fmt: skip
     return ElasticPool(costs=_costs(name), slo=Slo.parse(a.slo, flag="--slo"), hold_max_s=a.hold_max_s,
-                       num_prefill=a.pin_prefill)  # fmt: skip
+                       num_prefill=a.pin_prefill, measure_at_start=True)  # fmt: skip
 
 
 def default_cost_profile(topology: Topology | None) -> str | None:

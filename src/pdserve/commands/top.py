@@ -77,7 +77,7 @@ class ProxyScrape:
         retries: dict[str, float] = {}
         handoffs = dict.fromkeys(_HANDOFFS, 0.0)
         gauges: dict[str, float] = {}
-        layout, placements, factors = None, {}, {}
+        layout, placements, factors, sources = None, {}, {}, {}
         for s in parse_samples(text):
             if s.name.startswith("pdserve_elastic_"):
                 if s.name == "pdserve_elastic_layout_info":
@@ -86,6 +86,8 @@ class ProxyScrape:
                     placements[s.labels.get("placement", "?")] = s.value
                 elif s.name == "pdserve_elastic_calibration_factor":
                     factors[(s.labels.get("kind", "?"), s.labels.get("metric", "?"))] = s.value
+                elif s.name == "pdserve_elastic_calibration_source" and s.value:
+                    sources[s.labels.get("kind", "?")] = s.labels.get("source", "?")
             elif s.name == "pdserve_requests_total":
                 key = s.labels.get("outcome", "?")
                 outcomes[key] = outcomes.get(key, 0.0) + s.value
@@ -99,7 +101,7 @@ class ProxyScrape:
                 gauges[s.name] = gauges.get(s.name, 0.0) + s.value
         handoffs["open"] = gauges.get("pdserve_kv_handoffs_open", 0.0)
         handoffs["overdue"] = gauges.get("pdserve_kv_handoffs_overdue", 0.0)
-        elastic = ElasticScrape(layout, placements, factors) if layout is not None else None
+        elastic = ElasticScrape(layout, placements, factors, sources) if layout is not None else None
         return cls(outcomes, retries, gauges.get("pdserve_requests_running", 0.0),
                    gauges.get("pdserve_requests_queued", 0.0), gauges.get("pdserve_requests_rejected_total", 0.0),
                    handoffs, elastic)  # fmt: skip
@@ -113,11 +115,15 @@ class ElasticScrape:
     layout: str
     placements: Mapping[str, float]
     factors: Mapping[tuple[str, str], float]
+    # Per kind, what the factors come from: "requests", "startup" (measured before the first request) or
+    # "model"; empty from a proxy that does not say.
+    sources: Mapping[str, str] = field(default_factory=dict)
 
     def line(self) -> str:
         placed = "  ".join(f"{k} {n:g}" for k, n in sorted(self.placements.items()))
         factors = "  ".join(
             f"{kind} TTFT x{self.factors[(kind, 'ttft')]:.2g} TPOT x{self.factors[(kind, 'tpot')]:.2g}"
+            + (f" ({self.sources[kind]})" if kind in self.sources else "")
             for kind in ("whole", "split")
             if (kind, "ttft") in self.factors and (kind, "tpot") in self.factors
         )

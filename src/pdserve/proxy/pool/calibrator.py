@@ -10,7 +10,10 @@ judged at, over each kind's last ``num_samples`` requests. A kind keeps what it 
 pool does not use it: forgotten by age, the layout it ruled out would look good again, be tried, and
 fail its requests once more. A kind not measured yet keeps the model as it is: optimistic, so that a
 layout the model favours is tried and measured rather than ruled out by the other kind's factors
-(sharing one GPU slows colocated steps more than split ones).
+(sharing one GPU slows colocated steps more than split ones). A kind measured at start-up (a lone
+request of each kind, proxy/pool/startup.py) starts from those factors instead, until its own requests
+number ``MIN_SAMPLES``: the first requests are placed by what these instances measured, not by the
+profile of another GPU.
 
 Pure: no clock, no I/O.
 """
@@ -42,6 +45,22 @@ class Calibrator:
             False: deque(maxlen=num_samples),
             True: deque(maxlen=num_samples),
         }
+        self._priors: dict[bool, _Ratio] = {}  # measured at start-up, per kind
+
+    def prior(self, is_split: bool, ratio_ttft: float, ratio_tpot: float) -> bool:
+        """What a start-up measurement of the kind found: its factors until its own requests count."""
+        if not (ratio_ttft > 0 and ratio_tpot > 0 and math.isfinite(ratio_ttft + ratio_tpot)):
+            return False
+        self._priors[is_split] = _Ratio(_bounded(ratio_ttft), _bounded(ratio_tpot))
+        return True
+
+    def sources(self) -> dict[str, str]:
+        """Where each kind's factors come from now: its requests, the start-up measurement, or the model."""
+        return {
+            kind: "requests" if len(self._ratios[split]) >= MIN_SAMPLES
+            else "startup" if split in self._priors else "model"
+            for kind, split in (("whole", False), ("split", True))
+        }  # fmt: skip
 
     def observe(self, is_split: bool, ratio_ttft: float, ratio_tpot: float) -> bool:
         """A request placed whole (or split) measured ``ratio_*`` times its predicted TTFT and TPOT;
@@ -54,15 +73,17 @@ class Calibrator:
 
     def calibration(self) -> Calibration:
         """The factors now: each kind's own once it has ``MIN_SAMPLES`` ratios."""
-        whole, split = (self._factors(self._ratios[kind]) for kind in (False, True))
+        whole, split = (self._factors(kind) for kind in (False, True))
         return Calibration(*whole, *split)
 
     def num_samples(self) -> dict[str, int]:
         return {"whole": len(self._ratios[False]), "split": len(self._ratios[True])}
 
-    def _factors(self, ratios: deque[_Ratio]) -> tuple[float, float]:
+    def _factors(self, is_split: bool) -> tuple[float, float]:
+        ratios = self._ratios[is_split]
         if len(ratios) < MIN_SAMPLES:
-            return 1.0, 1.0
+            prior = self._priors.get(is_split)
+            return (prior.ttft, prior.tpot) if prior is not None else (1.0, 1.0)
         return _bounded(_quantile([r.ttft for r in ratios], self._quantile)), _bounded(
             _quantile([r.tpot for r in ratios], self._quantile)
         )

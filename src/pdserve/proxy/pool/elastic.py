@@ -34,13 +34,15 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Generic, Literal
 
 from pdserve.configparts import ElasticPool
 from pdserve.costmodel import Calibration, Layout, Load, Model, rank_layouts
+from pdserve.proxy.pool import judging
 from pdserve.proxy.pool.calibrator import Calibrator
 from pdserve.proxy.pool.routing import C, load_score
+from pdserve.slo import Slo
 
 Side = Literal["prefill", "decode"]
 
@@ -48,6 +50,11 @@ _HYSTERESIS = 1.05  # the capacity (or slack) a new layout needs over the curren
 _DEFAULT_OUTPUT_LEN = 128  # a request that does not say its max_tokens
 _UNPLANNED_SPLIT_TOKENS = 512  # no step costs known: prompts this long are split, shorter ones whole
 _CALIBRATION_SAMPLES = 128  # the requests of each kind whose measurements calibrate the model
+# Each request is predicted by its own length and queue (``_own``), so the ratios' median is the model's
+# bias; their tail is the traffic to come, which the layout's quantiles already count.
+_CALIBRATION_QUANTILE = 0.5
+_FAST_WINDOW_S = 2.0  # the recent arrivals that may grow the prefill side before the window sees them
+_FAST_MIN_ARRIVALS = 10  # fewer in the fast window say nothing
 
 
 @dataclass(frozen=True)
@@ -100,10 +107,14 @@ class ElasticRouter:
         # When the prompts sent there whole should be computed, by the step costs: a whole request's
         # first token is the flow's to see, not the router's, so its prefill is estimated instead.
         self._prompts_until: dict[str, float] = {}
+        # The same for the prompts a prefill-side instance was given to split, by the step costs: what the
+        # in-flight count says is queued there, unless the costs say they are computed by now.
+        self._prefills_until: dict[str, float] = {}
         self.decisions = {"whole": 0, "split": 0}
-        self._calibrator = Calibrator(_CALIBRATION_SAMPLES, Load(1.0, 1, 2).quantile)
+        self._calibrator = Calibrator(_CALIBRATION_SAMPLES, _CALIBRATION_QUANTILE)
         self._calibration = Calibration()
         self._max_batch = math.inf  # requests a decode-side instance may run within the TPOT objective
+        self._whole_below = 0  # a split layout serves prompts this long or shorter whole on a decode
 
     # --- what the flow calls ----------------------------------------------------------------------
 
@@ -134,6 +145,8 @@ class ElasticRouter:
             self._replan(len(members), now)
         self._assign_sides(members)
         placement = self._choose(members, prompt_tokens)
+        if placement.predicted is not None:
+            placement = replace(placement, predicted=self._own(placement, prompt_tokens, arrival.output_len))
         self._begin(placement, prompt_tokens)
         return placement
 
@@ -164,9 +177,26 @@ class ElasticRouter:
                                         measured.tpot_s / tpot if tpot > 0 else math.nan):  # fmt: skip
                 self._planned_at = -math.inf  # its first factors: the next request re-plans with them
 
+    def measured_alone(self, is_split: bool, prompt_tokens: int, output_len: int, measured: Measured) -> bool:
+        """A lone request of ``prompt_tokens`` and ``output_len`` measured ``measured`` at start-up,
+        served whole or split on an idle pool: its factors calibrate the kind until the kind's own
+        requests count (calibrator.py). False when there are no step costs to compare it to."""
+        costs = self._settings.costs
+        if costs is None:
+            return False
+        ttft, tpot = judging.alone(costs, is_split, prompt_tokens, output_len)
+        # A TPOT lost in the noise (the longer answer came no later) leaves the model's word for it.
+        tpot_ratio = measured.tpot_s / tpot if measured.tpot_s > 0 else 1.0
+        if not self._calibrator.prior(is_split, measured.ttft_s / ttft, tpot_ratio):
+            return False
+        self._calibration = self._calibrator.calibration()
+        self._planned_at = -math.inf  # the next request plans with them
+        return True
+
     def forget(self, url: str) -> None:
         """The instance left the pool: its side and counts go with it."""
-        for table in (self._sides, self._prefill_tokens, self._requests, self._prompts_until):
+        for table in (self._sides, self._prefill_tokens, self._requests, self._prompts_until,
+                      self._prefills_until):  # fmt: skip
             table.pop(url, None)
 
     # --- what the routes read ---------------------------------------------------------------------
@@ -185,6 +215,10 @@ class ElasticRouter:
     def calibration_samples(self) -> dict[str, int]:
         return self._calibrator.num_samples()
 
+    def calibration_sources(self) -> dict[str, str]:
+        """Per kind: "requests", "startup" (a start-up measurement's factors) or "model" (none yet)."""
+        return self._calibrator.sources()
+
     def side(self, url: str) -> Side | None:
         return self._sides.get(url)
 
@@ -197,22 +231,38 @@ class ElasticRouter:
             "predicted_tpot_ms": None if self._layout is None else _ms(self._layout.tpot_s),
             "sides": dict(self._sides),
             "decisions": dict(self.decisions),
-            "calibration": {**vars(self._calibration), "samples": self.calibration_samples()},
+            "calibration": {
+                **vars(self._calibration),
+                "samples": self.calibration_samples(),
+                "sources": self._calibrator.sources(),
+            },
             "max_requests_per_decode": None if math.isinf(self._max_batch) else round(self._max_batch, 1),
+            "whole_below_tokens": self._whole_below,
         }
 
     # --- deciding ---------------------------------------------------------------------------------
 
-    def _load(self) -> Load | None:
-        if not self._arrivals or self._first_arrival is None:
+    def _load(self, window_s: float | None = None) -> Load | None:
+        """The arrivals of the last ``window_s`` (the settings' window by default) as the cost model's
+        load: their rate and mean lengths."""
+        window = self._settings.window_s if window_s is None else window_s
+        recent = self._recent(window)
+        if not recent or self._first_arrival is None:
             return None
         now = self._clock()
-        span = min(self._settings.window_s, max(now - self._first_arrival, self._settings.replan_s))
-        n = len(self._arrivals)
-        input_len = max(1, round(sum(a.input_len for a in self._arrivals) / n))
-        output_len = max(2, round(sum(a.output_len for a in self._arrivals) / n))
+        span = min(window, max(now - self._first_arrival, self._settings.replan_s))
+        n = len(recent)
+        mean_in = sum(a.input_len for a in recent) / n
+        cv2 = sum((a.input_len - mean_in) ** 2 for a in recent) / n / mean_in**2 if mean_in > 0 else 0.0
+        output_len = max(2, round(sum(a.output_len for a in recent) / n))
         # Each of several proxy workers sees its share of the pool's arrivals and plans for the whole pool.
-        return Load(n / span / self._settings.traffic_share, input_len, output_len)
+        return Load(
+            n / span / self._settings.traffic_share, max(1, round(mean_in)), output_len, input_cv2=cv2
+        )
+
+    def _recent(self, window_s: float) -> list[Arrival]:
+        since = self._clock() - window_s
+        return [a for a in self._arrivals if a.at >= since]
 
     def _replan(self, num_instances: int, now: float) -> None:
         self._planned_at = now
@@ -227,13 +277,44 @@ class ElasticRouter:
         keep = min(pinned, num_instances - 1) if pinned is not None else None
         if keep is None and self._layout is not None:
             keep = self._layout.num_prefill
+        if pinned is None:
+            ranked = self._sooner(ranked, num_instances, slo)
         best, current = ranked[0], next((lay for lay in ranked if lay.num_prefill == keep), None)
         if current is not None and (pinned is not None or not _clearly_better(best, current)):
             best = current
         self._layout = best
         # Each of several proxy workers counts only the requests it placed, so it takes its share.
-        batch = Model(costs, load, slo).max_batch(best.is_split) * self._settings.traffic_share
+        model = Model(costs, load, slo, self._calibration)
+        tpot_s = slo.tpot_ms / 1000 if slo is not None and slo.tpot_ms is not None else None
+        self._whole_below = judging.cheap_below(costs)
+        recent = self._recent(self._settings.window_s)
+        if best.is_split:
+            span = min(
+                self._settings.window_s, max(now - (self._first_arrival or now), self._settings.replan_s)
+            )
+            self._whole_below = judging.whole_below(
+                costs, [a.input_len for a in recent], span * self._settings.traffic_share, best.num_decode,
+                model.decode_step_s(best.num_decode, load.rate), tpot_s,
+            )  # fmt: skip
+        # The prompts a split layout's decode side computes itself stretch its steps as colocated ones
+        # do: its cap counts them, or a full batch takes them on top and misses the objective together.
+        whole_tokens = None
+        if best.is_split and recent:
+            whole_tokens = sum(a.input_len for a in recent if a.input_len <= self._whole_below) / len(recent)
+        batch = Model(costs, load, slo).max_batch(best.is_split, whole_tokens) * self._settings.traffic_share
         self._max_batch = max(1.0, math.floor(batch)) if batch < math.inf else math.inf
+
+    def _sooner(self, ranked: list[Layout], num_instances: int, slo: Slo | None) -> list[Layout]:
+        """The layouts as the last seconds' arrivals rank them, where their first has more prefill-side
+        instances than ``ranked``'s (the whole window's): a wave of long prompts grows the prefill side
+        within seconds; the window, not the wave, shrinks it. The whole ranking, not its first alone:
+        the current layout must be judged at the same load, or one that meets the SLO at the window's
+        average keeps the pool on it through the wave."""
+        costs, fast = self._settings.costs, self._load(_FAST_WINDOW_S)
+        if costs is None or fast is None or len(self._recent(_FAST_WINDOW_S)) < _FAST_MIN_ARRIVALS:
+            return ranked
+        sooner = rank_layouts(costs, num_instances, fast, slo, self._calibration)
+        return sooner if sooner[0].num_prefill > ranked[0].num_prefill else ranked
 
     def _assign_sides(self, members: Sequence[C]) -> None:
         """Give the members the layout's sides, moving as few as possible."""
@@ -276,10 +357,16 @@ class ElasticRouter:
                 why = f"{layout}: {prompt_tokens} prompt tokens cost less than a decode step: whole"
             whole = self._least_prompt_backlog(self._with_room(members))
             return Placement(None, whole, layout, why, self._predicted(False))
-        decode = self._least_requests(decode_side)
         if self._is_cheap(prompt_tokens):
-            return Placement(None, decode, layout, f"{layout}: {prompt_tokens} prompt tokens cost less than a "
-                             "decode step: whole on a decode")  # fmt: skip
+            return Placement(None, self._least_requests(decode_side), layout, f"{layout}: {prompt_tokens} "
+                             "prompt tokens cost less than a decode step: whole on a decode")  # fmt: skip
+        if prompt_tokens <= self._whole_below:
+            # Short enough for the decode side's spare time: its TTFT is that instance's own prompts
+            # ahead of it, not the prefill side's queue of long ones.
+            whole = self._least_prompt_backlog(self._with_room(decode_side))
+            return Placement(None, whole, layout, f"{layout}: {prompt_tokens} prompt tokens <= "
+                             f"{self._whole_below}, within the decode side's spare time: whole on a decode")  # fmt: skip
+        decode = self._least_requests(decode_side)
         prefill = self._least_prefill(prefill_side)
         return Placement(prefill, decode, layout, self._why_split(layout), self._predicted(True))
 
@@ -290,6 +377,29 @@ class ElasticRouter:
             return None
         ttft_factor, tpot_factor = self._calibration.factors(is_split)
         return self._layout.ttft_s / ttft_factor, self._layout.tpot_s / tpot_factor
+
+    def _own(self, placement: Placement[C], prompt_tokens: int, output_len: int) -> tuple[float, float]:
+        """The model's (TTFT, TPOT) for this request, before calibration: its own prompt behind the prompts
+        queued where it goes, and a step of the streams there with it. Judged against the layout's
+        averages instead, a 5,000-token prompt among 300-token ones measures ten times "the model",
+        and the factors would say the step costs are off when only the lengths are mixed."""
+        costs, layout = self._settings.costs, placement.predicted
+        assert costs is not None and layout is not None
+        now, decode = self._clock(), placement.decode.url
+        steps = -(-prompt_tokens // costs.max_num_batched_tokens)
+        per_seq = costs.decode_per_seq_s + costs.decode_per_ctx_token_s * (prompt_tokens + output_len / 2)
+        step = costs.step_base_s + per_seq * (self._requests.get(decode, 0) + 1)
+        compute = steps * costs.step_base_s + costs.prefill_per_token_s * prompt_tokens
+        if placement.prefill is None:
+            ahead = max(0.0, self._prompts_until.get(decode, now) - now)
+            ttft = costs.lone_request_overhead_s + ahead + compute + step
+        else:
+            ahead = max(0.0, self._prefills_until.get(placement.prefill.url, now) - now)
+            blocks = -(-prompt_tokens // costs.block_size)
+            ttft = 2 * costs.lone_request_overhead_s + ahead + compute + costs.pull_seconds(blocks) + 2 * step
+        # The layout's TPOT counts the traffic to come (the batch it grows to, the prompts that stretch
+        # colocated steps); the step now counts a batch the plan's rate estimate has not caught up with.
+        return ttft, max(layout[1], step)
 
     def _why_split(self, layout: str) -> str:
         assert self._layout is not None
@@ -309,7 +419,7 @@ class ElasticRouter:
     def _is_cheap(self, prompt_tokens: int) -> bool:
         """Whether the prompt costs less to compute than a decode step (a split would cost more)."""
         costs = self._settings.costs
-        return costs is not None and prompt_tokens * costs.prefill_per_token_s < costs.step_base_s
+        return costs is not None and prompt_tokens <= judging.cheap_below(costs)
 
     def _with_room(self, members: Sequence[C]) -> Sequence[C]:
         """Those of ``members`` below the most requests the TPOT objective allows (all, if none is)."""
@@ -340,16 +450,19 @@ class ElasticRouter:
             url = placement.prefill.url
             self._prefill_tokens[url] = self._prefill_tokens.get(url, 0) + prompt_tokens
             self.decisions["split"] += 1
+            self._queue(self._prefills_until, url, prompt_tokens)
         else:
             self.decisions["whole"] += 1
-            costs = self._settings.costs
-            if costs is not None:
-                steps = -(-prompt_tokens // costs.max_num_batched_tokens)
-                now = self._clock()
-                start = max(now, self._prompts_until.get(decode, now))
-                self._prompts_until[decode] = (
-                    start + steps * costs.step_base_s + costs.prefill_per_token_s * prompt_tokens
-                )
+            self._queue(self._prompts_until, decode, prompt_tokens)
+
+    def _queue(self, until: dict[str, float], url: str, prompt_tokens: int) -> None:
+        """A prompt queued at ``url``: when its prompts should all be computed, by the step costs."""
+        costs = self._settings.costs
+        if costs is not None:
+            steps = -(-prompt_tokens // costs.max_num_batched_tokens)
+            now = self._clock()
+            start = max(now, until.get(url, now))
+            until[url] = start + steps * costs.step_base_s + costs.prefill_per_token_s * prompt_tokens
 
 
 def _describe_load(load: Load) -> dict[str, object]:

@@ -22,6 +22,7 @@ from pdserve.asgi import ASGIApp, Receive, Scope, Send
 from pdserve.config import ProxyConfig, Role, lease_warnings
 from pdserve.errors import UpstreamError
 from pdserve.events import InstanceEvent, KVLogEvent
+from pdserve.proxy.pool import startup
 from pdserve.proxy.pool.health import HealthChecker
 from pdserve.proxy.pool.models import check_models_match
 from pdserve.proxy.pool.policies import PolicyOptions, make_policy
@@ -88,6 +89,8 @@ def create_app(
         discoverer = asyncio.create_task(discovery.run()) if discovery is not None else None  # k8s
         sharing = asyncio.create_task(fanout.run())
         learning = asyncio.create_task(_learn_max_model_len(ctx))
+        # An elastic pool's router calibrates from a few lone requests before the first client's (startup.py).
+        measuring = _measure_pool(ctx)
         try:
             prefill, decode = state.pool("prefill").instances, state.pool("decode").instances
             await check_models_match(prefill, decode, config.models_timeout_s)
@@ -96,6 +99,8 @@ def create_app(
             checker.cancel()
             sharing.cancel()
             learning.cancel()
+            if measuring is not None:
+                measuring.cancel()
             if discoverer is not None:  # k8s discovery: stop before the instances close
                 discoverer.cancel()
                 await asyncio.gather(discoverer, return_exceptions=True)
@@ -145,6 +150,18 @@ class ProxyApp:
                 await endpoint(scope, receive, send)
                 return
         await self._app(scope, receive, send)
+
+
+def _measure_pool(ctx: Context) -> asyncio.Task[None] | None:
+    router, pool = ctx.state.elastic, ctx.config.elastic_pool
+    if router is None or not pool.measure_at_start or pool.costs is None:
+        return None
+    key = ctx.config.api_keys.upstream
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    timeout_s = ctx.config.health.warmup_timeout_s or 30.0
+    members = ctx.state.pool("decode").available  # an elastic pool is both roles' one pool
+    return asyncio.create_task(startup.run(router, members, headers, timeout_s, ctx.config.health.interval_s,
+                                           min(2, len(ctx.state.instances))))  # fmt: skip
 
 
 async def _learn_max_model_len(ctx: Context) -> None:

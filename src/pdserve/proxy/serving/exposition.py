@@ -136,6 +136,11 @@ def _elastic(t: _Text, router: ElasticRouter, instances: Sequence[Instance]) -> 
              [({"kind": kind, "metric": metric}, factor)
               for kind in ("whole", "split")
               for metric, factor in zip(("ttft", "tpot"), calibration.factors(kind == "split"), strict=True)])  # fmt: skip
+    sources = router.calibration_sources()
+    t.metric("pdserve_elastic_calibration_source", "gauge",
+             "1 for where each kind's factors come from now: its requests, the start-up measurement, or "
+             "the model alone (factors of 1).",
+             [({"kind": kind, "source": source}, 1) for kind, source in sources.items()])  # fmt: skip
     t.metric("pdserve_elastic_calibration_samples", "gauge",
              "The streams, by kind of placement, whose measurements calibrate the router now.",
              [({"kind": kind}, n) for kind, n in samples.items()])  # fmt: skip
