@@ -79,7 +79,10 @@ class _Instance:
     """An instance that answers at once: prefill its params, decode its tokens (the proxy's Upstream)."""
 
     def __init__(self, role: str, url: str) -> None:
-        from pdserve.proxy.wire.upstream import Reply
+        try:
+            from pdserve.proxy.wire.upstream import Reply
+        except ImportError:  # a --baseline-src from before the proxy's rooms
+            from pdserve.proxy.upstream import Reply  # type: ignore[no-redef,import-not-found,unused-ignore]
 
         self.role, self.url = role, url
         self._prefill = Reply(200, "application/json", _answer(1, _KV))
@@ -110,7 +113,11 @@ async def _serve(
 ) -> list[float]:
     """CPU µs per request of each round, after ``num_warm`` requests to warm up."""
     from pdserve.config import ProxyConfig
-    from pdserve.proxy.serving.app import ProxyApp, create_app
+
+    try:
+        from pdserve.proxy.serving.app import ProxyApp, create_app
+    except ImportError:  # a --baseline-src from before the proxy's rooms
+        from pdserve.proxy.app import ProxyApp, create_app  # type: ignore[no-redef,import-not-found,unused-ignore]
 
     options: dict[str, Any] = {}
     if not migrate:

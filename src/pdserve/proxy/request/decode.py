@@ -29,7 +29,7 @@ from pdserve.errors import (
     UpstreamUnavailable,
 )
 from pdserve.proxy.request.plan import DecodeStep
-from pdserve.proxy.request.steps import DecodeFailed, LeaseSuspect, Served, describe, relay_rejection
+from pdserve.proxy.request.steps import SERVED, DecodeFailed, LeaseSuspect, Served, describe, relay_rejection
 from pdserve.proxy.wire.upstream import Reply, Stream
 
 log = logging.getLogger("pdserve.proxy")
@@ -84,7 +84,7 @@ class Decoder:
         else:
             await call.out.relay(200, reply.content_type, _without_transfer_metadata(reply.body))
         step.chunk(time.perf_counter())
-        return Served(status)
+        return SERVED if status == 200 else Served(status)
 
     async def _decode_stream(self, step: DecodeStep, payload: bytes) -> Served | DecodeFailed | LeaseSuspect:
         call, decode = step.call, step.instance
@@ -153,7 +153,7 @@ class Decoder:
             # A stream that stops without [DONE] would look like a short answer to the client.
             raise UpstreamUnavailable("decode", decode.url, "stream ended before it was complete")
         await out.end()
-        return Served(200)
+        return SERVED
 
 
 def _without_transfer_metadata(body: bytes) -> bytes:

@@ -107,7 +107,7 @@ class Flow:
                     self._prompt(body), progress)  # fmt: skip
         trace = Trace(out.request_id, endpoint, stream=is_stream)
         timeline = Timeline(arrived, admitted, itl=self._state.stats.timings.itl)
-        plan = Plan(self._rules, call, trace, timeline, whole_on=whole_on)
+        plan = Plan(self._rules, call, trace, timeline, (), whole_on)
         self._state.record(trace)
         span = None
         if self._tracing is not None:

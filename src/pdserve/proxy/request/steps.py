@@ -124,6 +124,9 @@ class Served(NamedTuple):
     status: int
 
 
+SERVED = Served(200)  # the common answer, made once: a stream or a whole answer that went out well
+
+
 @dataclass(frozen=True)
 class DecodeFailed:
     failure: UpstreamError | Reply  # a 5xx answer, or a stream whose first event was an error
