@@ -50,12 +50,12 @@ has_image() {
   if [ "$1" = podman ]; then podman image exists "$2"; else docker image inspect "$2" >/dev/null 2>&1; fi
 }
 
-# The host's first Debian mirror, so debootstrap fetches where apt-get does.
+# The host's first Debian mirror, so debootstrap fetches where apt-get does (none found: debootstrap's own).
 debian_mirror() {
   local uri
   uri=$(grep -hs -E '^URIs:' /etc/apt/sources.list.d/*.sources | awk '{print $2}' | grep -v security | head -1 || true)
   [ -n "$uri" ] || uri=$(grep -hs -E '^deb ' /etc/apt/sources.list | awk '{print $2}' | grep -v security | head -1 || true)
-  echo "${uri:-http://deb.debian.org/debian}"
+  echo "${uri:-}"
 }
 
 base() {
@@ -74,10 +74,10 @@ base() {
     local rootfs=$cache/rootfs mirror start
     mirror=$(debian_mirror)
     start=$(date +%s)
-    say "making the base: debootstrap bookworm from $mirror (about 2 minutes, once)"
+    say "making the base: debootstrap bookworm from ${mirror:-the default mirror} (about 2 minutes, once)"
     rm -rf "$rootfs" && mkdir -p "$rootfs"
     debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates \
-      bookworm "$rootfs" "$mirror" >"$cache/debootstrap.log" 2>&1 \
+      bookworm "$rootfs" ${mirror:+"$mirror"} >"$cache/debootstrap.log" 2>&1 \
       || { say "debootstrap failed; last lines of $cache/debootstrap.log:"; tail -20 "$cache/debootstrap.log" >&2; exit 1; }
     # The package lists and downloaded .debs are the bulk of what an image need not carry.
     rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/lib/apt/lists/* "$rootfs"/var/log/*
