@@ -50,7 +50,7 @@ from pdserve.proxy.pool.prefix import should_skip_prefill
 from pdserve.proxy.pool.state import Outcome, ProxyState
 from pdserve.proxy.record.record import Trace
 from pdserve.proxy.record.timeline import Timeline
-from pdserve.proxy.request.placing import Placed
+from pdserve.proxy.request.placing import Placed, size
 from pdserve.proxy.request.steps import (
     Backoff,
     Call,
@@ -173,13 +173,12 @@ class Plan:
     ) -> Step | None:
         """What one prefill call came to; the next step."""
         trace = self.trace
-        if isinstance(result, Prefilled):
+        if not isinstance(result, UpstreamError):  # prefill answered: its params, a rejection, or a 5xx
             self.timeline.prefill_done = done = time.perf_counter()
             trace.prefill_ms = (done - (self.timeline.prefill_sent or done)) * 1000
-            trace.prefill_status = 200
-            self._round = None
-            if self._placed is not None:
-                self._placed.prefilled()  # the router counts the placed prefill once, whatever the retries
+            trace.prefill_status = 200 if isinstance(result, Prefilled) else result.status
+        if isinstance(result, Prefilled):
+            self._end_round()
             # Prefill's params are in: the KV is pinned under a lease from now on.
             assert self._handoff is None, "a handoff is already in play"
             self._handoff = self._rules.state.ledger.open(
@@ -187,10 +186,6 @@ class Plan:
             )
             trace.kv_transfer_params = result.params
             return self._decode_step()
-        if not isinstance(result, UpstreamError):  # a relayed rejection, or a 5xx
-            self.timeline.prefill_done = done = time.perf_counter()
-            trace.prefill_ms = (done - (self.timeline.prefill_sent or done)) * 1000
-            trace.prefill_status = result.status
         if isinstance(result, Relayed):
             self._end_round()
             self._phase = _DONE
@@ -215,12 +210,11 @@ class Plan:
                 return Release(self.call, decode, handoff)
             return None
         tries.is_first = False  # what follows is a retry
-        self._phase = _PICK
         if self._whole_on is not None:  # that instance's answer or its error: nothing else
-            self._phase = _DONE
             failure = result.failure if isinstance(result, DecodeFailed) else UpstreamUnavailable(
                 "decode", decode.url, result.why)  # fmt: skip
             return GiveUp("decode", decode.url, failure)
+        self._phase = _PICK
         if isinstance(result, DecodeFailed) and result.is_stale and not tries.num_stale:
             self._once_more_on_a_fresh_connection(decode)
         elif isinstance(result, DecodeFailed) and tries.is_last:
@@ -235,8 +229,6 @@ class Plan:
 
     def size(self) -> tuple[int, int | None]:
         """The prompt's tokens and the answer's budget, as the elastic router counts them."""
-        from pdserve.proxy.request.placing import size
-
         return size(self.call)
 
     def placed(self, placement: Placement[Instance], num_tokens: int, held_s: float) -> None:
@@ -252,10 +244,6 @@ class Plan:
         if placed is None:
             return None
         return placed.measured(self.call, self.timeline, is_split=self._local_reason is None)
-
-    @property
-    def placement(self) -> Placement[Instance] | None:
-        return self._placed.placement if self._placed is not None else None
 
     # --- the record ------------------------------------------------------------------------------------
 
