@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
 
+from decode_front import decode_front
 from pdserve import cli, httpclient
 from pdserve.config import ProxyConfig
 from pdserve.doctor.report import EXIT_COULD_NOT_RUN, EXIT_DOES_NOT_PAY, EXIT_FAILED, EXIT_HEALTHY
@@ -19,41 +18,6 @@ from pdserve.proxy.serving.thread import ProxyThread
 from pdserve.stack import Stack
 
 pytestmark = pytest.mark.vllm
-
-
-class _ParamsDroppingDecode(ThreadingHTTPServer):
-    """A stand-in for a decode started without a KV connector: it serves every request with the real
-    decode, but ``kv_transfer_params`` never reach it, so decode computes the prompt itself and pulls
-    nothing. It keeps what it dropped, so the test can hand it on and free prefill's lease at once."""
-
-    def __init__(self, port: int, target: str) -> None:
-        self.target = target
-        self.dropped: list[dict[str, Any]] = []
-        super().__init__(("127.0.0.1", port), _Relay)
-
-
-class _Relay(BaseHTTPRequestHandler):
-    server: _ParamsDroppingDecode
-
-    def _answer(self, response: httpclient.Response) -> None:
-        self.send_response(response.status)
-        self.send_header("Content-Type", response.headers.get("content-type", "application/json"))
-        self.send_header("Content-Length", str(len(response.body)))
-        self.end_headers()
-        self.wfile.write(response.body)
-
-    def do_GET(self) -> None:
-        self._answer(httpclient.get(self.server.target + self.path, 30))
-
-    def do_POST(self) -> None:
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        params = body.pop("kv_transfer_params", None)
-        if params:
-            self.server.dropped.append({"path": self.path, "body": body, "params": params})
-        self._answer(httpclient.post_json(self.server.target + self.path, body, 120))
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
 
 
 @contextlib.contextmanager
@@ -101,19 +65,22 @@ def test_doctor_fails_clearly_when_decode_does_not_pull_the_kv(
     stack: Stack, capsys: pytest.CaptureFixture[str]
 ) -> None:
     [prefill], [decode] = stack.urls("prefill"), stack.urls("decode")
-    fake = _ParamsDroppingDecode(18042, decode)
-    thread = threading.Thread(target=fake.serve_forever, daemon=True)
-    thread.start()
+    dropped: list[tuple[str, dict[str, Any]]] = []
+
+    def without_params(path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """A decode started without a KV connector: the params never reach it, so it computes the
+        prompt itself and pulls nothing. What it dropped is kept, to be handed on below."""
+        dropped.append((path, body))
+        return {k: v for k, v in body.items() if k != "kv_transfer_params"}
+
     try:
-        with _proxy(prefill, "http://127.0.0.1:18042", 18040) as proxy:
+        with decode_front(decode, without_params) as (front, _), _proxy(prefill, front, 18040) as proxy:
             code, out = _doctor(capsys, proxy.url, "--logs", str(stack.run_dir))
     finally:
-        fake.shutdown()
         # Hand the dropped params to the real decode: it pulls, and prefill frees the canary's KV now
         # rather than at its lease's end, while later tests watch prefill's KV usage.
-        for dropped in fake.dropped:
-            body = {**dropped["body"], "kv_transfer_params": dropped["params"]}
-            httpclient.post_json(decode + dropped["path"], body, 120)
+        for path, body in dropped:
+            httpclient.post_json(decode + path, body, 120)
     assert code == EXIT_FAILED, out
     assert "FAIL  decode's transfer counter (vllm:nixl_xfer_time_seconds_count) rose by 0" in out
     assert "decode answered without pulling the KV" in out
