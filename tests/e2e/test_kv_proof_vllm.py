@@ -13,8 +13,9 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
-from test_doctor_vllm import _ParamsDroppingDecode, _proxy
+from test_doctor_vllm import _proxy
 
+from decode_front import decode_front
 from pdserve import httpclient, kvproof, protocol
 from pdserve.commands.verify import verify
 from pdserve.stack import Stack
@@ -73,21 +74,22 @@ def test_verify_names_the_request_whose_decode_recomputed_the_prompt_beside_othe
     stack: Stack, model_name: str
 ) -> None:
     [prefill], [decode] = stack.urls("prefill"), stack.urls("decode")
-    fake = _ParamsDroppingDecode(18052, decode)
-    thread = threading.Thread(target=fake.serve_forever, daemon=True)
-    thread.start()
+    dropped: list[tuple[str, dict[str, Any]]] = []
+
+    def without_params(path: str, body: dict[str, Any]) -> dict[str, Any]:
+        dropped.append((path, body))
+        return {k: v for k, v in body.items() if k != "kv_transfer_params"}
+
     try:
         with (
-            _proxy(prefill, "http://127.0.0.1:18052", 18050) as proxy,
+            decode_front(decode, without_params) as (front, _),
+            _proxy(prefill, front, 18050) as proxy,
             _other_clients(stack.proxy_url, model_name),
         ):
             report = verify(proxy.url, say=lambda _m: None)
     finally:
-        fake.shutdown()
-        for dropped in fake.dropped:  # free prefill's leases now, as test_doctor_vllm does
-            httpclient.post_json(
-                decode + dropped["path"], {**dropped["body"], "kv_transfer_params": dropped["params"]}, 120
-            )
+        for path, body in dropped:  # free prefill's leases now, as test_doctor_vllm does
+            httpclient.post_json(decode + path, body, 120)
     assert not report.ok
     failed = [what for ok, what in report.checks if not ok]
     recomputed = [what for what in failed if "it recomputed the prompt" in what]
