@@ -7,6 +7,8 @@ closed-loop client on raw keep-alive connections (``httptools``), so the generat
 next to the proxies' (pdserve's own generator, bench/load.py, parses every event on aiohttp: its cost per
 request would rival the proxies', and move their figures with it). Every cell (whole or streamed, tokens, concurrency) runs for each proxy in turn,
 round after round (interleaved), and medians over rounds are reported, with the ratio to the router.
+The c=1,024 cells are the proxy's headroom under overload: whatever pdserve does to hold requests back
+(admission, the decode's back-pressure) must leave it at least the router's requests/s there, with 0 errors.
 
 Reported per cell: requests/s, end-to-end latency p50/p99 (with zero-cost engines, that is the proxy's
 added latency plus queueing in the closed loop), and the proxy's CPU seconds per 1,000 requests (its
@@ -14,7 +16,7 @@ processes' user+system time). Then, per proxy: RSS per open stream with ``--open
 open at once (each has its first token; decode then waits), over the RSS with none open.
 
     .venv/bin/python benchmarks/proxy_overhead.py [--router /tmp/router-venv/bin/vllm-router]
-        [--rounds 3] [--seconds 4] [--modes stream,whole] [--tokens 16,256] [--concurrency 64,256]
+        [--rounds 3] [--seconds 4] [--modes stream,whole] [--tokens 16,256] [--concurrency 64,256,1024]
         [--open-streams 1000] [--baseline-src /tmp/pdserve-base/src] [--first-port 23100]
 
 vllm-router is not a pdserve dependency: `python -m venv /tmp/router-venv && /tmp/router-venv/bin/pip
@@ -450,7 +452,7 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=4.0, help="per cell, per proxy, per round")
     parser.add_argument("--modes", default="stream,whole")
     parser.add_argument("--tokens", default="16,256")
-    parser.add_argument("--concurrency", default="64,256")
+    parser.add_argument("--concurrency", default="64,256,1024")
     parser.add_argument("--open-streams", type=int, default=1000, help="0: skip the memory measurement")
     parser.add_argument("--router", default=shutil.which("vllm-router"), help="vllm-router binary")
     parser.add_argument("--no-direct", action="store_true", help="skip the direct-to-decode floor")
