@@ -27,6 +27,7 @@ from pdserve.errors import ConfigError, DecodeBacklogged, UpstreamTimeout
 from pdserve.prometheus import parse_samples
 from pdserve.proxy.pool.backpressure import NO_TICKET, Backpressure
 from pdserve.proxy.pool.instance import EngineLoad
+from pdserve.proxy.serving.peers import merge_metrics
 
 LEASE_S = 8.0  # budget: half of it, 4 s
 
@@ -299,3 +300,14 @@ def test_the_flag_sets_the_limit() -> None:
         ).max_decode_wait_s
         == AdmissionLimits().max_decode_wait_s
     )
+
+
+def test_several_workers_estimates_of_one_decode_merge_to_the_most_cautious() -> None:
+    def text(ahead: int, expected: float) -> str:
+        return (f'# HELP pdserve_decode_handoffs_ahead h\n# TYPE pdserve_decode_handoffs_ahead gauge\n'
+                f'pdserve_decode_handoffs_ahead{{url="d"}} {ahead}\n'
+                f'# HELP pdserve_decode_expected_pull_seconds h\n# TYPE pdserve_decode_expected_pull_seconds gauge\n'
+                f'pdserve_decode_expected_pull_seconds{{url="d"}} {expected}\n')  # fmt: skip
+
+    merged = {s.name: s.value for s in parse_samples(merge_metrics([text(2, 1.5), text(3, 4.0)]))}
+    assert merged == {"pdserve_decode_handoffs_ahead": 5, "pdserve_decode_expected_pull_seconds": 4.0}
