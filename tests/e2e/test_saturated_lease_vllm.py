@@ -60,17 +60,26 @@ def _ask(client: openai.OpenAI, model: str, i: int, prompt: str) -> str:
             chunks = client.chat.completions.create(model=model, messages=messages, max_tokens=MAX_TOKENS,
                                                     temperature=0, stream=True)  # fmt: skip
             return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-        resp = client.chat.completions.create(model=model, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+        resp = client.chat.completions.create(
+            model=model, messages=messages, max_tokens=MAX_TOKENS, temperature=0
+        )
         return resp.choices[0].message.content or ""
     if stream:
         chunks = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
                                            stream=True)  # fmt: skip
         return "".join(c.choices[0].text for c in chunks if c.choices)
-    return client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0).choices[0].text
+    return (
+        client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+        .choices[0]
+        .text
+    )
 
 
 def _busy(num: int) -> list[subprocess.Popen[bytes]]:
-    return [subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True) for _ in range(num)]
+    return [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+        for _ in range(num)
+    ]
 
 
 def test_saturated_cores_and_a_short_lease_answer_every_request_right(short_lease: Stack) -> None:
@@ -114,13 +123,15 @@ def test_saturated_cores_and_a_short_lease_answer_every_request_right(short_leas
     failed = {i: r for i, r in enumerate(results) if isinstance(r, Exception)}
     assert not failed, f"{len(failed)} of {NUM_REQUESTS} requests failed: {list(failed.values())[:3]}"
     wrong = [i for i in range(NUM_REQUESTS) if results[i] != expected[i]]
-    assert not wrong, f"answers differ from one instance alone: {[(results[i], expected[i]) for i in wrong[:3]]}"
+    assert not wrong, (
+        f"answers differ from one instance alone: {[(results[i], expected[i]) for i in wrong[:3]]}"
+    )
     # No KV was prefilled only to expire in decode's queue.
     expired = parse_prometheus(httpclient.get(f"{stack.urls('prefill')[0]}/metrics", 10).body.decode())
     assert expired.get("vllm:nixl_num_kv_expired_reqs_total", 0.0) == 0, Path(stack.run_dir).as_posix()
 
 
 def _summary(metrics: dict[str, float]) -> str:
-    keys = ("pdserve_kv_handoffs_suspect_total", "pdserve_retries_total", "pdserve_backpressure_wait_seconds_sum",
-            "pdserve_backpressure_wait_seconds_count")  # fmt: skip
+    keys = ("pdserve_kv_handoffs_suspect_total", "pdserve_retries_total", "pdserve_decode_wait_seconds_sum",
+            "pdserve_decode_wait_seconds_count")  # fmt: skip
     return ", ".join(f"{k}={metrics.get(k, 0.0):g}" for k in keys)

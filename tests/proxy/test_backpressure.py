@@ -57,7 +57,7 @@ def _measure(bp: Backpressure, clock: Clock, decode: Decode, per_handoff_s: floa
     """One streamed handoff alone at decode whose first token came ``per_handoff_s`` after its KV."""
     ticket = bp.admit(decode)  # type: ignore[arg-type]
     assert ticket is not None
-    ticket.kv_arrived()
+    ticket.kv_arrived(is_stream=True)
     clock.t += per_handoff_s
     ticket.began(measure=True)
 
@@ -96,12 +96,23 @@ def test_kv_waiting_past_the_budget_at_a_stalled_decode_holds_everything_else_ba
     bp, clock, decode = _gate()
     stuck = bp.admit(decode)  # type: ignore[arg-type]
     assert stuck is not None
-    stuck.kv_arrived()
+    stuck.kv_arrived(is_stream=True)
     clock.t += 3.0
     assert bp.admit(decode) is not None  # type: ignore[arg-type]
     clock.t += 2.0  # its KV has waited 5 s and decode has not begun: nothing measured, yet no room
     assert bp.admit(decode) is None  # type: ignore[arg-type]
     assert "ahead" in bp.intake(decode).why()  # type: ignore[arg-type]
+
+
+def test_a_long_whole_answer_holds_no_one_back_once_decode_has_its_kv() -> None:
+    bp, clock, decode = _gate()
+    _measure(bp, clock, decode, 1.5)
+    whole = [bp.admit(decode) for _ in range(2)]  # type: ignore[arg-type]
+    for ticket in whole:
+        assert ticket is not None
+        ticket.kv_arrived(is_stream=False)  # decoding for minutes now: the engine's queue speaks for it
+    clock.t += 60.0
+    assert bp.intake(decode).num_ahead == 0 and bp.admit(decode) is not None  # type: ignore[arg-type]
 
 
 def test_the_engines_own_queue_and_time_to_first_token_count_for_whole_answers_too() -> None:

@@ -10,8 +10,9 @@ the proxy, the request costs nothing until decode can take it.
 The rule, per decode (``Intake``), asked once per prefill round (``admit``, then ``wait``):
 
 - ahead: the handoffs the proxy has sent toward that decode whose answer has not begun (prefilling, or
-  their KV waiting for decode), or the engine's own waiting count at the last scrape when that is more
-  (other proxies' requests, direct traffic);
+  a stream's KV waiting for decode's first token), or the engine's own waiting count at the last scrape
+  when that is more (whole answers, whose first token the proxy does not see; other proxies' requests;
+  direct traffic);
 - seconds per handoff ahead: decode's measured time from prefill's answer to its first byte, divided by
   the handoffs queued there when the KV arrived (streams, measured by the proxy), and the engine's own
   time to first token over each scrape interval divided by its queue then (every request, whole answers
@@ -54,10 +55,14 @@ class Ticket:
         self._num_queued = 0  # the handoffs queued at decode then, this one included
         self.is_held = intake is not None
 
-    def kv_arrived(self) -> None:
-        """Prefill answered: the KV waits for decode under its lease from now."""
+    def kv_arrived(self, is_stream: bool) -> None:
+        """Prefill answered: the KV waits for decode under its lease from now. A stream's first byte
+        will say when decode had it; a whole answer's comes only after every token, so once decode has
+        a whole request, the engine's own waiting count stands for it (a long answer is not a queue)."""
         intake = self._intake
-        if self.is_held and intake is not None and self._kv_at is None:
+        if not is_stream:
+            self.release()
+        elif self.is_held and intake is not None and self._kv_at is None:
             self._kv_at = now = intake.now()
             intake.queued[self] = now
             self._num_queued = max(len(intake.queued), intake.engine_waiting + 1)

@@ -183,7 +183,7 @@ class Plan:
             trace.prefill_status = 200 if isinstance(result, Prefilled) else result.status
         if isinstance(result, Prefilled):
             self._end_round()
-            self._ticket.kv_arrived()
+            self._ticket.kv_arrived(self.call.is_stream)
             # Prefill's params are in: the KV is pinned under a lease from now on.
             assert self._handoff is None, "a handoff is already in play"
             self._handoff = self._rules.state.ledger.open(
