@@ -334,6 +334,10 @@ def overload_summary(report: dict[str, Any], proxy_m: dict[str, float]) -> dict[
         "ok_per_min": round(report["outcomes"].get("ok", 0) / minutes, 1),
         "proxy_waits": waits, "proxy_wait_s_total": round(waited_s, 1),
         "proxy_wait_s_mean": round(waited_s / waits, 2) if waits else 0.0,
+        # decode's request until its first byte (the KV pull and its queue there): what the lease must cover
+        "decode_first_byte_s_mean": round(proxy_m.get("pdserve_decode_first_byte_seconds_sum", 0.0)
+                                          / max(1.0, proxy_m.get("pdserve_decode_first_byte_seconds_count", 0.0)), 2),
+        "decode_first_byte_over_5s": report["decode_first_byte_over_5s"],
     }  # fmt: skip
 
 
@@ -361,7 +365,10 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         model = stack.model.served_model_name or stack.model.path
         ts = templates(args.seed)
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as http:
-            refs = await references(http, stack.specs[0].url, [*ts, LONG_STREAM], model)
+            # The long stream only meets decode's kill; on the default model its reference takes minutes.
+            refs = await references(
+                http, stack.specs[0].url, ts if args.no_faults else [*ts, LONG_STREAM], model
+            )
             tally = Tally()
             start = time.monotonic()
             stop_at = start + args.duration
@@ -400,6 +407,9 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
             migrations = {
                 m.labels.get("result", ""): m.value for m in samples if m.name == "pdserve_migrations_total"
             }
+            first_byte = {m.labels.get("le"): m.value for m in samples
+                          if m.name == "pdserve_decode_first_byte_seconds_bucket"}  # fmt: skip
+            over_5s = first_byte.get("+Inf", 0.0) - first_byte.get("5.0", 0.0)
             lease_retries = sum(
                 m.value
                 for m in samples
@@ -426,7 +436,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         "lease_retried": [{"template": a, "prompt_tokens": b, "answer": c} for a, b, c in tally.lease_retried],
         **counters,
         "proxy_retries": {k: v for k, v in proxy_m.items() if k.startswith("pdserve_retries")},
-        "migrations": migrations, "lease_retries": lease_retries,
+        "migrations": migrations, "lease_retries": lease_retries, "decode_first_byte_over_5s": over_5s,
         "run_dir": str(stack.run_dir),
         "busy_processes": args.busy,
     }  # fmt: skip
