@@ -109,8 +109,8 @@ class Intake:
         self.queued: dict[Ticket, float] = {}  # tickets whose KV waits at decode → since (oldest first)
         self.per_handoff_s: float | None = None  # the moving average; None until measured
         self.engine_waiting = 0  # the engine's waiting count at the last scrape read
-        self._load: EngineLoad | None = None  # the last scrape read (its TTFT counters)
-        self._waiters: deque[asyncio.Future[Ticket]] = deque()
+        self.last_load: EngineLoad | None = None  # the last scrape read (its TTFT counters)
+        self.waiters: deque[asyncio.Future[Ticket]] = deque()
 
     def measured(self, per_handoff_s: float) -> None:
         old = self.per_handoff_s
@@ -118,7 +118,7 @@ class Intake:
 
     def read(self, load: EngineLoad) -> None:
         """The engine's latest scrape: its queue, and its time to first token since the one before."""
-        last, self._load = self._load, load
+        last, self.last_load = self.last_load, load
         self.engine_waiting = int(load.num_waiting)
         if last is None or load.ttft_count <= last.ttft_count:  # the first, or a restart reset the counters
             return
@@ -141,7 +141,7 @@ class Intake:
 
     def pump(self) -> None:
         """Turns for those waiting, in order, while there is room."""
-        waiters = self._waiters
+        waiters = self.waiters
         while waiters and waiters[0].done():  # gone (client left, timed out)
             waiters.popleft()
         while waiters and self.has_room():
@@ -175,7 +175,7 @@ class Backpressure:
         intake = self._intakes.get(decode.url)
         if intake is None:
             intake = self._intakes[decode.url] = Intake(decode.url, self.lease_s * SHARE, self._now)
-        if decode.load is not intake._load:  # a new scrape (a fresh instance's is all zeros)
+        if decode.load is not intake.last_load:  # a new scrape (a fresh instance's is all zeros)
             intake.read(decode.load)
         return intake
 
@@ -185,7 +185,7 @@ class Backpressure:
             return NO_TICKET  # back-pressure off: prefill at once, hold no place
         intake = self.intake(decode)
         intake.pump()
-        if intake._waiters or not intake.has_room():
+        if intake.waiters or not intake.has_room():
             return None
         return intake.take()
 
@@ -198,7 +198,7 @@ class Backpressure:
         began = self._now()
         limit_at = min(began + self.max_wait_s, deadline)
         turn: asyncio.Future[Ticket] = asyncio.get_running_loop().create_future()
-        intake._waiters.append(turn)
+        intake.waiters.append(turn)
         self.num_waiting += 1
         result = "gone"
         try:
