@@ -1,7 +1,7 @@
 """Soak: mixed traffic through `pdserve up`'s Stack on real vLLM while faults are injected on a schedule.
 
     flock /tmp/pdserve-vllm.lock .venv/bin/python benchmarks/soak.py [--duration 600] [--kv-lease 8] [--elastic 2]
-        [--begin-at-fault 3]
+        [--begin-at-fault 3] [--model default --busy 3 --no-faults --concurrency 8]
 
 1P1D on the embedded tiny model (`Topology(kv_lease_s=8)`, supervised: exited instances are restarted), or
 with ``--elastic N`` an elastic pool of N instances that each take any role (the proxy decides per request).
@@ -18,6 +18,13 @@ last instance, its first, its first and its last. Reported (JSON on stdout and i
 requests by outcome, errors by kind, wrong answers (must be 0), hung requests (no end within the client's
 deadline; must be 0), suspect handoffs the proxy caught and streams it migrated (/metrics), the ledger's
 open handoffs and the instances' KV usage at the end, and vLLM's lease counters.
+
+Overload instead of faults: ``--busy N`` runs N busy processes beside the engines for the whole run (the
+cores saturated), ``--no-faults`` injects nothing, ``--model default`` serves SmolLM2 instead of the tiny
+model. Then what matters is printed first: client errors, wrong answers, answers the proxy relayed from KV
+whose lease had run out (prefill's log said so after delivery: must be 0), the leases lost per minute
+(prefill's ``vllm:nixl_num_kv_expired_reqs_total``), and the time requests waited at the proxy for room
+at decode (``pdserve_decode_wait_seconds``).
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import os
 import random
 import re
 import signal
+import subprocess
 import sys
 import time
 import uuid
@@ -304,6 +312,35 @@ async def scrape(url: str) -> dict[str, float]:
         return {}
 
 
+def busy(num: int) -> list[subprocess.Popen[bytes]]:
+    """``num`` processes that each keep a core busy, as other tenants of the machine would."""
+    return [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+        for _ in range(num)
+    ]
+
+
+def overload_summary(report: dict[str, Any], proxy_m: dict[str, float]) -> dict[str, Any]:
+    """The overload case's figures, first in the report."""
+    minutes = report["duration_s"] / 60
+    waits = proxy_m.get("pdserve_decode_wait_seconds_count", 0.0)
+    waited_s = proxy_m.get("pdserve_decode_wait_seconds_sum", 0.0)
+    return {
+        "client_errors": report["outcomes"].get("error", 0), "wrong_answers": report["wrong_answers"],
+        "hung": report["hung"],
+        "lease_expired_kv_served": (report["suspect_by_reason"] or {}).get("log_after_delivery", 0),
+        "leases_lost": report["kv_expired"], "leases_lost_per_min": round(report["kv_expired"] / minutes, 2),
+        "lease_retries": report["lease_retries"],
+        "ok_per_min": round(report["outcomes"].get("ok", 0) / minutes, 1),
+        "proxy_waits": waits, "proxy_wait_s_total": round(waited_s, 1),
+        "proxy_wait_s_mean": round(waited_s / waits, 2) if waits else 0.0,
+        # decode's request until its first byte (the KV pull and its queue there): what the lease must cover
+        "decode_first_byte_s_mean": round(proxy_m.get("pdserve_decode_first_byte_seconds_sum", 0.0)
+                                          / max(1.0, proxy_m.get("pdserve_decode_first_byte_seconds_count", 0.0)), 2),
+        "decode_first_byte_over_5s": report["decode_first_byte_over_5s"],
+    }  # fmt: skip
+
+
 async def soak(args: argparse.Namespace) -> dict[str, Any]:
     run_dir = Path(args.out).with_suffix("") if args.out else None
     # A small pool makes prefill reuse released blocks at once, so a late pull reads another prompt's KV
@@ -315,7 +352,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         else {"prefill": RoleSpec(args=blocks)}
     )
     topology = Topology(
-        model="tiny",
+        model=None if args.model == "default" else args.model,
         proxy_port=22500, first_port=22510, first_side_channel_port=22600, kv_lease_s=args.kv_lease,
         on_instance_exit="restart", run_dir=str(run_dir) if run_dir else None, **roles,
     )  # fmt: skip
@@ -328,7 +365,10 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         model = stack.model.served_model_name or stack.model.path
         ts = templates(args.seed)
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as http:
-            refs = await references(http, stack.specs[0].url, [*ts, LONG_STREAM], model)
+            # The long stream only meets decode's kill; on the default model its reference takes minutes.
+            refs = await references(
+                http, stack.specs[0].url, ts if args.no_faults else [*ts, LONG_STREAM], model
+            )
             tally = Tally()
             start = time.monotonic()
             stop_at = start + args.duration
@@ -338,10 +378,15 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
                 worker(client, ts, stop_at, random.Random(rng.random())) for _ in range(args.concurrency)
             ]
             probes = sorted(ts, key=lambda t: -refs[t.name][1])[:2]  # the two longest prompts
-            await asyncio.gather(
-                faults(stack, client, probes, args.kv_lease, start, stop_at, args.gap, args.begin_at_fault),
-                *workers,
-            )
+            hogs = busy(args.busy)
+            try:
+                injected = [] if args.no_faults else [
+                    faults(stack, client, probes, args.kv_lease, start, stop_at, args.gap, args.begin_at_fault)]  # fmt: skip
+                await asyncio.gather(*injected, *workers)
+            finally:
+                for hog in hogs:
+                    os.killpg(hog.pid, signal.SIGKILL)
+                    hog.wait(timeout=10)
             ran_s = time.monotonic() - start
             # Everything answered: every instance's KV should be back to idle within a lease.
             holders = [s.url for s in stack.specs if s.role != "decode"]
@@ -362,12 +407,20 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
             migrations = {
                 m.labels.get("result", ""): m.value for m in samples if m.name == "pdserve_migrations_total"
             }
+            first_byte = {m.labels.get("le"): m.value for m in samples
+                          if m.name == "pdserve_decode_first_byte_seconds_bucket"}  # fmt: skip
+            over_5s = first_byte.get("+Inf", 0.0) - first_byte.get("5.0", 0.0)
+            lease_retries = sum(
+                m.value
+                for m in samples
+                if m.name == "pdserve_retries_total" and m.labels.get("phase") == "lease"
+            )
             after = [await scrape(s.url) for s in stack.specs]
     # vLLM's counters reset when an instance restarts: these are of each one's last incarnation only.
     counters = {key: sum(m.get(name, 0.0) for m in after) for key, name in VLLM_COUNTERS.items()}
     lat = sorted(tally.latencies)
     served = sum(tally.outcomes.values())
-    return {
+    report = {
         "pool": f"elastic {args.elastic}" if args.elastic else "1P1D",
         "duration_s": round(ran_s, 1), "kv_lease_s": args.kv_lease, "concurrency": args.concurrency,
         "prefill_blocks": args.prefill_blocks or "vLLM's own",
@@ -383,9 +436,13 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         "lease_retried": [{"template": a, "prompt_tokens": b, "answer": c} for a, b, c in tally.lease_retried],
         **counters,
         "proxy_retries": {k: v for k, v in proxy_m.items() if k.startswith("pdserve_retries")},
-        "migrations": migrations,
+        "migrations": migrations, "lease_retries": lease_retries, "decode_first_byte_over_5s": over_5s,
         "run_dir": str(stack.run_dir),
+        "busy_processes": args.busy,
     }  # fmt: skip
+    return (
+        {"overload": overload_summary(report, proxy_m), **report} if args.busy or args.no_faults else report
+    )
 
 
 def main() -> int:
@@ -400,6 +457,11 @@ def main() -> int:
     p.add_argument("--begin-at-fault", type=int, default=0, choices=range(4),
                    help="start the schedule at this turn (3: decode's kill, with a stream mid-answer there)")  # fmt: skip
     p.add_argument("--elastic", type=int, default=0, help="an elastic pool of N instances instead of 1P1D")
+    p.add_argument(
+        "--model", default="tiny", help="tiny (default), default (SmolLM2, what `up` serves) or a dir"
+    )
+    p.add_argument("--busy", type=int, default=0, help="busy processes beside the engines for the whole run")
+    p.add_argument("--no-faults", action="store_true", help="inject no fault: overload alone (with --busy)")
     p.add_argument("--out", help="write the JSON report here too (its stem names the run dir)")
     args = p.parse_args()
     report = asyncio.run(soak(args))

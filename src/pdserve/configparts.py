@@ -137,6 +137,9 @@ class AdmissionLimits:
     body_timeout_s: float = 60.0
     keep_alive_s: float = 30.0
     max_connections: int = 4096
+    # A split request waits at the proxy, before prefill, while its decode could not pull the KV well
+    # within prefill's lease (proxy/pool/backpressure.py); at most this long, then 503. 0: never waits.
+    max_decode_wait_s: float = 120.0
 
     def __post_init__(self) -> None:
         check_positive(
@@ -153,6 +156,8 @@ class AdmissionLimits:
         if self.max_queued < 0 or self.queue_timeout_s <= 0:
             raise ConfigError("proxy.admission.max_queued must be >= 0 and its queue_timeout_s > 0")
         check_positive("proxy.admission", max_body_bytes=self.max_body_bytes)
+        if not self.max_decode_wait_s >= 0:
+            raise ConfigError(f"proxy.admission.max_decode_wait_s must be >= 0, got {self.max_decode_wait_s}")
 
     def share(self, num_workers: int) -> AdmissionLimits:
         """What each of ``num_workers`` processes enforces: its share of the limits, rounded up."""

@@ -26,7 +26,8 @@
     │   │   └── UpstreamSuspectAnswer  what was already streamed may rest on KV released too early
     │   ├── UpstreamTimeout        a per-phase limit or the request's deadline ran out
     │   ├── UpstreamProtocolError  the instance answered, but not as the NixlConnector protocol says
-    │   └── NoInstanceAvailable    every instance of a role is unhealthy, draining or circuit-open
+    │   ├── NoInstanceAvailable    every instance of a role is unhealthy, draining or circuit-open
+    │   └── DecodeBacklogged       503: decode could not take the KV within its lease for the wait's limit
     └── SimError               the simulator's own (sim/), as vLLM would show them
         ├── SimRequestError    a request vLLM would refuse: status, type, param and message
         ├── ChatTemplateError  the messages cannot be rendered (vLLM answers 400)
@@ -212,6 +213,19 @@ class NoInstanceAvailable(UpstreamError):
 
     def __str__(self) -> str:
         return str(self.args[0])
+
+
+class DecodeBacklogged(UpstreamError):
+    """The request waited at the proxy for its decode to have room to pull its KV within prefill's lease
+    (proxy/pool/backpressure.py) and the wait reached its limit: nothing was prefilled."""
+
+    status = 503
+    error_type = "decode_backlogged"
+
+    def __init__(self, url: str, waited_s: float, limit_s: float, why: str) -> None:
+        super().__init__("decode", url, f"waited {waited_s:.1f} s for room to pull the KV within prefill's lease, "
+                         f"the limit (--max-decode-wait {limit_s:g} s); {why}")  # fmt: skip
+        self.retry_after_s = max(1, round(limit_s / 4))
 
 
 class SimError(PDServeError):

@@ -24,6 +24,9 @@ CACHE_CONFIG_INFO: Final = "vllm:cache_config_info"  # a gauge of 1 whose labels
 KV_USAGE: Final = "vllm:kv_cache_usage_perc"
 NUM_RUNNING: Final = "vllm:num_requests_running"
 NUM_WAITING: Final = "vllm:num_requests_waiting"
+# arrival at the engine to its first token: for a decode, its queue and the KV pull included
+TTFT_SUM: Final = "vllm:time_to_first_token_seconds_sum"
+TTFT_COUNT: Final = "vllm:time_to_first_token_seconds_count"
 PROMPT_TOKENS: Final = "vllm:prompt_tokens_total"  # counters: they move only while the engine steps
 GENERATION_TOKENS: Final = "vllm:generation_tokens_total"
 

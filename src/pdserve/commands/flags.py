@@ -225,12 +225,17 @@ def add_admission(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-client-connections", type=int, default=d.max_connections, metavar="N",
                    help="client connections open at most (each holds a file descriptor); one more is "
                         "answered 503 and closed")  # fmt: skip
+    g.add_argument("--max-decode-wait", type=float, default=d.max_decode_wait_s, metavar="S",
+                   help="a request waits at the proxy, before prefill, while its decode could not pull the KV "
+                        "well within the KV lease; at most S seconds, then 503 (0: never waits; default: "
+                        "%(default)s)")  # fmt: skip
 
 
 def admission_from_args(a: argparse.Namespace) -> AdmissionLimits:
     return _part(AdmissionLimits, a, max_concurrent="", max_queued="", queue_timeout_s="queue_timeout",
                  max_body_bytes="", header_timeout_s="header_timeout", body_timeout_s="body_timeout",
-                 keep_alive_s="keep_alive_timeout", max_connections="max_client_connections")  # fmt: skip
+                 keep_alive_s="keep_alive_timeout", max_connections="max_client_connections",
+                 max_decode_wait_s="max_decode_wait")  # fmt: skip
 
 
 def add_health(p: argparse.ArgumentParser) -> None:

@@ -48,6 +48,8 @@ class EngineLoad(Load):
 
     num_kv_expired: float = 0.0  # prefill: leases that ran out unpulled (vllm:nixl_num_kv_expired_reqs)
     num_tokens: float = 0.0  # prompt and generated tokens the engine processed so far (counters)
+    ttft_sum: float = 0.0  # its time to first token, summed and counted (a decode's includes the pull)
+    ttft_count: float = 0.0
 
     @classmethod
     def from_metrics(cls, text: str) -> EngineLoad:
@@ -58,6 +60,8 @@ class EngineLoad(Load):
             samples.get(prometheus.KV_USAGE, 0.0),
             samples.get(prometheus.KV_EXPIRED, 0.0),
             samples.get(prometheus.PROMPT_TOKENS, 0.0) + samples.get(prometheus.GENERATION_TOKENS, 0.0),
+            samples.get(prometheus.TTFT_SUM, 0.0),
+            samples.get(prometheus.TTFT_COUNT, 0.0),
         )
 
 

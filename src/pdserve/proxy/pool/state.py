@@ -19,6 +19,7 @@ from pdserve.config import ROLES, ProxyConfig, Role
 from pdserve.events import InstanceEvent, KVLogEvent
 from pdserve.protocol import Endpoint
 from pdserve.proxy.kv.ledger import Ledger
+from pdserve.proxy.pool.backpressure import Backpressure
 from pdserve.proxy.pool.breaker import CircuitBreaker
 from pdserve.proxy.pool.elastic import ElasticRouter
 from pdserve.proxy.pool.holding import Hold
@@ -162,6 +163,8 @@ class ProxyState:
             for url in urls[role]:
                 self._pools[role].add(self.new_instance(role, url))
         self.ledger = Ledger(config.kv_lease_s)
+        # prefill only what a decode can pull within the lease; the rest waits here (backpressure.py)
+        self.backpressure = Backpressure(config.kv_lease_s, config.admission.max_decode_wait_s)
         self.stats = Stats()
         self._traces: deque[Trace] = deque(maxlen=num_traces)
         # The loop the proxy serves on, from ``open`` to ``close``: asyncio.get_running_loop() costs a

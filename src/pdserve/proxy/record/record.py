@@ -25,6 +25,8 @@ class Trace:
     local_prefill_reason: str | None = None  # set when the request was not split, and why
     # an elastic pool's decision: layout, split, prefill_url, decode_url, reason (proxy/pool/elastic.py)
     placement: dict[str, Any] | None = None
+    # the wait at the proxy for its decode to have room for the KV (proxy/pool/backpressure.py): ms, why
+    decode_wait: dict[str, Any] | None = None
     decode_url: str | None = None
     decode_status: int | None = None
     total_ms: float | None = None
@@ -56,5 +58,5 @@ class Trace:
 
 # What /requests shows of a trace, in this order.
 _FIELDS = ("request_id", "endpoint", "stream", "started", "prefill_url", "prefill_status", "prefill_ms",
-           "kv_transfer_params", "local_prefill_reason", "placement", "decode_url", "decode_status",
+           "kv_transfer_params", "local_prefill_reason", "placement", "decode_wait", "decode_url", "decode_status",
            "total_ms", "error", "stream_error_event", "retries", "migrations", "outcome", "timeline", "trace_id")  # fmt: skip

@@ -1,6 +1,7 @@
 """A request's path through the proxy: parse it, make its plan, and perform the plan's steps.
 
     parse → Plan (plan.py) → loop: step = plan.next() → perform it → report its result to the plan
+          (a wait for room at decode, backpressure.py; prefill; decode; a backoff, release or give-up)
           → the client has its answer (or an error naming the phase and instance)
 
 The loop knows no rule: which instance, split or whole, retry, give up, all is the plan's. Performing
@@ -42,7 +43,15 @@ from pdserve.proxy.request.migrate import Migrator
 from pdserve.proxy.request.plan import DecodeStep, Plan, Rules
 from pdserve.proxy.request.prefill import Prefiller
 from pdserve.proxy.request.release import Releaser
-from pdserve.proxy.request.steps import Backoff, Call, GiveUp, PrefillStep, Release, relay_rejection
+from pdserve.proxy.request.steps import (
+    Backoff,
+    Call,
+    GiveUp,
+    PrefillStep,
+    Release,
+    WaitForDecode,
+    relay_rejection,
+)
 from pdserve.proxy.request.tokens import PromptTokenizer
 from pdserve.proxy.request.validation import FieldErrors, check_before_prefill
 
@@ -164,6 +173,11 @@ class Flow:
                 step = plan.decoded(await self._decoder.attempt(step))
             elif isinstance(step, PrefillStep):
                 step = plan.prefilled(await self._prefiller.attempt(step), step.instance)
+            elif isinstance(step, WaitForDecode):
+                call = plan.call
+                step = plan.waited(
+                    await self._state.backpressure.wait(step.decode, call.deadline, call.request_s)
+                )
             else:
                 if isinstance(step, Backoff):
                     await plan.call.sleep(step.seconds)

@@ -1,6 +1,7 @@
 """One request's plan: it decides each next step and is the one writer of everything about the request.
 
-    Plan.next() ─▶ PrefillStep ─▶ prefill.py ─▶ Plan.prefilled(result)
+    Plan.next() ─▶ WaitForDecode ─▶ backpressure.py ─▶ Plan.waited(turn)
+               ─▶ PrefillStep ─▶ prefill.py ─▶ Plan.prefilled(result)
                ─▶ DecodeStep  ─▶ decode.py  ─▶ Plan.decoded(result)
                ─▶ Backoff | Release | GiveUp (the flow performs them) ─▶ None: nothing left to do
 
@@ -43,6 +44,7 @@ from pdserve.config import ProxyConfig
 from pdserve.errors import NoInstanceAvailable, UpstreamError, UpstreamUnavailable
 from pdserve.proxy.kv.guard import LeaseGuard
 from pdserve.proxy.kv.ledger import Handoff
+from pdserve.proxy.pool.backpressure import NO_TICKET, Waited
 from pdserve.proxy.pool.choice import Chooser
 from pdserve.proxy.pool.elastic import Measured, Placement
 from pdserve.proxy.pool.instance import Instance
@@ -62,6 +64,7 @@ from pdserve.proxy.request.steps import (
     Relayed,
     Release,
     Served,
+    WaitForDecode,
     describe,
 )
 from pdserve.proxy.request.survivors import Tries, computes_itself, may_compute_itself
@@ -111,7 +114,7 @@ class Plan:
     """One request (or a migrated stream's continuation) from its first step to its last."""
 
     __slots__ = ("_decode", "_delivered", "_handoff", "_local_reason", "_pending", "_phase", "_placed",
-                 "_round", "_rules", "_sent", "_tries", "_was_split", "_whole_on", "call", "timeline",
+                 "_round", "_rules", "_sent", "_ticket", "_tries", "_was_split", "_whole_on", "call", "timeline",
                  "trace")  # fmt: skip
 
     # Written before anything reads them: with each prefill round (``_round``: its attempts), with each
@@ -146,6 +149,7 @@ class Plan:
         self._delivered: Handoff | None = None  # the one decode's answer rests on, once it began
         self._placed: Placed | None = None  # an elastic pool's placement
         self._pending: Step | None = None  # a step decided with the last result, to take next
+        self._ticket = NO_TICKET  # its place ahead of others at its decode (backpressure.py)
         self._whole_on = whole_on
         if whole_on is not None:
             self._tries.again = whole_on
@@ -179,6 +183,7 @@ class Plan:
             trace.prefill_status = 200 if isinstance(result, Prefilled) else result.status
         if isinstance(result, Prefilled):
             self._end_round()
+            self._ticket.kv_arrived(self.call.is_stream)
             # Prefill's params are in: the KV is pinned under a lease from now on.
             assert self._handoff is None, "a handoff is already in play"
             self._handoff = self._rules.state.ledger.open(
@@ -196,6 +201,12 @@ class Plan:
         trace.retries.append(f"prefill {prefill.url}: {describe(result)}")
         if time.monotonic() >= self.call.deadline:
             rnd.num = self._rules.config.retries.max_prefill_attempts  # no time for another
+        return self.next()
+
+    def waited(self, turn: Waited) -> Step | None:
+        """The request's decode has room for its KV after a wait at the proxy; the next step."""
+        self._ticket = turn.ticket
+        self.trace.decode_wait = {"ms": round(turn.seconds * 1000, 3), "why": turn.why}
         return self.next()
 
     def decoded(self, result: Served | DecodeFailed | LeaseSuspect) -> Step | None:
@@ -278,10 +289,12 @@ class Plan:
         trace.outcome = outcome._value_  # the value without Enum's property call, once a request
         if self._handoff is not None:
             self._abandon(error or "request ended", "client_gone" if is_client_gone else "failed")
+        self._ticket.release()
         return outcome
 
     def continuation_ended(self) -> None:
         self._abandon("continuation ended", "failed")
+        self._ticket.release()
 
     # --- choosing ------------------------------------------------------------------------------------------
 
@@ -318,6 +331,7 @@ class Plan:
         if self._local_reason is None and self._handoff is None:
             first = placed.placement.prefill if placed is not None and tries.is_first else None
             self._round = _PrefillRound(call, first, decode if placed is not None else None)
+            self._ticket.release()  # the round waits for room at its own decode
             self._phase = _PREFILL
         else:
             self._phase = _DECODE
@@ -332,7 +346,7 @@ class Plan:
 
     # --- prefill ---------------------------------------------------------------------------------------
 
-    def _next_prefill(self) -> PrefillStep | Backoff | GiveUp | None:
+    def _next_prefill(self) -> WaitForDecode | PrefillStep | Backoff | GiveUp | None:
         """The round's next prefill call (or its backoff); None once the round failed."""
         rnd, rules, call = self._round, self._rules, self.call
         assert rnd is not None
@@ -346,6 +360,11 @@ class Plan:
             rnd.waited = True
             return Backoff(retries.backoff(rnd.num))
         rnd.waited = False
+        if not (rnd.num or self._ticket.is_held) and self._decode is not None:
+            ticket = rules.state.backpressure.admit(self._decode)
+            if ticket is None:  # no KV before its decode can pull it within the lease
+                return WaitForDecode(call, self._decode)
+            self._ticket = ticket
         try:
             prefill = rnd.first if not rnd.num and rnd.first is not None else rules.chooser.prefill(
                 rnd.tried, call.prompt)  # fmt: skip
@@ -549,6 +568,7 @@ class DecodeStep:
         if suspicion is None:
             return None
         log.warning("request %s: not relaying decode's answer: %s", self.call.request_id, suspicion.why)
+        plan._ticket.began(self.call.is_stream)  # a stream's first byte: how long decode took, measured
         plan._suspect(suspicion.kind, suspicion.why)
         await guard.purge(self.instance)
         return LeaseSuspect(suspicion.why)
@@ -558,6 +578,7 @@ class DecodeStep:
         refusal in its handler also tells prefill to free the KV; one in its request validation leaves
         it to the lease, or to ``Release``)."""
         plan = self._plan
+        plan._ticket.began(status == 200 and self.call.is_stream)
         handoff = plan._handoff
         if handoff is None:
             return
@@ -582,4 +603,4 @@ class DecodeStep:
         return why
 
 
-Step = PrefillStep | DecodeStep | Backoff | Release | GiveUp
+Step = WaitForDecode | PrefillStep | DecodeStep | Backoff | Release | GiveUp

@@ -1,14 +1,16 @@
 """A request's steps and what each comes to: the shapes the plan (plan.py) hands the flow and the
 performers (prefill.py, decode.py) hand back.
 
-The plan answers "what next?" with a step: ``PrefillStep`` (one prefill call on a named instance),
-``DecodeStep`` (decode serves the client, with the handoff's params or computing the prompt itself),
-``Backoff`` (wait before the next attempt), ``Release`` (decode refused a handoff: have it pull and
-drop the KV, in the background) or ``GiveUp`` (the client hears of the last failure). A prefill call
-comes to ``Prefilled`` (its params), ``Relayed`` (the client already has vLLM's own rejection), or an
-``UpstreamError``/5xx ``Reply``; a decode attempt to ``Served``, ``DecodeFailed`` (before the client got
-a byte) or ``LeaseSuspect`` (its answer withheld by the lease guard). Performers return these and write
-nothing about the request: the plan reads them and writes the record.
+The plan answers "what next?" with a step: ``WaitForDecode`` (hold the request at the proxy until its
+decode can pull the KV within prefill's lease: proxy/pool/backpressure.py), ``PrefillStep`` (one
+prefill call on a named instance), ``DecodeStep`` (decode serves the client, with the handoff's params
+or computing the prompt itself), ``Backoff`` (wait before the next attempt), ``Release`` (decode refused
+a handoff: have it pull and drop the KV, in the background) or ``GiveUp`` (the client hears of the last
+failure). A prefill call comes to ``Prefilled`` (its params), ``Relayed`` (the client already has
+vLLM's own rejection), or an ``UpstreamError``/5xx ``Reply``; a decode attempt to ``Served``,
+``DecodeFailed`` (before the client got a byte) or ``LeaseSuspect`` (its answer withheld by the lease
+guard). Performers return these and write nothing about the request: the plan reads them and writes the
+record.
 
 ``Call`` is the request as every step sees it, read-only: the plan makes a new one when the body must
 change (a fresh ``cache_salt``).
@@ -66,6 +68,14 @@ class Call(NamedTuple):
         if time.monotonic() >= self.deadline - 0.01:
             return UpstreamTimeout(exc.phase, exc.url, f"the request's {self.request_s:g} s deadline passed")
         return exc
+
+
+class WaitForDecode(NamedTuple):
+    """Before a prefill round: wait until ``decode`` has room to pull the KV well within prefill's lease
+    (proxy/pool/backpressure.py), within the wait's limit and the request's deadline."""
+
+    call: Call
+    decode: Instance
 
 
 class PrefillStep(NamedTuple):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
+from pdserve.proxy.pool.backpressure import SHARE, Backpressure
 from pdserve.proxy.pool.elastic import ElasticRouter
 from pdserve.proxy.pool.holding import Hold
 from pdserve.proxy.pool.instance import Instance
@@ -112,11 +113,27 @@ def render(state: ProxyState, admission: Admission) -> str:
              [({}, len(ledger.open_handoffs))])  # fmt: skip
     t.metric("pdserve_kv_handoffs_overdue", "gauge", "Open handoffs older than the KV lease.",
              [({}, ledger.num_overdue())])  # fmt: skip
+    _backpressure(t, state.backpressure)
     if state.elastic is not None:
         _elastic(t, state.elastic, instances)
     if state.hold is not None:
         _hold(t, state.hold)
     return "\n".join(t.lines) + "\n"
+
+
+def _backpressure(t: _Text, bp: Backpressure) -> None:
+    t.metric("pdserve_decode_wait_waiting", "gauge", "Requests waiting at the proxy, before prefill, for their "
+             "decode to have room to pull the KV well within prefill's lease.", [({}, bp.num_waiting)])  # fmt: skip
+    t.metric("pdserve_decode_waits_total", "counter", "Requests that waited for room at their decode, by how the "
+             "wait ended (admitted, timed_out: answered 503 at --max-decode-wait, gone: the client left).",
+             (({"result": r}, n) for r, n in sorted(bp.results.items())))  # fmt: skip
+    t.histogram("pdserve_decode_wait_seconds", "How long requests waited for room at their decode.", bp.waits)
+    intakes = bp.intakes
+    t.metric("pdserve_decode_handoffs_ahead", "gauge", "Per decode: requests sent toward it (prefilling, or their "
+             "KV waiting for it) whose answer has not begun.", [({"url": i.url}, i.num_ahead) for i in intakes])  # fmt: skip
+    t.metric("pdserve_decode_expected_pull_seconds", "gauge", "Per decode: how long a handoff sent now would "
+             f"wait for its KV to be pulled, as measured; above {SHARE:g} of the KV lease requests wait.",
+             [({"url": i.url}, round(i.expected_s(), 3)) for i in intakes])  # fmt: skip
 
 
 def _elastic(t: _Text, router: ElasticRouter, instances: Sequence[Instance]) -> None:

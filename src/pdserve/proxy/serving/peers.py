@@ -281,11 +281,14 @@ def merge_snapshots(snapshots: Sequence[dict[str, Any]], num_recent: int = _NUM_
 
 # Per-instance states, not counts: several workers' views merge to 1 only where every one says 1.
 _ALL_OF = frozenset({"pdserve_instance_healthy", "pdserve_instance_available"})
+# Estimates each worker makes of one instance: the most cautious one stands.
+_MOST_OF = frozenset({"pdserve_decode_expected_pull_seconds"})
 
 
 def merge_metrics(texts: Sequence[str]) -> str:
     """Several workers' Prometheus texts as one: a sample present in several is summed (counts,
-    in-flight gauges, histogram buckets), but for the per-instance states in ``_ALL_OF``."""
+    in-flight gauges, histogram buckets), but for the per-instance states in ``_ALL_OF`` (the least) and
+    the estimates in ``_MOST_OF`` (the most)."""
     families: dict[str, tuple[list[str], dict[str, float]]] = {}
     current: dict[str, float] = {}
     name = ""
@@ -303,8 +306,10 @@ def merge_metrics(texts: Sequence[str]) -> str:
             elif line:
                 key, _, value = line.rpartition(" ")
                 number = float(value)
-                if key in current:
-                    current[key] = min(current[key], number) if name in _ALL_OF else current[key] + number
+                if key in current and name in _ALL_OF:
+                    current[key] = min(current[key], number)
+                elif key in current:
+                    current[key] = max(current[key], number) if name in _MOST_OF else current[key] + number
                 else:
                     current[key] = number
     lines = []
