@@ -2,9 +2,8 @@
 ``proxy``), the topology (``up``, ``bench``, ``demo``).
 
 Each group fills one frozen config part (``Timeouts``, ``Routing``, ``Retries``, each role's ``PoolSpec``,
-...); defaults come from
-those configs themselves, never restated here. A topology flag left out is None, so a ``--config``
-file's value stands unless the flag is given.
+...); defaults come from those configs themselves, never restated here. A topology flag left out is
+None, so a ``--config`` file's value stands unless the flag is given.
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ Level-triggered, like a Kubernetes controller: the watches (k8s_watch.py) only u
 the pods, and one pass at a time moves the pools toward it, after every change and every second. So an
 add that had to wait (an engine not yet answering /v1/models, the old instance at that URL still
 draining) is tried again, and a watch that broke ends in a fresh list, not in lost events. Discovery only
-ever takes out what it added: static --prefill/--decode/--instance URLs and admin-API instances are left alone,
-and an instance the admin API drained or removed is not put back while its pod stays as it was.
+ever takes out what it added: static --prefill/--decode/--instance URLs and admin-API instances are left
+alone, and an instance the admin API drained or removed is not put back while its pod stays as it was.
 """
 
 from __future__ import annotations

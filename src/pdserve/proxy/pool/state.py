@@ -190,6 +190,13 @@ class ProxyState:
     def instances(self) -> list[Instance]:
         return [i for pool in self.pools for i in pool.instances]
 
+    def by_name(self) -> dict[str, Instance]:
+        """Each instance under its pool name, as `pdserve up` and /instances' order give it: prefill-0,
+        decode-1, elastic-0."""
+        return {
+            f"{pool.role}-{k}": instance for pool in self.pools for k, instance in enumerate(pool.instances)
+        }
+
     def find(self, url: str) -> Instance | None:
         return next((i for i in self.instances if i.url == url), None)
 

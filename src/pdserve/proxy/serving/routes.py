@@ -61,11 +61,7 @@ class InstanceNames:
         self._state = state
 
     def __call__(self, text: str) -> str:
-        names = {
-            instance.url: f"{pool.role}-{k}"  # as `pdserve up` names them: prefill-0, decode-0, elastic-0
-            for pool in self._state.pools
-            for k, instance in enumerate(pool.instances)
-        }
+        names = {instance.url: name for name, instance in self._state.by_name().items()}
         for url in sorted(names, key=len, reverse=True):  # http://h:80 must not eat http://h:8000
             if url in text:
                 text = text.replace(url, names[url])
