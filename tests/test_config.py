@@ -136,9 +136,9 @@ def test_settings_fronting_instances_keep_every_setting() -> None:
 
 def test_each_role_is_a_pool_and_an_elastic_pool_takes_either_part() -> None:
     pd = ProxyConfig.pd(("h:1",), ("h:2",))
-    assert pd.roles() == ("prefill", "decode") and pd.fronts("prefill")
+    assert pd.roles() == ("prefill", "decode") and pd.can_split
     colocated = ProxyConfig(pools=(PoolSpec("decode", ("h:2",)),))  # no prefill pool: nothing is split
-    assert not colocated.fronts("prefill") and colocated.pool("prefill").urls == ()
+    assert not colocated.can_split and colocated.pool("prefill").urls == ()
     elastic = ProxyConfig(pools=(PoolSpec("elastic", ("h:1", "h:2"), max_attempts=3),))
     assert elastic.pool("prefill") == elastic.pool("decode") == elastic.pool("elastic")
     assert elastic.pool("prefill").max_attempts == 3

@@ -136,8 +136,8 @@ class ProxyConfig(ProxySettings):
     and decode; decode alone (colocated: nothing is split, each request goes whole to one of them, the
     baseline `pdserve bench --compare` measures disaggregation against); or an elastic pool, whose
     members take either part per request (proxy/pool/elastic.py, ``elastic_pool``). ``pool(role)`` is
-    the pool that takes a role's part of a request, so code that names instances iterates roles and
-    never asks which of the three it is."""
+    the pool that takes a role's part of a request, so code that names instances iterates the pools and
+    never asks which of the three layouts it is."""
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -151,9 +151,10 @@ class ProxyConfig(ProxySettings):
     def __post_init__(self) -> None:
         super().__post_init__()
         # With discovery a role's pool may start empty: its pods join once they are Ready.
-        if self.fronts("elastic") and len(self.pools) > 1:
+        roles = self.roles()
+        if "elastic" in roles and len(roles) > 1:
             raise ConfigError(ELASTIC_ALONE)
-        if "prefill" in self._parts and not self._parts["prefill"].has_members:
+        if "prefill" in roles and not self.pool("prefill").has_members:
             raise ConfigError(
                 "proxy needs at least one prefill instance (--prefill URL or --k8s-prefill-selector)"
             )
@@ -170,11 +171,11 @@ class ProxyConfig(ProxySettings):
 
     @cached_property
     def _parts(self) -> dict[Role, PoolSpec]:
-        """The pool that takes each role's part: its own, or an elastic pool's, whose members take either."""
+        """The pool that takes each role's part: its own, an elastic pool's (whose members take either), or
+        an empty one with the defaults. Worked out once: a request asks it on its path."""
         own = {pool.role: pool for pool in self.pools}
         elastic = own.get("elastic")
-        parts = {role: own.get(role) or elastic for role in INSTANCE_ROLES}
-        return {role: pool for role, pool in parts.items() if pool is not None}
+        return {role: own.get(role) or elastic or PoolSpec(role) for role in INSTANCE_ROLES}
 
     def roles(self) -> tuple[Role, ...]:
         """The roles of its pools, in plan order (prefill first)."""
@@ -183,11 +184,12 @@ class ProxyConfig(ProxySettings):
     def pool(self, role: Role) -> PoolSpec:
         """The pool that takes ``role``'s part of a request (an elastic pool takes both); one with no
         members and the defaults where none does (a colocated proxy's prefill)."""
-        return self._parts.get(role) or PoolSpec(role)
+        return self._parts[role]
 
-    def fronts(self, role: Role) -> bool:
-        """Whether some pool takes ``role``'s part: a colocated proxy has no prefill, so splits nothing."""
-        return role in self._parts
+    @cached_property
+    def can_split(self) -> bool:
+        """Whether a request may be split: some pool takes the prefill part (a colocated proxy's none)."""
+        return any(pool.role != "decode" for pool in self.pools)
 
     @property
     def is_discovering(self) -> bool:

@@ -343,7 +343,7 @@ class ProxyState:
     def _warm_up(self, instance: Instance) -> None:
         """Out of service while a canary per pair meets its peers (warmup.py), then in."""
         timeout_s = self._config.health.warmup_timeout_s
-        if timeout_s <= 0 or not self._config.fronts("prefill"):
+        if timeout_s <= 0 or not self._config.can_split:
             return  # no pool prefills for another: nothing moves between instances, nothing to meet
         # Its peers: the pool of the part it hands KV to or takes it from; an elastic pool's, its own.
         role = instance.role

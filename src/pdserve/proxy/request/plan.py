@@ -138,9 +138,7 @@ class Plan:
         self.timeline = timeline
         self._tries = Tries(avoid)
         self._local_reason = (
-            "colocated: no split"
-            if not rules.config.fronts("prefill")
-            else protocol.needs_local_prefill(call.body)
+            "colocated: no split" if not rules.config.can_split else protocol.needs_local_prefill(call.body)
         )
         self._phase = _PICK
         self._decode: Instance | None = None  # the decode of the last attempt
