@@ -12,7 +12,6 @@ import dataclasses
 import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Any, Final, Literal
 
 from pdserve.addresses import check_addresses, reachable
@@ -142,6 +141,11 @@ class ProxyConfig(ProxySettings):
     host: str = "127.0.0.1"
     port: int = 8000
     discovery: K8sDiscovery = field(default_factory=K8sDiscovery)
+    # Worked out from ``pools`` at construction, since a request reads them on its path: the pool that
+    # takes each role's part (``pool``), and whether a request may be split at all (a colocated proxy
+    # has no pool that prefills).
+    _parts: dict[Role, PoolSpec] = field(init=False, repr=False, compare=False)
+    can_split: bool = field(init=False, repr=False, compare=False)
 
     @classmethod
     def pd(cls, prefill: Sequence[str], decode: Sequence[str], **settings: Any) -> ProxyConfig:
@@ -150,6 +154,11 @@ class ProxyConfig(ProxySettings):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        # An elastic pool's members take either part; a part no pool takes has an empty one.
+        own = {pool.role: pool for pool in self.pools}
+        parts = {role: own.get(role) or own.get("elastic") or PoolSpec(role) for role in INSTANCE_ROLES}
+        object.__setattr__(self, "_parts", parts)
+        object.__setattr__(self, "can_split", any(pool.role != "decode" for pool in self.pools))
         # With discovery a role's pool may start empty: its pods join once they are Ready.
         roles = self.roles()
         if "elastic" in roles and len(roles) > 1:
@@ -169,14 +178,6 @@ class ProxyConfig(ProxySettings):
                 raise ConfigError(f"proxy.k8s_{one}_selector and k8s_{other}_selector must differ")
         check_port("proxy", "port", self.port)
 
-    @cached_property
-    def _parts(self) -> dict[Role, PoolSpec]:
-        """The pool that takes each role's part: its own, an elastic pool's (whose members take either), or
-        an empty one with the defaults. Worked out once: a request asks it on its path."""
-        own = {pool.role: pool for pool in self.pools}
-        elastic = own.get("elastic")
-        return {role: own.get(role) or elastic or PoolSpec(role) for role in INSTANCE_ROLES}
-
     def roles(self) -> tuple[Role, ...]:
         """The roles of its pools, in plan order (prefill first)."""
         return tuple(pool.role for pool in self.pools)
@@ -185,11 +186,6 @@ class ProxyConfig(ProxySettings):
         """The pool that takes ``role``'s part of a request (an elastic pool takes both); one with no
         members and the defaults where none does (a colocated proxy's prefill)."""
         return self._parts[role]
-
-    @cached_property
-    def can_split(self) -> bool:
-        """Whether a request may be split: some pool takes the prefill part (a colocated proxy's none)."""
-        return any(pool.role != "decode" for pool in self.pools)
 
     @property
     def is_discovering(self) -> bool:
