@@ -124,8 +124,11 @@ async def _serve(
         from pdserve.configparts import Retries
 
         options["retries"] = Retries(migrate_streams=False)
-    config = ProxyConfig(prefill_urls=("http://p:1",), decode_urls=("http://d:1",), host="127.0.0.1", port=1,
-                         max_connections_per_upstream=4096, **options)  # fmt: skip
+    options.update(host="127.0.0.1", port=1, max_connections_per_upstream=4096)
+    try:
+        config = ProxyConfig.pd(("http://p:1",), ("http://d:1",), **options)
+    except AttributeError:  # a --baseline-src from before the pools by role
+        config = ProxyConfig(prefill_urls=("http://p:1",), decode_urls=("http://d:1",), **options)  # type: ignore[call-arg,unused-ignore]
     starlette_app = create_app(config, _Instance)  # type: ignore[arg-type]
     ctx = starlette_app.state.pdserve
     ctx.flow.max_model_len = 4096  # as the proxy learns it from decode's /v1/models

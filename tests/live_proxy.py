@@ -45,7 +45,7 @@ def live_proxy(
     specs = [SimInstanceSpec("prefill")] * num_prefill + [SimInstanceSpec("decode")] * num_decode
     with sim_in_thread(specs, profile) as cluster:
         urls = tuple(cluster.urls)
-        config = ProxyConfig(urls[:num_prefill], urls[num_prefill:], port=0, kv_lease_s=profile.kv_lease_s)
+        config = ProxyConfig.pd(urls[:num_prefill], urls[num_prefill:], port=0, kv_lease_s=profile.kv_lease_s)
         with proxy_for(config) as url:
             yield LiveProxy(url, urls[:num_prefill], urls[num_prefill:], profile.served_model_name)
 

@@ -38,7 +38,7 @@ def slow_pair() -> Iterator[SlowPair]:
     profile = dataclasses.replace(load_profile("tiny-cpu"), prompt_tokens_details=True, max_num_seqs=2)
     with sim_in_thread([SimInstanceSpec("prefill"), SimInstanceSpec("decode")], profile) as cluster:
         prefill, decode = cluster.urls
-        config = ProxyConfig((prefill,), (decode,), port=0, kv_lease_s=profile.kv_lease_s)
+        config = ProxyConfig.pd((prefill,), (decode,), port=0, kv_lease_s=profile.kv_lease_s)
         with proxy_for(config) as url:
             response = httpclient.post_json(f"{decode}/sim/faults", {"token_delay_s": _TOKEN_DELAY_S}, 10)
             assert response.status == 200

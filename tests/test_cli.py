@@ -270,6 +270,12 @@ def test_up_elastic_starts_n_instances_of_any_role_instead_of_prefill_and_decode
         (["proxy", "--instance", "h:1", "--prefill", "h:2"], "give them as --instance only"),
         (["proxy", "--instance", "h:1", "--colocated"], "give them as --instance only"),
         (["proxy", "--instance", "h:1", "--decode", "h:2"], "give them as --instance only"),
+        (["proxy", "--instance", "h:1", "--k8s-prefill-selector", "a=b"], "give them as --instance only"),
+        (["proxy", "--instance", "h:1", "--max-decode-attempts", "3"], "--max-decode-attempts 3 must agree"),
+        (
+            ["up", "--elastic", "2", "--prefill-policy", "prefix_aware"],
+            "--decode-policy round_robin must agree",
+        ),
     ],
 )
 def test_an_elastic_pool_given_wrong_is_a_clear_error(
@@ -312,8 +318,10 @@ def test_proxy_instance_fronts_an_elastic_pool(monkeypatch: pytest.MonkeyPatch) 
             "--cost-profile", "tiny-cpu"]  # fmt: skip
     assert main(argv) == 0
     [config] = served
-    assert config.elastic and config.prefill_urls == () and config.decode_urls == ("http://h:1", "http://h:2")
+    assert config.roles() == ("elastic",) and config.pool("elastic").urls == ("http://h:1", "http://h:2")
     assert config.elastic_pool.costs == load_profile("tiny-cpu").costs()
     assert config.elastic_pool.slo.ttft_ms == 900
     assert main(["proxy", "--instance", "h:1"]) == 0
     assert served[1].elastic_pool.costs is None  # `proxy` knows nothing of the engines: no costs unless told
+    assert main(["proxy", "--instance", "h:1", "--k8s-decode-selector", "role=any"]) == 0
+    assert served[2].pool("elastic").selector == "role=any"  # its pods join the elastic pool

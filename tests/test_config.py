@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 
@@ -16,7 +17,7 @@ from pdserve.config import (
     lease_warnings,
     normalize_url,
 )
-from pdserve.configparts import AdmissionLimits, ApiKeys, HealthChecks, Retries, Routing
+from pdserve.configparts import AdmissionLimits, ApiKeys, HealthChecks, PoolSpec, Retries, Routing
 from pdserve.errors import ConfigError
 from pdserve.topologyfile import topology_from_mapping
 from pdserve.tppairing import KVShape
@@ -60,9 +61,9 @@ def test_what_is_not_an_instance_url_is_refused(given: str) -> None:
 
 
 def test_proxy_config_normalises_its_urls() -> None:
-    config = ProxyConfig(("127.0.0.1:8100",), ("http://127.0.0.1:8101/", "127.0.0.1:8102"))
-    assert config.prefill_urls == ("http://127.0.0.1:8100",)
-    assert config.decode_urls == ("http://127.0.0.1:8101", "http://127.0.0.1:8102")
+    config = ProxyConfig.pd(("127.0.0.1:8100",), ("http://127.0.0.1:8101/", "127.0.0.1:8102"))
+    assert config.pool("prefill").urls == ("http://127.0.0.1:8100",)
+    assert config.pool("decode").urls == ("http://127.0.0.1:8101", "http://127.0.0.1:8102")
 
 
 @pytest.mark.parametrize(
@@ -70,12 +71,12 @@ def test_proxy_config_normalises_its_urls() -> None:
 )
 def test_proxy_needs_both_roles(prefill: tuple[str, ...], decode: tuple[str, ...], flag: str) -> None:
     with pytest.raises(ConfigError, match=flag):
-        ProxyConfig(prefill, decode)
+        ProxyConfig.pd(prefill, decode)
 
 
 def test_proxy_config_rejects_a_bad_instance_url() -> None:
     with pytest.raises(ConfigError, match="http://h:1/v1"):
-        ProxyConfig(("http://h:1/v1",), ("h:2",))
+        ProxyConfig.pd(("http://h:1/v1",), ("h:2",))
 
 
 @pytest.mark.parametrize(
@@ -84,7 +85,7 @@ def test_proxy_config_rejects_a_bad_instance_url() -> None:
 )
 def test_proxy_config_names_the_bad_field(field: str, value: int) -> None:
     with pytest.raises(ConfigError, match=rf"proxy\.{field}"):
-        ProxyConfig(("h:1",), ("h:2",), **{field: value})
+        ProxyConfig.pd(("h:1",), ("h:2",), **{field: value})
 
 
 @pytest.mark.parametrize(
@@ -92,7 +93,7 @@ def test_proxy_config_names_the_bad_field(field: str, value: int) -> None:
     [
         (lambda: AdmissionLimits(max_body_bytes=0), r"proxy\.admission\.max_body_bytes"),
         (lambda: AdmissionLimits(max_concurrent=0), r"proxy\.admission\.max_concurrent"),
-        (lambda: Retries(max_decode_attempts=0), r"proxy\.retries\.max_decode_attempts"),
+        (lambda: PoolSpec("decode", max_attempts=0), r"proxy\.decode\.max_attempts"),
         (lambda: Retries(first_backoff_s=-1), r"proxy\.retries\.first_backoff_s"),
         (lambda: HealthChecks(interval_s=0), r"proxy\.health\.interval_s"),
         (lambda: HealthChecks(breaker_cooldown_s=-1), r"proxy\.health\.breaker_cooldown_s"),
@@ -108,8 +109,9 @@ def test_each_part_of_the_proxy_config_names_its_bad_field(make: Callable[[], ob
 def test_settings_fronting_instances_keep_every_setting() -> None:
     settings = ProxySettings(
         timeouts=Timeouts(connect=1),
-        routing=Routing(prefill_policy="prefix_aware"),
-        retries=Retries(max_decode_attempts=3),
+        pools=(PoolSpec("prefill", policy="prefix_aware"), PoolSpec("decode", max_attempts=3)),
+        routing=Routing(tokenizer="/models/m"),
+        retries=Retries(first_backoff_s=0.5),
         admission=AdmissionLimits(max_queued=1),
         health=HealthChecks(interval_s=9),
         api_keys=ApiKeys(upstream="u"),
@@ -118,17 +120,38 @@ def test_settings_fronting_instances_keep_every_setting() -> None:
         workers=2,
         otlp_traces_endpoint="http://collector:4318/v1/traces",
     )
-    config = settings.fronting(("h:1",), ("h:2",), host="0.0.0.0", port=9000)
+    config = settings.fronting({"prefill": ("h:1",), "decode": ("h:2",)}, host="0.0.0.0", port=9000)
     for f in dataclasses.fields(ProxySettings):
-        assert getattr(config, f.name) == getattr(settings, f.name), f.name
+        # The pools gain their instances; every other setting is carried as it is.
+        kept = (
+            getattr(config, f.name) if f.name != "pools" else tuple(replace(p, urls=()) for p in config.pools)
+        )
+        assert kept == getattr(settings, f.name), f.name
         assert getattr(settings, f.name) != f.default, (
             f"{f.name} left at its default: the check proves nothing"
         )
-    assert (config.host, config.port, config.prefill_urls) == ("0.0.0.0", 9000, ("http://h:1",))
+    assert (config.host, config.port, config.pool("prefill").urls) == ("0.0.0.0", 9000, ("http://h:1",))
+    assert (config.pool("prefill").policy, config.pool("decode").max_attempts) == ("prefix_aware", 3)
+
+
+def test_each_role_is_a_pool_and_an_elastic_pool_takes_either_part() -> None:
+    pd = ProxyConfig.pd(("h:1",), ("h:2",))
+    assert pd.roles() == ("prefill", "decode") and pd.can_split
+    colocated = ProxyConfig(pools=(PoolSpec("decode", ("h:2",)),))  # no prefill pool: nothing is split
+    assert not colocated.can_split and colocated.pool("prefill").urls == ()
+    elastic = ProxyConfig(pools=(PoolSpec("elastic", ("h:1", "h:2"), max_attempts=3),))
+    assert elastic.pool("prefill") == elastic.pool("decode") == elastic.pool("elastic")
+    assert elastic.pool("prefill").max_attempts == 3
+    with pytest.raises(ConfigError, match="give them as --instance only"):
+        ProxyConfig(pools=(PoolSpec("prefill", ("h:1",)), PoolSpec("elastic", ("h:2",))))
+    with pytest.raises(ConfigError, match="2 decode pools"):
+        ProxyConfig(pools=(PoolSpec("decode", ("h:1",)), PoolSpec("decode", ("h:2",))))
+    with pytest.raises(ConfigError, match="role must be one of prefill, decode, elastic"):
+        PoolSpec("both")  # type: ignore[arg-type]
 
 
 def test_proxy_config_is_frozen() -> None:
-    config = ProxyConfig(("h:1",), ("h:2",))
+    config = ProxyConfig.pd(("h:1",), ("h:2",))
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.port = 1  # type: ignore[misc]
     assert dataclasses.replace(config, port=9000).port == 9000
@@ -267,16 +290,15 @@ def test_a_wildcard_host_is_reached_and_advertised_as_loopback() -> None:
 def test_start_up_warns_when_decode_attempts_can_outlast_half_the_kv_lease() -> None:
     # 3 attempts x 5 s connect + two backoffs (0.05 s, 0.1 s) reach half of a 30 s lease: a retried
     # handoff would rarely still be held.
-    config = ProxyConfig(
-        ("http://p:1",), ("http://d:1",), retries=Retries(max_decode_attempts=3), kv_lease_s=30
-    )
+    pools = (PoolSpec("prefill", ("http://p:1",)), PoolSpec("decode", ("http://d:1",), max_attempts=3))
+    config = ProxyConfig(pools=pools, kv_lease_s=30)
     [warning] = lease_warnings(config)
     assert "3 decode attempts x connect timeout 5 s" in warning and "--kv-lease" in warning
-    assert lease_warnings(ProxyConfig(("http://p:1",), ("http://d:1",))) == []  # the defaults fit
+    assert lease_warnings(ProxyConfig.pd(("http://p:1",), ("http://d:1",))) == []  # the defaults fit
 
 
 def test_start_up_warns_of_a_kv_lease_a_stalled_decode_outlasts() -> None:
-    config = ProxyConfig(("http://p:1",), ("http://d:1",), kv_lease_s=8, timeouts=Timeouts(connect=1))
+    config = ProxyConfig.pd(("http://p:1",), ("http://d:1",), kv_lease_s=8, timeouts=Timeouts(connect=1))
     [warning] = lease_warnings(config)
     assert warning.startswith("KV lease 8 s:") and "prefills again" in warning
 

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from types import FrameType
 
 from pdserve.commands import flags
-from pdserve.config import proxy_default
+from pdserve.config import ELASTIC_ALONE, ProxyConfig, Role, proxy_default
 from pdserve.errors import ConfigError, PDServeError
 
 
@@ -76,24 +76,39 @@ def cmd_up(a: argparse.Namespace) -> int:
 
 
 def cmd_proxy(a: argparse.Namespace) -> int:
-    from pdserve.k8s.command import k8s_discovery
     from pdserve.proxy.serving.workers import serve
+
+    serve(proxy_config_from_args(a), a.log_level)
+    return 0
+
+
+def proxy_config_from_args(a: argparse.Namespace) -> ProxyConfig:
+    """`pdserve proxy`'s config: a pool per role its flags give (prefill and decode; decode alone with
+    --colocated; an elastic pool with --instance), each with its URLs and its pods' label selector."""
+    from pdserve.k8s.command import k8s_discovery
 
     if a.instance and a.decode:
         raise ConfigError(
             "an elastic pool has instances of any role: give them as --instance only (not with --decode)"
         )
-    config = flags.proxy_settings_from_args(a).fronting(
-        tuple(a.prefill),
-        tuple(a.instance or a.decode),
-        host=a.host,
-        port=a.port,
-        discovery=k8s_discovery(a),
-        colocated=a.colocated,
-        elastic=bool(a.instance),
+    if a.colocated and (a.instance or a.prefill or a.k8s_prefill_selector):
+        raise ConfigError(
+            ELASTIC_ALONE
+            if a.instance
+            else "a colocated proxy splits nothing: give its instances as --decode only"
+        )
+    members: dict[Role, tuple[str, ...]] = {"prefill": tuple(a.prefill), "decode": tuple(a.decode)}
+    if a.instance:  # its pods are found by the decode selector; a prefill beside it, the config refuses
+        members = {"elastic": tuple(a.instance), **({"prefill": members["prefill"]} if a.prefill else {})}
+    elif a.colocated:
+        del members["prefill"]
+    selectors: dict[Role, str | None] = {
+        "prefill": a.k8s_prefill_selector,
+        "elastic" if a.instance else "decode": a.k8s_decode_selector,
+    }
+    return flags.proxy_settings_from_args(a).fronting(
+        members, host=a.host, port=a.port, discovery=k8s_discovery(a), selectors=selectors
     )
-    serve(config, a.log_level)
-    return 0
 
 
 def cmd_verify(a: argparse.Namespace) -> int:

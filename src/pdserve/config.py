@@ -2,61 +2,47 @@
 
 The CLI builds these; nothing mutates them afterwards (derive a variant with ``dataclasses.replace``).
 Each ``__post_init__`` raises ``ConfigError`` naming the field, so a bad flag fails at start, not mid-request.
-``ProxyConfig`` composes the parts in configparts.py (routing, retries, admission, health, keys,
-discovery); ``Topology`` holds one ``RoleSpec`` per role.
+``ProxyConfig`` composes the parts in configparts.py (a ``PoolSpec`` per role, routing, retries,
+admission, health, keys, discovery); ``Topology`` holds one ``RoleSpec`` per role.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
-from urllib.parse import urlsplit
 
 from pdserve.addresses import check_addresses, reachable
+from pdserve.configparts import INSTANCE_ROLES as INSTANCE_ROLES
+from pdserve.configparts import ROLES as ROLES
 from pdserve.configparts import (
     AdmissionLimits,
     ApiKeys,
     ElasticPool,
     HealthChecks,
     K8sDiscovery,
+    PoolSpec,
     Retries,
     Routing,
     check_port,
     check_positive,
 )
+from pdserve.configparts import Role as Role
+from pdserve.configparts import normalize_url as normalize_url
 from pdserve.errors import ConfigError
+from pdserve.labels import label_selector
 from pdserve.tppairing import UNKNOWN_SHAPE, KVShape, TPPairing, block_size, pair_tp, tensor_parallel_size
 
-# An instance's role: prefill or decode of a PD topology, or one of an elastic pool, which takes either
-# per request (or serves it whole) as the proxy decides (proxy/pool/elastic.py).
-Role = Literal["prefill", "decode", "elastic"]
 Device = Literal["cpu", "cuda"]
 EngineKind = Literal["vllm", "sim"]
 OnInstanceExit = Literal["restart", "stop"]
-ROLES: tuple[Role, ...] = ("prefill", "decode")  # the roles of a split (PD) topology
-INSTANCE_ROLES: tuple[Role, ...] = (*ROLES, "elastic")  # every role a topology may give its instances
 MAX_WORKERS: Final = 64
-
-
-def normalize_url(url: str) -> str:
-    """``host:port`` or ``http://host:port/`` → ``http://host:port``; ConfigError if it is not a URL."""
-    candidate = url.strip()
-    if candidate.endswith("://"):
-        raise ConfigError(f"not an instance URL: {url!r} (expected http://host:port)")
-    candidate = candidate.rstrip("/")
-    if "://" not in candidate:
-        candidate = "http://" + candidate
-    parts = urlsplit(candidate)
-    try:
-        port = parts.port  # ValueError for "h:notaport" and "h:99999"
-    except ValueError:
-        port = -1
-    if parts.scheme not in ("http", "https") or not parts.hostname or port == -1:
-        raise ConfigError(f"not an instance URL: {url!r} (expected http://host:port)")
-    if parts.path not in ("", "/") or parts.query or parts.fragment:
-        raise ConfigError(f"instance URL {url!r} must be just http://host:port (no path or query)")
-    return candidate
+ELASTIC_ALONE: Final = (
+    "an elastic pool has instances of any role: give them as --instance only "
+    "(not with --prefill or --colocated)"
+)
 
 
 @dataclass(frozen=True)
@@ -82,6 +68,9 @@ class ProxySettings:
     """How the proxy behaves, whatever it fronts: what `pdserve up` is told before its instances exist.
     ``ProxyConfig`` is these plus where it listens and which instances it serves (``fronting``)."""
 
+    # Each role's pool as far as it is known: its routing policy and attempt limit, and once ``fronting``
+    # names them, its instances. A role not listed here gets PoolSpec's defaults.
+    pools: tuple[PoolSpec, ...] = ()
     timeouts: Timeouts = field(default_factory=Timeouts)
     routing: Routing = field(default_factory=Routing)
     elastic_pool: ElasticPool = field(default_factory=ElasticPool)
@@ -106,71 +95,102 @@ class ProxySettings:
         )
         if not 1 <= self.workers <= MAX_WORKERS:
             raise ConfigError(f"proxy.workers must be in 1..{MAX_WORKERS}, got {self.workers}")
+        roles = [pool.role for pool in self.pools]
+        for role in INSTANCE_ROLES:
+            if roles.count(role) > 1:
+                raise ConfigError(f"proxy.pools has {roles.count(role)} {role} pools: give each role one")
 
     def fronting(
         self,
-        prefill_urls: tuple[str, ...],
-        decode_urls: tuple[str, ...],
+        members: Mapping[Role, Sequence[str]],
         *,
         host: str,
         port: int,
         discovery: K8sDiscovery | None = None,
-        colocated: bool = False,
-        elastic: bool = False,
+        selectors: Mapping[Role, str | None] | None = None,
     ) -> ProxyConfig:
-        """The whole config of a proxy with these settings, listening at ``host:port`` in front of
-        these instances (and the pods ``discovery`` finds)."""
+        """The whole config of a proxy with these settings, listening at ``host:port`` in front of a pool
+        for each role of ``members`` (role → its instances' URLs) and of ``selectors`` (role → the label
+        selector ``discovery`` finds its pods by), each with that role's policy and limit in ``pools``."""
+        given = {pool.role: pool for pool in self.pools}
+        found = {role: text for role, text in (selectors or {}).items() if text is not None}
+        pools = tuple(
+            dataclasses.replace(
+                given.get(role, PoolSpec(role)), urls=tuple(members.get(role, ())), selector=found.get(role)
+            )
+            for role in INSTANCE_ROLES
+            if role in members or role in found
+        )
         # Every setting as it is: ProxyConfig is a ProxySettings, so each name is one of its parameters,
         # and a setting added later is carried without a list here to keep in step.
         settings = {f.name: getattr(self, f.name) for f in dataclasses.fields(ProxySettings)}
-        return ProxyConfig(
-            prefill_urls, decode_urls, host, port, discovery or K8sDiscovery(), colocated, elastic, **settings
-        )
+        return ProxyConfig(host, port, discovery or K8sDiscovery(), **{**settings, "pools": pools})
 
 
 @dataclass(frozen=True)
 class ProxyConfig(ProxySettings):
-    """A proxy's whole config: its settings (keyword-only) plus where it listens and what it fronts."""
+    """A proxy's whole config: its settings (keyword-only) plus where it listens and what it fronts.
 
-    prefill_urls: tuple[str, ...]
-    decode_urls: tuple[str, ...]
+    What it fronts is its ``pools``, one per role, as ``Topology`` holds a ``RoleSpec`` per role: prefill
+    and decode; decode alone (colocated: nothing is split, each request goes whole to one of them, the
+    baseline `pdserve bench --compare` measures disaggregation against); or an elastic pool, whose
+    members take either part per request (proxy/pool/elastic.py, ``elastic_pool``). ``pool(role)`` is
+    the pool that takes a role's part of a request, so code that names instances iterates the pools and
+    never asks which of the three layouts it is."""
+
     host: str = "127.0.0.1"
     port: int = 8000
     discovery: K8sDiscovery = field(default_factory=K8sDiscovery)
-    # No split at all: each request is served whole by one instance of the decode pool. The colocated
-    # baseline that `pdserve bench --compare` measures disaggregation against, through the same proxy.
-    colocated: bool = False
-    # Instances of any role (``decode_urls``; ``--instance URL``): per request the proxy decides whether
-    # to split and which instance prefills and which decodes (proxy/pool/elastic.py, ``elastic_pool``).
-    elastic: bool = False
+    # Worked out from ``pools`` at construction, since a request reads them on its path: the pool that
+    # takes each role's part (``pool``), and whether a request may be split at all (a colocated proxy
+    # has no pool that prefills).
+    _parts: dict[Role, PoolSpec] = field(init=False, repr=False, compare=False)
+    can_split: bool = field(init=False, repr=False, compare=False)
+
+    @classmethod
+    def pd(cls, prefill: Sequence[str], decode: Sequence[str], **settings: Any) -> ProxyConfig:
+        """A prefill/decode proxy in front of these instances, each pool with the default policy and limit."""
+        return cls(pools=(PoolSpec("prefill", tuple(prefill)), PoolSpec("decode", tuple(decode))), **settings)
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        # An elastic pool's members take either part; a part no pool takes has an empty one.
+        own = {pool.role: pool for pool in self.pools}
+        parts = {role: own.get(role) or own.get("elastic") or PoolSpec(role) for role in INSTANCE_ROLES}
+        object.__setattr__(self, "_parts", parts)
+        object.__setattr__(self, "can_split", any(pool.role != "decode" for pool in self.pools))
         # With discovery a role's pool may start empty: its pods join once they are Ready.
-        discovery = self.discovery
-        if self.elastic and (self.colocated or self.prefill_urls or discovery.prefill_selector is not None):
-            raise ConfigError(
-                "an elastic pool has instances of any role: give them as --instance only (not with "
-                "--prefill or --colocated)"
-            )
-        if (
-            not self.prefill_urls
-            and not (self.colocated or self.elastic)
-            and discovery.prefill_selector is None
-        ):
+        roles = self.roles()
+        if "elastic" in roles and len(roles) > 1:
+            raise ConfigError(ELASTIC_ALONE)
+        if "prefill" in roles and not self.pool("prefill").has_members:
             raise ConfigError(
                 "proxy needs at least one prefill instance (--prefill URL or --k8s-prefill-selector)"
             )
-        if (self.prefill_urls or discovery.prefill_selector is not None) and self.colocated:
-            raise ConfigError("a colocated proxy splits nothing: give its instances as --decode only")
-        if not self.decode_urls and discovery.decode_selector is None:
+        if not self.pool("decode").has_members:
             raise ConfigError(
                 "proxy needs at least one decode instance (--decode URL or --k8s-decode-selector), or "
                 "instances of any role (--instance URL)"
             )
-        object.__setattr__(self, "prefill_urls", tuple(normalize_url(u) for u in self.prefill_urls))
-        object.__setattr__(self, "decode_urls", tuple(normalize_url(u) for u in self.decode_urls))
+        selectors = [(p.role, label_selector(p.selector)) for p in self.pools if p.selector is not None]
+        for (one, parsed), (other, same) in itertools.combinations(selectors, 2):
+            if parsed == same:
+                raise ConfigError(f"proxy.k8s_{one}_selector and k8s_{other}_selector must differ")
         check_port("proxy", "port", self.port)
+
+    def roles(self) -> tuple[Role, ...]:
+        """The roles of its pools, in plan order (prefill first)."""
+        return tuple(pool.role for pool in self.pools)
+
+    def pool(self, role: Role) -> PoolSpec:
+        """The pool that takes ``role``'s part of a request (an elastic pool takes both); one with no
+        members and the defaults where none does (a colocated proxy's prefill)."""
+        return self._parts[role]
+
+    @property
+    def is_discovering(self) -> bool:
+        """Whether some pool's members are found on Kubernetes (proxy/pool/discovery.py)."""
+        return any(pool.selector is not None for pool in self.pools)
 
     def worker_share(self) -> ProxyConfig:
         """What each of ``workers`` processes enforces: its share of the admission limits, rounded up."""
@@ -199,7 +219,7 @@ def lease_warnings(config: ProxyConfig) -> list[str]:
     When those limits reach the lease, a handoff can expire in the proxy's hands; pdserve then prefills
     again rather than hand it on, which costs time, so they deserve a warning, not a refusal.
     """
-    lease, t, attempts = config.kv_lease_s, config.timeouts, config.retries.max_decode_attempts
+    lease, t, attempts = config.kv_lease_s, config.timeouts, config.pool("decode").max_attempts
     warnings = []
     reach = attempts * t.connect + sum(config.retries.backoff(n) for n in range(1, attempts))
     if reach >= lease / 2:
@@ -265,7 +285,7 @@ class Topology:
     decode: RoleSpec = field(default_factory=RoleSpec)
     # Instead of prefill and decode: an elastic pool, instances of role "elastic" (elastic-0, ...) that
     # each can prefill for another, decode from another or serve a request whole; the proxy decides per
-    # request (ProxyConfig.elastic). None: a PD topology.
+    # request (the proxy's elastic pool). None: a PD topology.
     elastic: RoleSpec | None = None
     host: str = "127.0.0.1"
     proxy_port: int = 8000

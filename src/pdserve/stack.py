@@ -167,13 +167,11 @@ class Stack:
     ) -> None:
         self.engines = self._backend(specs, entrypoint)
         self.engines.start()
-        # An elastic pool's instances are the proxy's decode pool, each free to prefill for another.
+        # A pool per role the topology starts: prefill and decode, or an elastic pool.
         config = proxy.fronting(
-            tuple(self.urls("prefill")),
-            (*self.urls("decode"), *self.urls("elastic")),
+            {role: self.urls(role) for role, _ in self.topology.roles()},
             host=self.topology.host,
             port=self.topology.proxy_port,
-            elastic=self.topology.is_elastic,
         )
         self.proxy = proxy_for(config, self._proxy_log_level)
         self.proxy.start()

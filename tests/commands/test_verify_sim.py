@@ -144,7 +144,7 @@ def test_wrong_kv_in_the_last_partial_block_fails_every_answer_streamed_or_not(p
             front_url,
             front,
         ),
-        proxy_for(ProxyConfig((proxy.prefill[0],), (front_url,), port=0)) as url,
+        proxy_for(ProxyConfig.pd((proxy.prefill[0],), (front_url,), port=0)) as url,
     ):
         report = verify(url, say=lambda _line: None)
     wrong = [what for what in _failed(report) if "its logprobs agree" in what]
@@ -162,7 +162,7 @@ def test_verify_proves_through_the_proxy_alone_when_it_cannot_reach_the_instance
     """As from a laptop through a Kubernetes port-forward: only the proxy answers."""
     said: list[str] = []
     with proxy_for(
-        ProxyConfig(proxy.prefill, proxy.decode, port=0, api_keys=ApiKeys(admin="admin-secret"))
+        ProxyConfig.pd(proxy.prefill, proxy.decode, port=0, api_keys=ApiKeys(admin="admin-secret"))
     ) as url:
         blocked, request = (*proxy.prefill, *proxy.decode), httpclient.request
 
@@ -199,7 +199,7 @@ def word_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 def _skipping(proxy: LiveProxy, tokenizer: str, below: int) -> ProxyConfig:
     routing = Routing(tokenizer=tokenizer, skip_prefill_below_tokens=below)
-    return ProxyConfig(proxy.prefill, proxy.decode, port=0, routing=routing)
+    return ProxyConfig.pd(proxy.prefill, proxy.decode, port=0, routing=routing)
 
 
 def test_a_proxy_that_keeps_every_prompt_whole_cannot_be_proven_and_verify_says_so(

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.vllm
 
 @contextlib.contextmanager
 def _proxy(prefill: str, decode: str, port: int) -> Iterator[ProxyThread]:
-    proxy = ProxyThread(ProxyConfig(prefill_urls=(prefill,), decode_urls=(decode,), port=port))
+    proxy = ProxyThread(ProxyConfig.pd((prefill,), (decode,), port=port))
     proxy.start()
     try:
         yield proxy

@@ -96,7 +96,7 @@ def test_a_recomputed_prompt_fails_by_its_request_id(pair: Stack) -> None:
     [prefill], [decode] = pair.urls("prefill"), pair.urls("decode")
     with (
         decode_front(decode, _broken_pull_after_a_cached_prefix(decode)) as (front_url, front),
-        proxy_for(ProxyConfig((prefill,), (front_url,), port=0)) as url,
+        proxy_for(ProxyConfig.pd((prefill,), (front_url,), port=0)) as url,
     ):
         report = verify(url, say=lambda _m: None, tolerance=kvproof.FLOAT32)
     assert "handshake_failed" in _decode_log(pair)  # the pulls did fail; vLLM recomputed and answered
@@ -111,7 +111,7 @@ def test_wrong_kv_in_the_last_partial_block_fails_every_answer_streamed_or_not(p
     [prefill], [decode] = pair.urls("prefill"), pair.urls("decode")
     with (
         decode_front(decode, last_block_swapped(prefill, decode)) as (front_url, front),
-        proxy_for(ProxyConfig((prefill,), (front_url,), port=0)) as url,
+        proxy_for(ProxyConfig.pd((prefill,), (front_url,), port=0)) as url,
     ):
         report = verify(url, say=lambda _m: None, tolerance=kvproof.FLOAT32)
     wrong = [what for what in _failed(report) if "its logprobs agree" in what]

@@ -94,9 +94,9 @@ def across(network: Network, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     group = EngineGroup(
         (prefill, decode), engine_python, run_dir, 300.0, lambda m: print(f"[netns] {m}", flush=True)
     )
-    config = ProxyConfig(
-        prefill_urls=(prefill.url,),
-        decode_urls=(decode.url,),
+    config = ProxyConfig.pd(
+        (prefill.url,),
+        (decode.url,),
         host=network.gateway,  # on the bridge: reachable from decode's namespace, for doctor
         port=PROXY_PORT,
         routing=Routing(tokenizer=model.path, prefix_block_size=128),

@@ -134,9 +134,9 @@ def test_frozen_prefill_ends_request_with_clear_error_then_recovers(
     pgid = stack.engines.group.pid(prefill)
     assert pgid is not None
     quick = ProxyThread(
-        ProxyConfig(
-            prefill_urls=tuple(stack.urls("prefill")),
-            decode_urls=tuple(stack.urls("decode")),
+        ProxyConfig.pd(
+            tuple(stack.urls("prefill")),
+            tuple(stack.urls("decode")),
             port=18010,
             timeouts=Timeouts(connect=2, prefill=3),
             retries=STRICT,  # prefill's failure reaches the client: no decode computing the prompt
@@ -163,9 +163,7 @@ def test_frozen_prefill_ends_request_with_clear_error_then_recovers(
 
 def test_dead_prefill_url_fails_fast_naming_it(stack: Stack, model_name: str) -> None:
     dead = "http://127.0.0.1:18099"
-    proxy = ProxyThread(
-        ProxyConfig(prefill_urls=(dead,), decode_urls=tuple(stack.urls("decode")), port=18011, retries=STRICT)
-    )
+    proxy = ProxyThread(ProxyConfig.pd((dead,), tuple(stack.urls("decode")), port=18011, retries=STRICT))
     proxy.start()
     try:
         c = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="unused", max_retries=0, timeout=30)

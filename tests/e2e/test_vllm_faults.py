@@ -73,7 +73,7 @@ def quick(stack: Stack) -> Iterator[tuple[ProxyThread, openai.OpenAI]]:
     returning instance to the session's proxy: a second canary, sent whenever this proxy's own checks
     see the instance back, would land among the transfers a test counts."""
     proxy = ProxyThread(
-        ProxyConfig(
+        ProxyConfig.pd(
             tuple(stack.urls("prefill")),
             tuple(stack.urls("decode")),
             port=18020,

@@ -18,8 +18,8 @@ from lightkube.resources.core_v1 import Pod
 from lightkube.types import PatchType
 
 from asgi_rig import listening_socket, serve_in_thread
-from pdserve.config import ProxyConfig, Timeouts
-from pdserve.configparts import HealthChecks, K8sDiscovery
+from pdserve.config import ROLES, ProxyConfig, Timeouts
+from pdserve.configparts import HealthChecks, K8sDiscovery, PoolSpec
 from pdserve.proxy.serving.server import make_server
 
 NAMESPACE = "serving"
@@ -117,17 +117,11 @@ def discovering_proxy(api_server: str, **config: Any) -> Iterator[str]:
     """A real proxy (uvloop, httptools) in its own thread, with no static instances: only discovery."""
     sock = listening_socket()
     proxy_config = ProxyConfig(
-        (),
-        (),
+        pools=tuple(PoolSpec(role, selector=SELECTORS[role]) for role in ROLES),
         port=sock.getsockname()[1],
         timeouts=Timeouts(connect=1, prefill=5, first_token=5, idle=5, decode=10),
         health=HealthChecks(interval_s=0.5),
-        discovery=K8sDiscovery(
-            prefill_selector=SELECTORS["prefill"],
-            decode_selector=SELECTORS["decode"],
-            namespace=NAMESPACE,
-            api_server=api_server,
-        ),
+        discovery=K8sDiscovery(namespace=NAMESPACE, api_server=api_server),
         **config,
     )
     with serve_in_thread(make_server(proxy_config, log_level="warning"), sock, stop_s=15) as url:

@@ -7,28 +7,30 @@ import pytest
 
 from pdserve.cli import build_parser, main
 from pdserve.config import ProxyConfig
-from pdserve.configparts import K8sDiscovery
+from pdserve.configparts import K8sDiscovery, PoolSpec
 from pdserve.errors import ConfigError
 from pdserve.labels import label_selector
 from pdserve.proxy.pool.discovery import pod_url
 from pdserve.proxy.pool.k8s_watch import PodView
 
 
-def test_a_proxy_with_discovery_starts_with_no_instances_and_one_without_does_not() -> None:
-    both = K8sDiscovery(prefill_selector="role=prefill", decode_selector="role=decode")
-    assert ProxyConfig((), (), discovery=both).discovery.is_enabled
-    prefill_only = K8sDiscovery(prefill_selector="role=prefill")
-    assert ProxyConfig((), ("http://d:1",), discovery=prefill_only).discovery.is_enabled
+def test_a_proxy_with_discovery_starts_with_no_instances_and_one_without_does_not(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    both = (PoolSpec("prefill", selector="role=prefill"), PoolSpec("decode", selector="role=decode"))
+    assert ProxyConfig(pools=both).is_discovering
+    prefill_only = (PoolSpec("prefill", selector="role=prefill"), PoolSpec("decode"))
+    assert ProxyConfig(pools=(prefill_only[0], PoolSpec("decode", ("http://d:1",)))).is_discovering
     with pytest.raises(ConfigError, match="prefill instance"):
-        ProxyConfig((), (), discovery=K8sDiscovery(decode_selector="role=decode"))
+        ProxyConfig(pools=(PoolSpec("prefill"), PoolSpec("decode", selector="role=decode")))
     with pytest.raises(ConfigError, match="decode instance"):
-        ProxyConfig((), (), discovery=prefill_only)
-    with pytest.raises(ConfigError, match="colocated"):
-        ProxyConfig(
-            (), (), colocated=True, discovery=K8sDiscovery(prefill_selector="a=b", decode_selector="c=d")
-        )
+        ProxyConfig(pools=prefill_only)
+    # --colocated has no prefill pool: a prefill selector beside it is refused as a prefill URL is.
+    argv = ["proxy", "--colocated", "--k8s-prefill-selector", "a=b", "--k8s-decode-selector", "c=d"]
+    assert main(argv) == 2
+    assert "colocated" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="must differ"):
-        ProxyConfig((), (), discovery=K8sDiscovery(prefill_selector="a=b", decode_selector="a==b"))
+        ProxyConfig(pools=(PoolSpec("prefill", selector="a=b"), PoolSpec("decode", selector="a==b")))
 
 
 def test_selectors_are_equality_labels_as_the_peers_take_them() -> None:
@@ -49,7 +51,7 @@ def test_selectors_are_equality_labels_as_the_peers_take_them() -> None:
 )  # fmt: skip
 def test_bad_discovery_settings_fail_at_start(field: str, value: str) -> None:
     with pytest.raises(ConfigError, match=field):  # named as the flag names it: --k8s-port
-        K8sDiscovery(prefill_selector="a=b", decode_selector="c=d", **{field.removeprefix("k8s_"): value})
+        K8sDiscovery(**{field.removeprefix("k8s_"): value})
 
 
 def test_pdserve_proxy_takes_discovery_flags_instead_of_urls(capsys: pytest.CaptureFixture[str]) -> None:

@@ -23,10 +23,8 @@ import pytest
 import referencing
 import yaml
 
-from pdserve.cli import build_parser, main
-from pdserve.config import ProxyConfig
+from pdserve.cli import build_parser, main, proxy_config_from_args
 from pdserve.engines.placement import kv_transfer_config
-from pdserve.k8s.command import k8s_discovery
 from pdserve.labels import label_selector
 
 KUBE_VERSIONS = ("1.29", "1.37")  # an older cluster and the newest schemas the validator ships
@@ -159,10 +157,11 @@ def test_the_proxy_discovers_exactly_the_pods_rendered_for_each_role(
     container = proxy_pod["spec"]["containers"][0]
     # The proxy's arguments are pdserve's own flags and make a valid config with no static instances.
     a = build_parser().parse_args(container["args"])
-    config = ProxyConfig((), (), discovery=k8s_discovery(a))
+    config = proxy_config_from_args(a)
     lws_leader = {"leaderworkerset.sigs.k8s.io/worker-index": "0"}  # set by the LWS controller on leaders
     discovery = config.discovery
-    for role, selector in (("prefill", discovery.prefill_selector), ("decode", discovery.decode_selector)):
+    assert config.roles() == ("prefill", "decode")
+    for role, selector in ((role, config.pool(role).selector) for role in config.roles()):
         assert selector is not None
         wanted = label_selector(selector)
         for other, workload in workloads.items():

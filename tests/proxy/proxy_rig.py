@@ -13,7 +13,7 @@ from fake_vllm import FakeVLLM
 
 from asgi_rig import listening_socket, serve_in_thread
 from pdserve.config import ProxyConfig, Timeouts
-from pdserve.configparts import HealthChecks, Retries
+from pdserve.configparts import HealthChecks, PoolSpec, Retries
 from pdserve.proxy.serving.server import make_server
 
 # Short, so fault tests end quickly; every wait in a test is bounded by one of these plus slack.
@@ -47,13 +47,20 @@ STRICT = Retries(fallback_to_local_prefill=False, prefill_stands_in=False)
 NO_BREAKER = HealthChecks(breaker_threshold=10**6)
 
 
+def elastic_pool(urls: Sequence[str], **spec: Any) -> tuple[PoolSpec, ...]:
+    """The pools of a proxy in front of an elastic pool of ``urls`` (``running_proxy(pools=...)``)."""
+    return (PoolSpec("elastic", tuple(urls), **spec),)
+
+
 @contextmanager
-def running_proxy(prefill_urls: Sequence[str], decode_urls: Sequence[str], **config: Any) -> Iterator[str]:
-    """A real proxy server (``make_server``: uvloop, httptools) on a free port; yields its URL."""
+def running_proxy(
+    prefill_urls: Sequence[str] = (), decode_urls: Sequence[str] = (), **config: Any
+) -> Iterator[str]:
+    """A real proxy server (``make_server``: uvloop, httptools) on a free port; yields its URL. Its pools:
+    ``prefill_urls`` and ``decode_urls``, or ``pools=`` given instead."""
     sock = listening_socket()
-    config = {"health": NO_BREAKER, **config}
-    proxy_config = ProxyConfig(
-        tuple(prefill_urls), tuple(decode_urls), port=sock.getsockname()[1], timeouts=TIMEOUTS, **config
-    )
+    pools = (PoolSpec("prefill", tuple(prefill_urls)), PoolSpec("decode", tuple(decode_urls)))
+    config = {"health": NO_BREAKER, "pools": pools, **config}
+    proxy_config = ProxyConfig(port=sock.getsockname()[1], timeouts=TIMEOUTS, **config)
     with serve_in_thread(make_server(proxy_config, log_level="warning"), sock) as url:
         yield url

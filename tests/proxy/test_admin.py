@@ -190,7 +190,7 @@ async def test_client_leaving_between_phases_abandons_the_handoff(
 async def test_pools_serving_different_models_are_refused_at_start(rig: Rig) -> None:
     other = FakeVLLM("decode", model="another-model")
     with serve_fake(other) as other_url:
-        app = create_app(ProxyConfig((rig.prefill_url,), (other_url,)))
+        app = create_app(ProxyConfig.pd((rig.prefill_url,), (other_url,)))
         with pytest.raises(ConfigError, match="different models"):
             async with app.router.lifespan_context(app):
                 pass

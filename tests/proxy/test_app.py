@@ -104,7 +104,7 @@ async def test_health_and_instances_only_read_what_the_health_checks_last_saw() 
 
     # A check interval longer than the test: the health checker makes no call while the reads run.
     app = create_app(
-        ProxyConfig(("http://p0:1",), ("http://d0:1",), health=HealthChecks(interval_s=3600)), make
+        ProxyConfig.pd(("http://p0:1",), ("http://d0:1",), health=HealthChecks(interval_s=3600)), make
     )
     async with app.router.lifespan_context(app):
         for upstream in upstreams:

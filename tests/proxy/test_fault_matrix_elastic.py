@@ -20,7 +20,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from proxy_rig import TIMEOUTS, running_proxy
+from proxy_rig import TIMEOUTS, elastic_pool, running_proxy
 from sim_matrix import (
     COMBOS,
     LEASE_S,
@@ -102,7 +102,7 @@ async def test_every_request_is_served_while_an_instance_can_serve_it(
         urls = [
             proxies.enter_context(
                 running_proxy(
-                    (), pool.decode, elastic=True, kv_lease_s=LEASE_S, api_keys=ApiKeys(admin=ADMIN_KEY)
+                    pools=elastic_pool(pool.decode), kv_lease_s=LEASE_S, api_keys=ApiKeys(admin=ADMIN_KEY)
                 )
             )
             for _ in COMBOS

@@ -57,7 +57,7 @@ COMBOS: tuple[tuple[Endpoint, bool], ...] = tuple(
 @contextmanager
 def lease_proxy(sims: SimPD, retries: Retries | None = None) -> Iterator[str]:
     sock = listening_socket()
-    config = ProxyConfig(
+    config = ProxyConfig.pd(
         sims.prefill, sims.decode, port=sock.getsockname()[1], timeouts=TIMEOUTS, kv_lease_s=LEASE_S,
         api_keys=ApiKeys(admin=ADMIN_KEY), health=HealthChecks(interval_s=0.5, breaker_threshold=10**6),
         retries=retries or Retries(),

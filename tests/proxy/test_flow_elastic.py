@@ -11,10 +11,10 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
-from proxy_rig import running_proxy
+from proxy_rig import elastic_pool, running_proxy
 from sim_matrix import PROFILE, all_stats
 
-from pdserve.configparts import ElasticPool, Retries
+from pdserve.configparts import ElasticPool
 from pdserve.sim.fleet import SimInstanceSpec, sim_in_thread
 from pdserve.slo import Slo
 
@@ -31,7 +31,7 @@ def pool() -> Iterator[tuple[str, ...]]:
 
 @pytest.fixture
 def proxy(pool: tuple[str, ...]) -> Iterator[str]:
-    with running_proxy((), pool, elastic=True) as url:
+    with running_proxy(pools=elastic_pool(pool)) as url:
         yield url
 
 
@@ -112,7 +112,7 @@ async def test_a_dead_prefill_leaves_the_request_to_another_or_to_its_decode(
     client never hears of it."""
     dead = "http://127.0.0.1:9"
     members = (pool[0], dead, pool[1])  # the router's ties go in order: decode pool[0], prefill dead
-    with running_proxy((), members, elastic=True, retries=Retries(max_prefill_attempts=attempts)) as proxy:
+    with running_proxy(pools=elastic_pool(members, max_attempts=attempts)) as proxy:
         async with aiohttp.ClientSession() as http:
             answer = await _complete(http, proxy, LONG, f"elastic-dead-{attempts}")
             async with http.get(f"{proxy}/requests") as resp:
@@ -134,7 +134,7 @@ async def test_a_dead_decode_hands_the_kv_to_another_instance(pool: tuple[str, .
     """The router's decode refuses connections: it never read prefill's params, so the retry takes
     them to another instance than the one holding the KV, which pulls it: nothing is left held."""
     dead = "http://127.0.0.1:9"
-    with running_proxy((), (dead, *pool), elastic=True) as proxy:
+    with running_proxy(pools=elastic_pool((dead, *pool))) as proxy:
         async with aiohttp.ClientSession() as http:
             before = await _pulls(http, pool)
             answer = await _complete(http, proxy, LONG, "elastic-dead-decode")
@@ -153,7 +153,7 @@ async def test_with_step_costs_a_prompt_cheaper_than_a_decode_step_stays_whole(p
     save less than a step, so the router serves it whole on a decode, whatever the layout."""
     costs = dataclasses.replace(PROFILE, step_base_s=0.005, prefill_per_token_s=1e-6).costs()
     settings = ElasticPool(costs=costs, slo=Slo(ttft_ms=1000, tpot_ms=50))
-    with running_proxy((), pool, elastic=True, elastic_pool=settings) as proxy:
+    with running_proxy(pools=elastic_pool(pool), elastic_pool=settings) as proxy:
         async with aiohttp.ClientSession() as http:
             before = await _pulls(http, pool)
             for i in range(4):
@@ -180,7 +180,7 @@ async def test_streams_that_end_well_calibrate_the_router_and_metrics_show_it(po
     """Streamed answers tell the router what they measured against what it predicted: the sample count
     moves by one a stream, and the factors the plans use are on /metrics."""
     settings = ElasticPool(costs=PROFILE.costs(), slo=Slo(ttft_ms=1000, tpot_ms=50))
-    with running_proxy((), pool, elastic=True, elastic_pool=settings) as proxy:
+    with running_proxy(pools=elastic_pool(pool), elastic_pool=settings) as proxy:
         async with aiohttp.ClientSession() as http:
             for _ in range(3):
                 body = {"model": MODEL, "prompt": SHORT, "max_tokens": 8, "stream": True}
@@ -205,7 +205,7 @@ async def test_beyond_what_the_tpot_objective_allows_requests_wait_then_are_serv
     those beyond one per decode-side instance wait at the proxy, then each gets its whole answer."""
     costs = dataclasses.replace(PROFILE, step_base_s=0.005, decode_per_seq_s=0.004, prefill_per_token_s=1e-6)
     settings = ElasticPool(costs=costs.costs(), slo=Slo(ttft_ms=1000, tpot_ms=12))
-    with running_proxy((), pool, elastic=True, elastic_pool=settings) as proxy:
+    with running_proxy(pools=elastic_pool(pool), elastic_pool=settings) as proxy:
         async with aiohttp.ClientSession() as http:
 
             async def stream(i: int) -> bytes:

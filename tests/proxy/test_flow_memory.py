@@ -12,7 +12,7 @@ from memory_upstream import Answer, MemoryUpstream, Recorder, Script
 
 from pdserve import sse
 from pdserve.config import ProxyConfig, Role, Timeouts
-from pdserve.configparts import Retries
+from pdserve.configparts import PoolSpec, Retries
 from pdserve.errors import UpstreamConnectError, UpstreamStaleConnection, UpstreamUnavailable
 from pdserve.events import InstanceEvent
 from pdserve.proxy.pool.policies import make_policy
@@ -49,7 +49,10 @@ def failing(exc: Exception) -> Script:
 class System:
     """A proxy state and flow over scripted prefill and decode instances."""
 
-    def __init__(self, prefill: list[Script], decode: list[Script], **config: Any) -> None:
+    def __init__(
+        self, prefill: list[Script], decode: list[Script], colocated: bool = False, **config: Any
+    ) -> None:
+        """``colocated``: a proxy with a decode pool alone, which serves each request whole."""
         urls: dict[Role, list[str]] = {
             "prefill": [f"http://p{i}:1" for i in range(len(prefill))],
             "decode": [f"http://d{i}:1" for i in range(len(decode))],
@@ -63,7 +66,8 @@ class System:
             return self.upstreams[url]
 
         settings = {"timeouts": Timeouts(), "retries": Retries(first_backoff_s=0), **config}
-        config_ = ProxyConfig(tuple(urls["prefill"]), tuple(urls["decode"]), **settings)
+        roles: tuple[Role, ...] = ("decode",) if colocated else ("prefill", "decode")
+        config_ = ProxyConfig(pools=tuple(PoolSpec(role, tuple(urls[role])) for role in roles), **settings)
         policies = {"prefill": make_policy("round_robin"), "decode": make_policy("round_robin")}
         self.state = ProxyState(config_, policies, make)  # type: ignore[arg-type]
         self.flow = Flow(self.state, config_)

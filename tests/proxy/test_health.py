@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.config import ProxyConfig
-from pdserve.configparts import HealthChecks, Routing
+from pdserve.configparts import HealthChecks, PoolSpec
 from pdserve.errors import UpstreamUnavailable
 from pdserve.proxy.pool.breaker import CircuitBreaker
 from pdserve.proxy.pool.health import HealthChecker
@@ -43,8 +43,8 @@ def one_instance(upstream: StubUpstream, unhealthy_after_checks: int = 3) -> tup
     """A ProxyState whose one decode instance talks to ``upstream`` (back from unhealthy it serves at
     once: its warm-up with prefill is test_warmup's)."""
     health = HealthChecks(unhealthy_after_checks=unhealthy_after_checks, warmup_timeout_s=0)
-    config = ProxyConfig(("http://p:1",), (upstream.url,), health=health,
-                         routing=Routing(decode_policy="prefix_aware"))  # fmt: skip
+    pools = (PoolSpec("prefill", ("http://p:1",)), PoolSpec("decode", (upstream.url,), policy="prefix_aware"))
+    config = ProxyConfig(pools=pools, health=health)
     policies = {"prefill": make_policy("round_robin"), "decode": make_policy("prefix_aware")}
     state = ProxyState(
         config, policies, lambda role, url: upstream if url == upstream.url else StubUpstream(url)

@@ -49,9 +49,7 @@ class System:
             return self.upstreams[url]
 
         config.setdefault("retries", Retries(first_backoff_s=0))
-        self.config = ProxyConfig(
-            tuple(urls["prefill"]), tuple(urls["decode"]), **{"timeouts": Timeouts(), **config}
-        )
+        self.config = ProxyConfig.pd(urls["prefill"], urls["decode"], **{"timeouts": Timeouts(), **config})
         policies = {"prefill": make_policy("round_robin"), "decode": make_policy("round_robin")}
         self.state = ProxyState(self.config, policies, make)  # type: ignore[arg-type]
         self.flow = Flow(self.state, self.config)

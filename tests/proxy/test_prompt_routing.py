@@ -11,7 +11,7 @@ from test_flow import COMPLETION, post
 from test_tokens import SYSTEM, _write_model_dir
 
 from pdserve.config import ProxyConfig
-from pdserve.configparts import Routing
+from pdserve.configparts import PoolSpec, Routing
 from pdserve.proxy.serving.app import create_app
 
 
@@ -43,9 +43,8 @@ async def test_prefix_aware_keeps_a_shared_system_prompt_on_one_prefill_instance
         serve_fake(prefills[1]) as p1,
         serve_fake(decode) as d0,
         running_proxy(
-            [p0, p1],
-            [d0],
-            routing=Routing(tokenizer=str(model_dir), prefill_policy="prefix_aware", prefix_block_size=4),
+            pools=(PoolSpec("prefill", (p0, p1), policy="prefix_aware"), PoolSpec("decode", (d0,))),
+            routing=Routing(tokenizer=str(model_dir), prefix_block_size=4),
         ) as url,  # fmt: skip
     ):
         for question in ("what is prefill?", "what is decode?", "why split them?", "what is NIXL?"):
@@ -56,7 +55,12 @@ async def test_prefix_aware_keeps_a_shared_system_prompt_on_one_prefill_instance
 
 
 def test_a_restarted_instance_is_no_longer_thought_to_hold_any_prefix() -> None:
-    config = ProxyConfig(("http://p:1",), ("http://d:1",), routing=Routing(prefill_policy="prefix_aware"))
+    config = ProxyConfig(
+        pools=(
+            PoolSpec("prefill", ("http://p:1",), policy="prefix_aware"),
+            PoolSpec("decode", ("http://d:1",)),
+        )
+    )
     state = create_app(config).state.pdserve.state
     [instance] = state.pool("prefill").instances
     policy = state.policy("prefill")

@@ -13,7 +13,7 @@ from fake_vllm import FakeVLLM
 from proxy_rig import running_proxy, serve_fake
 from test_flow import COMPLETION, post
 
-from pdserve.configparts import ApiKeys, HealthChecks, Retries, Routing
+from pdserve.configparts import ApiKeys, HealthChecks, PoolSpec, Retries
 
 
 @dataclass(frozen=True)
@@ -101,10 +101,11 @@ async def test_unreachable_decode_is_retried_with_the_same_kv_params(
 ) -> None:
     # The dead decode never saw the request, so prefill's params are still unread: reuse them.
     with running_proxy(
-        [pools.prefill.urls[0]],
-        [dead_url, pools.decode.urls[1]],
         retries=NO_BACKOFF,
-        routing=Routing(decode_policy="round_robin"),
+        pools=(
+            PoolSpec("prefill", (pools.prefill.urls[0],)),
+            PoolSpec("decode", (dead_url, pools.decode.urls[1]), policy="round_robin"),
+        ),
     ) as url:
         statuses = [(await post(http, url + "/v1/completions", COMPLETION))[0] for _ in range(2)]
     assert statuses == [200, 200]
@@ -144,7 +145,11 @@ async def test_circuit_opens_after_repeated_failures_and_traffic_moves_away(
     pools.prefill.fakes[0].fault = "fail"
     with pools.proxy(
         health=HealthChecks(breaker_threshold=2, breaker_cooldown_s=60),
-        retries=Retries(max_prefill_attempts=1, first_backoff_s=0.0, fallback_to_local_prefill=False),
+        retries=Retries(first_backoff_s=0.0, fallback_to_local_prefill=False),
+        pools=(
+            PoolSpec("prefill", pools.prefill.urls, max_attempts=1),
+            PoolSpec("decode", pools.decode.urls),
+        ),
     ) as url:
         statuses = [(await post(http, url + "/v1/completions", COMPLETION))[0] for _ in range(8)]
         _, _, listing = await post_get(http, url + "/instances")

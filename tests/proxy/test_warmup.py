@@ -56,7 +56,7 @@ class System:
             self.upstreams[url] = MemoryUpstream(role, url, scripts[url])
             return self.upstreams[url]
 
-        config = ProxyConfig(tuple(urls["prefill"]), tuple(urls["decode"]), timeouts=Timeouts(),
+        config = ProxyConfig.pd(urls["prefill"], urls["decode"], timeouts=Timeouts(),
                              retries=Retries(first_backoff_s=0), health=HealthChecks(**health))  # fmt: skip
         policies = {"prefill": make_policy("round_robin"), "decode": make_policy("round_robin")}
         self.state = ProxyState(config, policies, make)  # type: ignore[arg-type]

@@ -23,7 +23,7 @@ from test_flow import COMPLETION
 from test_tokens import SYSTEM, _write_model_dir
 
 from pdserve.config import ProxyConfig
-from pdserve.configparts import ApiKeys, HealthChecks, Routing
+from pdserve.configparts import ApiKeys, HealthChecks, PoolSpec, Routing
 from pdserve.errors import ProxyStartError
 from pdserve.events import InstanceEvent
 from pdserve.prometheus import parse_prometheus, parse_samples
@@ -48,8 +48,9 @@ def workers_proxy(prefill: Sequence[str], decode: Sequence[str], **config: Any) 
         "workers": 2,
         **config,
     }
-    proxy = ProxyWorkers(ProxyConfig(tuple(prefill), tuple(decode), port=_free_port(), timeouts=TIMEOUTS,
-                                     **settings))  # fmt: skip
+    pools = (PoolSpec("prefill", tuple(prefill)), PoolSpec("decode", tuple(decode)))
+    settings = {"pools": pools, **settings}
+    proxy = ProxyWorkers(ProxyConfig(port=_free_port(), timeouts=TIMEOUTS, **settings))
     proxy.start()
     try:
         yield proxy
@@ -166,8 +167,8 @@ async def test_prefix_aware_workers_send_a_shared_prefix_where_either_sent_it(tm
     prefills, decode = [FakeVLLM("prefill"), FakeVLLM("prefill")], FakeVLLM("decode")
     with (
         serve_fake(prefills[0]) as p0, serve_fake(prefills[1]) as p1, serve_fake(decode) as d0,
-        workers_proxy([p0, p1], [d0], routing=Routing(tokenizer=str(model_dir), prefill_policy="prefix_aware",
-                      prefix_block_size=4)) as proxy,
+        workers_proxy([], [], pools=(PoolSpec("prefill", (p0, p1), policy="prefix_aware"), PoolSpec("decode", (d0,))),
+                      routing=Routing(tokenizer=str(model_dir), prefix_block_size=4)) as proxy,
     ):  # fmt: skip
         first, second = proxy.sockets
         # Worker 0 sends an unrelated prompt first, so that its next tie goes to the second prefill.
@@ -222,7 +223,7 @@ def test_a_port_taken_by_another_program_fails_the_start_and_leaves_nothing_runn
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
         port = taken.getsockname()[1]
-        proxy = ProxyWorkers(ProxyConfig((p0,), (d0,), port=port, workers=2))
+        proxy = ProxyWorkers(ProxyConfig.pd((p0,), (d0,), port=port, workers=2))
         with pytest.raises(ProxyStartError, match=f"port {port}"):
             proxy.start()
     assert all(pid is None or not _alive(pid) for pid in proxy.pids)

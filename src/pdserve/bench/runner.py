@@ -142,8 +142,9 @@ def run_compare(
             assert stack.proxy is not None
             urls = {"prefill": stack.urls("prefill"), "decode": stack.urls("decode")}
             every = (*urls["prefill"], *urls["decode"])
-            config = dataclasses.replace(stack.proxy.config, prefill_urls=(), decode_urls=every,
-                                         colocated=True, port=coloc_port, otlp_traces_endpoint=None)  # fmt: skip
+            pd = stack.proxy.config  # colocated: every instance in one decode pool, no prefill pool
+            config = dataclasses.replace(pd, pools=(dataclasses.replace(pd.pool("decode"), urls=every),),
+                                         port=coloc_port, otlp_traces_endpoint=None)  # fmt: skip
             colocated = proxy_for(config)
             colocated.start()
             try:

@@ -1,9 +1,9 @@
 """The flag groups several commands share, and the configs built from them: the proxy's settings (``up``,
 ``proxy``), the topology (``up``, ``bench``, ``demo``).
 
-Each group fills one frozen config part (``Timeouts``, ``Routing``, ``Retries``, ...); defaults come from
-those configs themselves, never restated here. A topology flag left out is None, so a ``--config``
-file's value stands unless the flag is given.
+Each group fills one frozen config part (``Timeouts``, ``Routing``, ``Retries``, each role's ``PoolSpec``,
+...); defaults come from those configs themselves, never restated here. A topology flag left out is
+None, so a ``--config`` file's value stands unless the flag is given.
 """
 
 from __future__ import annotations
@@ -14,7 +14,15 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from pdserve.config import INSTANCE_ROLES, ROLES, ProxySettings, Role, Timeouts, Topology, proxy_default
-from pdserve.configparts import AdmissionLimits, ApiKeys, ElasticPool, HealthChecks, Retries, Routing
+from pdserve.configparts import (
+    AdmissionLimits,
+    ApiKeys,
+    ElasticPool,
+    HealthChecks,
+    PoolSpec,
+    Retries,
+    Routing,
+)
 from pdserve.costmodel import Costs
 from pdserve.errors import ConfigError
 from pdserve.patience import LIMIT_S, STALL_S, Waiting
@@ -46,9 +54,12 @@ def add_proxy_settings(p: argparse.ArgumentParser) -> None:
 
 def proxy_settings_from_args(a: argparse.Namespace, topology: Topology | None = None) -> ProxySettings:
     """The settings of those flags; ``--kv-lease`` (a topology flag on ``up``) when given. ``topology``:
-    what ``up`` starts, whose engine gives the elastic pool's step costs when ``--cost-profile`` does not."""
+    what ``up`` starts, whose engine gives the elastic pool's step costs when ``--cost-profile`` does not,
+    and whose roles the pools are (`proxy`: an elastic pool with --instance)."""
     kv_lease_s = a.kv_lease_s if a.kv_lease_s is not None else proxy_default("kv_lease_s")
+    is_elastic = topology.is_elastic if topology is not None else bool(getattr(a, "instance", None))
     return ProxySettings(
+        pools=pools_from_args(a, is_elastic),
         timeouts=timeouts_from_args(a),
         routing=routing_from_args(a),
         elastic_pool=elastic_pool_from_args(a, topology),
@@ -93,11 +104,31 @@ def timeouts_from_args(a: argparse.Namespace) -> Timeouts:
     )
 
 
+def pools_from_args(a: argparse.Namespace, is_elastic: bool) -> tuple[PoolSpec, ...]:
+    """Each role's policy and attempt limit (``fronting`` gives the pools their instances). An elastic
+    pool's members take either part with one policy and one limit: its flags for the two must agree."""
+    prefill = PoolSpec("prefill", policy=a.prefill_policy, max_attempts=a.max_prefill_attempts)
+    decode = PoolSpec("decode", policy=a.decode_policy, max_attempts=a.max_decode_attempts)
+    if not is_elastic:
+        return prefill, decode
+    for what, flags, given in (
+        ("one policy", ("--prefill-policy", "--decode-policy"), (prefill.policy, decode.policy)),
+        ("one attempt limit", ("--max-prefill-attempts", "--max-decode-attempts"),
+         (prefill.max_attempts, decode.max_attempts)),
+    ):  # fmt: skip
+        if given[0] != given[1]:
+            raise ConfigError(
+                f"an elastic pool's instances take either part of a request, with {what}: "
+                f"{flags[0]} {given[0]} and {flags[1]} {given[1]} must agree"
+            )
+    return (PoolSpec("elastic", policy=decode.policy, max_attempts=decode.max_attempts),)
+
+
 def add_routing(p: argparse.ArgumentParser) -> None:
-    d = Routing()
+    d, pool = Routing(), PoolSpec("prefill")
     g = p.add_argument_group("routing")
-    g.add_argument("--prefill-policy", default=d.prefill_policy, help=f"one of {', '.join(sorted(POLICIES))}")
-    g.add_argument("--decode-policy", default=d.decode_policy, help="as --prefill-policy")
+    g.add_argument("--prefill-policy", default=pool.policy, help=f"one of {', '.join(sorted(POLICIES))}")
+    g.add_argument("--decode-policy", default=pool.policy, help="as --prefill-policy")
     g.add_argument("--skip-prefill-below", type=int, default=d.skip_prefill_below_tokens, metavar="TOKENS",
                    help="uncached prompts shorter than this go straight to decode (needs a tokenizer); 0: never")  # fmt: skip
     g.add_argument("--prefix-load-cost", type=float, default=d.prefix_load_cost_tokens, metavar="TOKENS",
@@ -117,8 +148,6 @@ def add_prompt_model(p: argparse.ArgumentParser) -> None:
 def routing_from_args(a: argparse.Namespace) -> Routing:
     d = Routing()
     return Routing(
-        prefill_policy=a.prefill_policy,
-        decode_policy=a.decode_policy,
         # Only `pdserve proxy` has these two; `up` learns them from the engines it starts.
         tokenizer=getattr(a, "tokenizer", d.tokenizer),
         prefix_block_size=getattr(a, "block_size", d.prefix_block_size),
@@ -174,11 +203,11 @@ def _costs(profile: str | None) -> Costs | None:
 
 
 def add_retries(p: argparse.ArgumentParser) -> None:
-    d = Retries()
+    d, pool = Retries(), PoolSpec("prefill")
     g = p.add_argument_group("retries")
-    g.add_argument("--max-prefill-attempts", type=int, default=d.max_prefill_attempts, metavar="N",
+    g.add_argument("--max-prefill-attempts", type=int, default=pool.max_attempts, metavar="N",
                    help="tries on distinct prefill instances before giving up")  # fmt: skip
-    g.add_argument("--max-decode-attempts", type=int, default=d.max_decode_attempts, metavar="N",
+    g.add_argument("--max-decode-attempts", type=int, default=pool.max_attempts, metavar="N",
                    help="tries on distinct decode instances before the first token")  # fmt: skip
     g.add_argument("--retry-backoff", type=float, default=d.first_backoff_s, metavar="S",
                    help="seconds before the first retry of a phase; doubling after, at most 1 s")  # fmt: skip
@@ -198,9 +227,8 @@ def add_retries(p: argparse.ArgumentParser) -> None:
 
 
 def retries_from_args(a: argparse.Namespace) -> Retries:
-    return _part(Retries, a, first_backoff_s="retry_backoff", max_prefill_attempts="", max_decode_attempts="",
-                 fallback_to_local_prefill="", prefill_stands_in="", migrate_streams="",
-                 max_migrations="")  # fmt: skip
+    return _part(Retries, a, first_backoff_s="retry_backoff", fallback_to_local_prefill="", prefill_stands_in="",
+                 migrate_streams="", max_migrations="")  # fmt: skip
 
 
 def add_admission(p: argparse.ArgumentParser) -> None:

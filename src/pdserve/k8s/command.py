@@ -86,10 +86,8 @@ def add_k8s_discovery(p: argparse.ArgumentParser) -> None:
 
 
 def k8s_discovery(a: argparse.Namespace) -> K8sDiscovery:
-    """The discovery of those flags."""
+    """Where those flags find pods; their selectors name the pools' pods (cli.py, ``PoolSpec.selector``)."""
     return K8sDiscovery(
-        prefill_selector=a.k8s_prefill_selector,
-        decode_selector=a.k8s_decode_selector,
         namespace=a.k8s_namespace,
         port=a.k8s_port,
         port_annotation=a.k8s_port_annotation,

@@ -1,4 +1,4 @@
-"""Kubernetes discovery: pods found by label selector join and leave the prefill and decode pools.
+"""Kubernetes discovery: pods found by a pool's label selector join and leave that pool.
 
     a pod Ready, with an IP and a port    → added at http://<pod IP>:<port> (its model checked first,
                                             as the admin API checks it)
@@ -14,8 +14,8 @@ Level-triggered, like a Kubernetes controller: the watches (k8s_watch.py) only u
 the pods, and one pass at a time moves the pools toward it, after every change and every second. So an
 add that had to wait (an engine not yet answering /v1/models, the old instance at that URL still
 draining) is tried again, and a watch that broke ends in a fresh list, not in lost events. Discovery only
-ever takes out what it added: static --prefill/--decode URLs and admin-API instances are left alone,
-and an instance the admin API drained or removed is not put back while its pod stays as it was.
+ever takes out what it added: static --prefill/--decode/--instance URLs and admin-API instances are left
+alone, and an instance the admin API drained or removed is not put back while its pod stays as it was.
 """
 
 from __future__ import annotations
@@ -23,10 +23,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import Counter
 from collections.abc import AsyncIterator, Mapping
 from typing import Protocol
 
-from pdserve.config import ROLES, ProxyConfig, Role
+from pdserve.config import ProxyConfig, Role
 from pdserve.errors import DiscoveryError
 from pdserve.labels import label_selector
 from pdserve.proxy.pool.instance import Instance, Lifecycle
@@ -67,12 +68,8 @@ class Discovery:
         self._state = state
         self._config = config
         self._source = source or PodWatcher(config.discovery.api_server, config.discovery.namespace)
-        selectors: dict[Role, str | None] = {
-            "prefill": config.discovery.prefill_selector,
-            "decode": config.discovery.decode_selector,
-        }
-        self._selectors = {role: label_selector(text) for role, text in selectors.items() if text}
-        self._pods: dict[Role, dict[str, PodView]] = {role: {} for role in ROLES}
+        self._selectors = {p.role: label_selector(p.selector) for p in config.pools if p.selector is not None}
+        self._pods: dict[Role, dict[str, PodView]] = {role: {} for role in self._selectors}
         self._owned: dict[PodKey, Instance] = {}  # the instances discovery added, by pod
         self._refused: dict[PodKey, str] = {}  # pod → the URL refused for its model (until it changes)
         self._leaving: dict[str, Instance] = {}  # URL → our instance there that is being removed
@@ -130,21 +127,23 @@ class Discovery:
     # --- moving the pools toward it -----------------------------------------------------------------
 
     async def _reconcile(self) -> None:
-        in_both = self._pods["prefill"].keys() & self._pods["decode"].keys()
+        matches = Counter(key for pods in self._pods.values() for key in pods)
+        in_several = {key for key, num in matches.items() if num > 1}
         adds: list[tuple[PodKey, str]] = []
-        for role in ROLES:
-            for key, pod in self._pods[role].items():
-                if key in in_both:
-                    self._note(key, "matches both the prefill and the decode selector: not used")
+        for role, pods in self._pods.items():
+            for key, pod in pods.items():
+                if key in in_several:
+                    roles = " and the ".join(r for r, found in self._pods.items() if key in found)
+                    self._note(key, f"matches both the {roles} selector: not used")
                 elif (url := self._settle((role, key), pod)) is not None:
                     adds.append(((role, key), url))
-        for pod_key in [k for k in self._owned if k[1] not in self._pods[k[0]] or k[1] in in_both]:
+        for pod_key in [k for k in self._owned if k[1] not in self._pods[k[0]] or k[1] in in_several]:
             self._take_out(pod_key, "pod gone")
         for url, instance in list(self._leaving.items()):
             if self._state.find(url) is not instance:
                 del self._leaving[url]  # its removal is complete
         # Forget what was said about pods that are gone: a pod of that name later is a new pod.
-        known = self._pods["prefill"].keys() | self._pods["decode"].keys()
+        known = matches.keys()
         self._noted = {noted for noted in self._noted if noted[0] in known}
         self._refused = {k: url for k, url in self._refused.items() if k[1] in self._pods[k[0]]}
         await asyncio.gather(*(self._add(pod_key, url) for pod_key, url in adds))
@@ -188,7 +187,7 @@ class Discovery:
         await instance.upstream.open()
         timeout = self._config.models_timeout_s
         served = await model_ids(instance, timeout)
-        expected = await models_in_service((self._state.pool(r).instances for r in ROLES), timeout)
+        expected = await models_in_service((pool.instances for pool in self._state.pools), timeout)
         pod = self._pods[role].get(key)
         wanted = (
             pod is not None

@@ -15,7 +15,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 
-from pdserve.config import ROLES, ProxyConfig, Role
+from pdserve.config import INSTANCE_ROLES, ProxyConfig, Role
 from pdserve.events import InstanceEvent, KVLogEvent
 from pdserve.protocol import Endpoint
 from pdserve.proxy.kv.ledger import Ledger
@@ -64,7 +64,7 @@ class Outcome(enum.Enum):
 
 
 class Pool:
-    """The instances of one role, in the order they were added."""
+    """The instances of one role, in the order they were added (an elastic pool's take either part)."""
 
     def __init__(self, role: Role, instances: Iterable[Instance] = ()) -> None:
         self.role = role
@@ -150,18 +150,17 @@ class ProxyState:
         self._config = config
         self._policies = policies
         self._make_upstream = make_upstream or self._http_upstream
-        self._pools = {role: Pool(role) for role in ROLES}
-        # An elastic pool's instances take either role: both roles draw from one pool, and the router
-        # (proxy/pool/elastic.py) decides per request which instance plays which.
-        self.elastic = ElasticRouter(config.elastic_pool) if config.elastic else None
+        # A pool per role the config fronts; ``pool(role)`` is the one that takes that role's part: an
+        # elastic pool takes both, and its router (proxy/pool/elastic.py) decides per request which
+        # member plays which. A part no pool takes (a colocated proxy's prefill) has an empty pool.
+        own = {spec.role: Pool(spec.role) for spec in config.pools}
+        self._pools = {role: own.get(role) or own.get("elastic") or Pool(role) for role in INSTANCE_ROLES}
+        for spec in config.pools:
+            for url in spec.urls:
+                own[spec.role].add(self.new_instance(spec.role, url))
+        self.elastic = ElasticRouter(config.elastic_pool) if "elastic" in own else None
         pool = config.elastic_pool
         self.hold = None if self.elastic is None else Hold(self.elastic, pool.hold_max_s, pool.slo.ttft_ms)
-        if config.elastic:
-            self._pools["prefill"] = self._pools["decode"]
-        urls: dict[Role, tuple[str, ...]] = {"prefill": config.prefill_urls, "decode": config.decode_urls}
-        for role in ROLES:
-            for url in urls[role]:
-                self._pools[role].add(self.new_instance(role, url))
         self.ledger = Ledger(config.kv_lease_s)
         # prefill only what a decode can pull within the lease; the rest waits here (backpressure.py)
         self.backpressure = Backpressure(config.kv_lease_s, config.admission.max_decode_wait_s)
@@ -186,17 +185,27 @@ class ProxyState:
         return self._pools[role]
 
     @property
+    def pools(self) -> list[Pool]:
+        """Each pool once (an elastic pool takes both parts), in plan order (prefill first)."""
+        return list({id(pool): pool for pool in self._pools.values()}.values())
+
+    @property
     def instances(self) -> list[Instance]:
-        pools = {id(pool): pool for pool in self._pools.values()}.values()  # an elastic pool is both roles'
-        return [i for pool in pools for i in pool.instances]
+        return [i for pool in self.pools for i in pool.instances]
+
+    def by_name(self) -> dict[str, Instance]:
+        """Each instance under its pool name, as `pdserve up` and /instances' order give it: prefill-0,
+        decode-1, elastic-0."""
+        return {
+            f"{pool.role}-{k}": instance for pool in self.pools for k, instance in enumerate(pool.instances)
+        }
 
     def find(self, url: str) -> Instance | None:
         return next((i for i in self.instances if i.url == url), None)
 
     def can_serve(self) -> bool:
-        """At least one instance of each role it needs takes requests now."""
-        roles: tuple[Role, ...] = ("decode",) if self._config.colocated else ROLES
-        return all(self._pools[role].available() for role in roles)
+        """At least one instance of each pool it fronts takes requests now."""
+        return all(self._pools[role].available() for role in self._config.roles())
 
     def describe(self) -> list[dict[str, object]]:
         return [self.describe_instance(i) for i in self.instances]
@@ -207,7 +216,7 @@ class ProxyState:
         about = {**instance.describe(), "kv_held": self.ledger.num_held_at(instance.url),
                  "drained": instance.is_draining and self.is_drained(instance)}  # fmt: skip
         if self.elastic is not None:
-            about.update(role="elastic", side=self.elastic.side(instance.url))
+            about["side"] = self.elastic.side(instance.url)
         return about
 
     @property
@@ -220,10 +229,12 @@ class ProxyState:
     # --- lifecycle --------------------------------------------------------------------------------
 
     def new_instance(self, role: Role, url: str) -> Instance:
-        """An instance not yet in any pool (the admin API checks its model before ``add``)."""
+        """An instance not yet in any pool, of the pool that takes ``role``'s part (an elastic pool's for
+        either): the admin API checks its model before ``add``."""
         config = self._config
         breaker = CircuitBreaker(config.health.breaker_threshold, config.health.breaker_cooldown_s)
-        return Instance(self._make_upstream(role, url), breaker, config.health.unhealthy_after_checks)
+        upstream = self._make_upstream(self._pools[role].role, url)
+        return Instance(upstream, breaker, config.health.unhealthy_after_checks)
 
     async def open(self) -> None:
         self.loop = asyncio.get_running_loop()
@@ -300,9 +311,8 @@ class ProxyState:
         log.warning("%s instance %s: %s %s", self.kind_of(instance), instance.url, event.kind, event.detail)
 
     def kind_of(self, instance: Instance) -> str:
-        """The instance's role as its operator named it (logs, /metrics): an elastic pool's sit in the
-        decode pool but take either role."""
-        return "elastic" if self.elastic is not None else instance.role
+        """The instance's role as its operator named it (logs, /metrics): its pool's."""
+        return instance.role
 
     def _move(self, instance: Instance, new_url: str) -> None:
         """The instance serves at ``new_url`` now (Ray restarted it on another node): a fresh instance
@@ -336,10 +346,12 @@ class ProxyState:
     def _warm_up(self, instance: Instance) -> None:
         """Out of service while a canary per pair meets its peers (warmup.py), then in."""
         timeout_s = self._config.health.warmup_timeout_s
-        if self._config.colocated or timeout_s <= 0:
-            return  # nothing moves between instances: nothing to meet
-        other: Role = "decode" if instance.role == "prefill" else "prefill"
-        pairs = pairs_of(instance, self._pools[other].available(), self.elastic is not None)
+        if timeout_s <= 0 or not self._config.can_split:
+            return  # no pool prefills for another: nothing moves between instances, nothing to meet
+        # Its peers: the pool of the part it hands KV to or takes it from; an elastic pool's, its own.
+        role = instance.role
+        other: Role = "decode" if role == "prefill" else "prefill" if role == "decode" else role
+        pairs = pairs_of(instance, self._pools[other].available(), role == "elastic")
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:

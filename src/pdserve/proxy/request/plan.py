@@ -14,7 +14,7 @@ decision: what the plan decides from, it keeps itself (the decode that answered,
 prompt was not split).
 
 The order of a split request: decode is chosen first (what it caches decides whether prefill is worth a
-hop; an elastic pool's router places both), then prefill on up to ``max_prefill_attempts`` distinct
+hop; an elastic pool's router places both), then prefill on up to the pool's ``max_attempts`` distinct
 instances with backoff, then decode with prefill's params. Retries before the client has a byte:
 - prefill fails everywhere → decode computes the prompt itself (``fallback_to_local_prefill``) or the
   client hears why; no decode in service → a prefill instance serves the request whole.
@@ -141,7 +141,7 @@ class Plan:
         self.timeline = timeline
         self._tries = Tries(avoid)
         self._local_reason = (
-            "colocated: no split" if rules.config.colocated else protocol.needs_local_prefill(call.body)
+            "colocated: no split" if not rules.config.can_split else protocol.needs_local_prefill(call.body)
         )
         self._phase = _PICK
         self._decode: Instance | None = None  # the decode of the last attempt
@@ -200,7 +200,7 @@ class Plan:
         rnd.failure = result
         trace.retries.append(f"prefill {prefill.url}: {describe(result)}")
         if time.monotonic() >= self.call.deadline:
-            rnd.num = self._rules.config.retries.max_prefill_attempts  # no time for another
+            rnd.num = self._rules.config.pool("prefill").max_attempts  # no time for another
         return self.next()
 
     def waited(self, turn: Waited) -> Step | None:
@@ -350,15 +350,14 @@ class Plan:
         """The round's next prefill call (or its backoff); None once the round failed."""
         rnd, rules, call = self._round, self._rules, self.call
         assert rnd is not None
-        retries = rules.config.retries
-        if rnd.num >= retries.max_prefill_attempts:
+        if rnd.num >= rules.config.pool("prefill").max_attempts:
             return self._prefill_failed()
         if rnd.num and not rnd.waited:
             if not rules.chooser.has_other("prefill", rnd.tried):
                 return self._prefill_failed()  # a retry goes to another instance, and there is none
             rules.state.stats.retried("prefill")
             rnd.waited = True
-            return Backoff(retries.backoff(rnd.num))
+            return Backoff(rules.config.retries.backoff(rnd.num))
         rnd.waited = False
         if not (rnd.num or self._ticket.is_held) and self._decode is not None:
             ticket = rules.state.backpressure.admit(self._decode)
@@ -407,7 +406,7 @@ class Plan:
         # failure the client hears of.
         tries.has_others = has_others = rules.chooser.has_other("decode", tries.tried, decode)
         tries.is_last = (
-            tries.num_failed + 1 >= rules.config.retries.max_decode_attempts
+            tries.num_failed + 1 >= rules.config.pool("decode").max_attempts
             or not has_others
             or self._whole_on is not None
         )

@@ -24,17 +24,6 @@ WHOLE_ON: Final = b"x-pdserve-whole-on"
 ADMIN_KEY: Final = b"x-pdserve-admin-key"
 
 
-def pool_names(state: ProxyState) -> dict[str, Instance]:
-    """Each instance under the name /instances order and `pdserve up` give it ("decode-0", "elastic-1")."""
-    if state.elastic is not None:
-        return {f"elastic-{k}": instance for k, instance in enumerate(state.instances)}
-    return {
-        f"{role}-{k}": instance
-        for role in ("prefill", "decode")
-        for k, instance in enumerate(state.pool(role).instances)
-    }
-
-
 def asked_whole_on(named: str, scope: Scope, state: ProxyState, admin_key: str | None) -> Instance:
     """The instance ``named`` (the request's X-Pdserve-Whole-On) to serve the request whole.
     ``WholeOnRefused`` without the admin key the proxy has, or for an instance it does not know."""
@@ -43,7 +32,7 @@ def asked_whole_on(named: str, scope: Scope, state: ProxyState, admin_key: str |
         if not hmac.compare_digest(given_key.encode(), admin_key.encode()):
             raise WholeOnRefused(401, "X-Pdserve-Whole-On needs the admin key (X-Pdserve-Admin-Key)")
     named = named.strip()
-    names = pool_names(state)
+    names = state.by_name()
     found = names.get(named) or state.find(named.rstrip("/"))
     if found is None:
         known = ", ".join(names) or "none"

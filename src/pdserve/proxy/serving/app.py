@@ -19,14 +19,13 @@ from starlette.applications import Starlette
 from starlette.routing import Route
 
 from pdserve.asgi import ASGIApp, Receive, Scope, Send
-from pdserve.config import ProxyConfig, Role, lease_warnings
+from pdserve.config import ROLES, ProxyConfig, lease_warnings
 from pdserve.errors import UpstreamError
 from pdserve.events import InstanceEvent, KVLogEvent
 from pdserve.proxy.pool import startup
 from pdserve.proxy.pool.health import HealthChecker
 from pdserve.proxy.pool.models import check_models_match
 from pdserve.proxy.pool.policies import PolicyOptions, make_policy
-from pdserve.proxy.pool.routing import Policy
 from pdserve.proxy.pool.state import ProxyState, UpstreamFactory
 from pdserve.proxy.record.otel import RequestTracing
 from pdserve.proxy.request.flow import Flow
@@ -47,10 +46,8 @@ def create_app(
     """The proxy; ``peers``: it is one worker of several (worker.py), which share its port."""
     fanout = peers if peers is not None else Fanout()
     options = PolicyOptions(config.routing.prefix_block_size, config.routing.prefix_load_cost_tokens)
-    policies: dict[Role, Policy] = {
-        "prefill": fanout.sharing("prefill", make_policy(config.routing.prefill_policy, options)),
-        "decode": fanout.sharing("decode", make_policy(config.routing.decode_policy, options)),
-    }
+    # A policy per part of a request, the policy of the pool that takes it (an elastic pool takes both).
+    policies = {part: fanout.sharing(part, make_policy(config.pool(part).policy, options)) for part in ROLES}
     state = ProxyState(config, policies, make_upstream)
     tokenizer = PromptTokenizer.from_model_dir(config.routing.tokenizer) if config.routing.tokenizer else None
     if config.routing.tokenizer and tokenizer is None:
@@ -74,7 +71,7 @@ def create_app(
     # extra, imported here so a proxy without discovery never needs it; a missing extra or cluster
     # config fails now, at start, not in the lifespan.
     discovery = None
-    if config.discovery.is_enabled:
+    if config.is_discovering:
         from pdserve.proxy.pool.discovery import Discovery
 
         discovery = Discovery(state, config)
@@ -159,7 +156,7 @@ def _measure_pool(ctx: Context) -> asyncio.Task[None] | None:
     key = ctx.config.api_keys.upstream
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     timeout_s = ctx.config.health.warmup_timeout_s or 30.0
-    members = ctx.state.pool("decode").available  # an elastic pool is both roles' one pool
+    members = ctx.state.pool("elastic").available
     return asyncio.create_task(startup.run(router, members, headers, timeout_s, ctx.config.health.interval_s,
                                            min(2, len(ctx.state.instances))))  # fmt: skip
 

@@ -61,14 +61,7 @@ class InstanceNames:
         self._state = state
 
     def __call__(self, text: str) -> str:
-        if self._state.elastic is not None:  # one pool plays both roles: named as `up --elastic` names it
-            names = {instance.url: f"elastic-{k}" for k, instance in enumerate(self._state.instances)}
-        else:
-            names = {
-                instance.url: f"{role}-{k}"
-                for role in ("prefill", "decode")
-                for k, instance in enumerate(self._state.pool(role).instances)
-            }
+        names = {instance.url: name for name, instance in self._state.by_name().items()}
         for url in sorted(names, key=len, reverse=True):  # http://h:80 must not eat http://h:8000
             if url in text:
                 text = text.replace(url, names[url])
