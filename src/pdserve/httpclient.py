@@ -3,7 +3,7 @@
 
 The instances pdserve talks to are local or on the cluster network; sending a health check or a verify
 request through a corporate proxy from the environment would only make it fail slowly. (The proxy's
-upstream calls go through its own HTTP/1.1 client, proxy/wire/connection.py, which reads no environment; the
+upstream calls go through its own HTTP/1.1 client, proxy/wire/client.py, which reads no environment; the
 aiohttp sessions of the simulator and the measurement clients ignore ``$http_proxy`` unless told to trust it.)
 urllib's exceptions become ``Unreachable`` here and nowhere else; an answer that is only late (the
 connection made, the request sent) is ``NoAnswer``, one of them, so a queue never reads "cannot reach".
