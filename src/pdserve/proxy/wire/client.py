@@ -2,8 +2,8 @@
 instance; upstream.py makes it one) or a Unix socket (a sibling worker of a multi-process proxy,
 serving/peers.py).
 
-It drives connection.py's ``Connection`` and ``Pool``; whatever goes wrong underneath leaves through
-failures.py's ``Failures`` block as an ``UpstreamError``, and only there.
+It drives connection.py's ``Connection`` and ``Pool``; whatever goes wrong underneath leaves as the
+``UpstreamError`` failures.py's ``failure`` makes of it, at each call's one ``except OSError``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.proxy.wire.connection import Connection, Pool, RequestWriter
-from pdserve.proxy.wire.failures import Failures
+from pdserve.proxy.wire.failures import failure
 
 # Idle connections are kept below vLLM's own keep-alive (uvicorn's 5 s): a connection the server is about
 # to close is never reused, so a request is not lost to a stale one.
@@ -55,9 +55,11 @@ class _HTTPStream:
     async def read_all(self, timeout: float) -> bytes:
         conn, deadline = self._conn, self._client.loop.time() + timeout
         parts = []
-        with Failures(self._client, self._phase, timeout):
+        try:
             while chunk := await conn.read(deadline):
                 parts.append(chunk)
+        except OSError as exc:
+            raise failure(exc, self._client, self._phase, timeout) from exc
         return b"".join(parts)
 
     async def chunks(
@@ -65,12 +67,15 @@ class _HTTPStream:
     ) -> AsyncIterator[bytes]:
         conn, loop = self._conn, self._client.loop
         limit, quoted = first_timeout, first_budget if first_budget is not None else first_timeout
-        # The block spans the yields: the consumer's own errors never come back in through them
-        # (``async for`` throws nothing into its generator), only its closing and cancelling, which pass.
-        with Failures(self._client, self._phase, quoted) as failures:
-            while chunk := await conn.read(loop.time() + limit):
-                yield chunk
-                limit = failures.limit = idle_timeout
+        while True:
+            try:
+                chunk = await conn.read(loop.time() + limit)
+            except OSError as exc:
+                raise failure(exc, self._client, self._phase, quoted) from exc
+            if not chunk:
+                return
+            yield chunk
+            limit = quoted = idle_timeout
 
 
 class Client:
@@ -124,9 +129,11 @@ class Client:
         """Send a whole request (connection.py's ``RequestWriter`` wrote it) and read the whole answer."""
         pool = self._connections
         deadline = pool.loop.time() + timeout
-        with Failures(self, phase, timeout) as failures:
+        try:
             while True:
-                conn = await self._connection(failures, deadline)
+                conn = reused = pool.take()  # an idle one at once, no coroutine: most calls
+                if conn is None:
+                    conn, reused = await self._connection(phase, timeout, deadline)
                 try:
                     conn.send(request)
                     await conn.head(deadline)
@@ -135,13 +142,16 @@ class Client:
                         parts.append(chunk)
                     return Reply(conn.status, conn.content_type or "application/json", b"".join(parts))
                 except ConnectionResetError:
-                    if is_repeatable and failures.is_stale(conn):
-                        continue  # once more on a fresh connection, invisibly
+                    if is_repeatable and conn is reused and not conn.has_head:
+                        # A kept-alive connection the server had closed: the request never reached it.
+                        continue  # once more on a fresh one, invisibly, as sending twice is harmless
                     raise
                 finally:
                     if not conn.is_complete:
                         conn.close()
                     pool.release(conn)
+        except OSError as exc:
+            raise failure(exc, self, phase, timeout, reused) from exc
 
     @asynccontextmanager
     async def open_stream(
@@ -154,8 +164,10 @@ class Client:
         request = self._request(b"POST", path, headers, body)
         pool = self._connections
         deadline = pool.loop.time() + timeout
-        with Failures(self, phase, timeout) as failures:
-            conn = await self._connection(failures, deadline)
+        try:
+            conn = reused = pool.take()
+            if conn is None:
+                conn, reused = await self._connection(phase, timeout, deadline)
             try:
                 conn.send(request)
                 await conn.head(deadline)
@@ -163,6 +175,8 @@ class Client:
                 conn.close()
                 pool.release(conn)
                 raise
+        except OSError as exc:
+            raise failure(exc, self, phase, timeout, reused) from exc
         try:
             yield _HTTPStream(self, phase, conn)
         finally:
@@ -170,24 +184,28 @@ class Client:
                 conn.close()
             pool.release(conn)
 
-    async def _connection(self, failures: Failures, deadline: float) -> Connection:
-        """A pooled connection or a new one; waiting for a free one is not connecting."""
+    async def _connection(
+        self, phase: str, limit: float, deadline: float
+    ) -> tuple[Connection, Connection | None]:
+        """A pooled connection once one is free, or a new one; with the connection it is if it was kept
+        alive (None: new). Waiting for a free one is not connecting: its timeout is the call's."""
         pool = self._connections
-        conn = failures.reused = await pool.acquire(deadline)
+        conn = await pool.acquire(deadline)
         if conn is not None:
-            return conn
+            return conn, conn
         loop, address = pool.loop, self._address
-        limit = failures.connecting = min(self.connect_timeout, deadline - loop.time())
+        connect_limit = min(self.connect_timeout, deadline - loop.time())
         try:
-            async with asyncio.timeout(limit):
+            async with asyncio.timeout(connect_limit):
                 if address.path is not None:
                     _, conn = await loop.create_unix_connection(lambda: Connection(loop), address.path)
                 else:
                     _, conn = await loop.create_connection(
                         lambda: Connection(loop), address.host, address.port, ssl=address.tls
                     )
-        except BaseException:
+        except BaseException as exc:
             pool.forfeit()
+            if isinstance(exc, OSError):
+                raise failure(exc, self, phase, limit, connecting=connect_limit) from exc
             raise
-        failures.connecting = None
-        return conn
+        return conn, None

@@ -223,18 +223,25 @@ class Pool:
         self._waiters: deque[asyncio.Future[Connection | None]] = deque()
         self.is_closed = False
 
-    async def acquire(self, deadline: float) -> Connection | None:
-        """An idle connection, or None: the caller may open one (and must ``add`` or ``forfeit`` it)."""
-        loop = self.loop
-        now = loop.time()
+    def take(self) -> Connection | None:
+        """An idle connection still fit to reuse, if there is one (no wait: the common case)."""
+        now = self.loop.time()
         while self._idle:
             conn = self._idle.pop()
             if not conn.is_closed and now - conn.idle_since < self._keepalive_s:
                 return conn
             self._drop(conn)
+        return None
+
+    async def acquire(self, deadline: float) -> Connection | None:
+        """An idle connection, or None: the caller may open one (and must ``release`` or ``forfeit`` it).
+        Callers that tried ``take`` first lose nothing: it is tried again here."""
+        if (conn := self.take()) is not None:
+            return conn
         if self._num_open < self._limit:
             self._num_open += 1
             return None
+        loop = self.loop
         waiter: asyncio.Future[Connection | None] = loop.create_future()
         self._waiters.append(waiter)
         timer = loop.call_at(deadline, _expire, waiter)
