@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import uvloop
+
 _BODY = b'{"id":"cmpl-1","choices":[{"text":" tok"}],"kv_transfer_params":{"remote_block_ids":[1,2,3,4]}}'
 _WHOLE = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (
     len(_BODY),
@@ -115,7 +117,7 @@ def main() -> int:
     parser.add_argument("--mode", default="whole", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(asyncio.run(_calls(args.mode, args.calls, 300)))
+        print(uvloop.run(_calls(args.mode, args.calls, 300)))  # the proxy's loop (server.py)
         return 0
     here = str(Path(__file__).resolve().parent.parent / "src")
     srcs = {"this": here, **{f"baseline {i + 1}": s for i, s in enumerate(args.baseline_src)}}

@@ -117,7 +117,8 @@ class Client:
     ) -> Coroutine[Any, Any, Reply]:  # fmt: skip
         """POST and read the whole answer within ``timeout`` seconds. ``is_repeatable``: the request may
         be sent again on a fresh connection when a kept-alive one turns out closed."""
-        # exchange's coroutine itself, not one awaiting it: a frame fewer on both calls of each request
+        # exchange's coroutine itself, not one awaiting it: a frame fewer on both calls of each request.
+        # The request is written here, so a header that would split it raises at the call, unsent.
         return self.exchange(self._request(b"POST", path, headers, body), phase, timeout, is_repeatable)
 
     async def get(self, path: str, phase: str, timeout: float) -> Reply:
