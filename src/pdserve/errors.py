@@ -19,7 +19,7 @@
     │   ├── BadRequest         400: not JSON, not an object
     │   ├── BodyTooLarge       413: over the body limit
     │   └── Overloaded         429 (queue full) or 503 (queue timeout), with Retry-After
-    ├── UpstreamError          a call from the proxy to an instance failed; carries phase and URL
+    ├── UpstreamError          a call from the proxy to an instance (or a sibling worker) failed; carries phase and URL
     │   ├── UpstreamUnavailable    the connection broke, or the instance answered 5xx
     │   │   ├── UpstreamConnectError   could not connect: the instance never saw the request
     │   │   ├── UpstreamStaleConnection a kept-alive connection closed before any answer byte
@@ -36,13 +36,14 @@
         └── ConnectionDropped  raised out of an app to make the server close the connection
 
 Errors of the libraries underneath are translated into these at each client's boundary, and nowhere
-else: connection, OS and timeout errors of the proxy's own HTTP client (``proxy/wire/connection.py``) in
-``proxy/wire/upstream.py``; aiohttp in ``sim/transfer.py`` (the simulator's KV pulls) and ``sim/probe.py``
-(calibration), while ``bench/load.py`` counts them as failed requests; urllib in ``httpclient.py``;
-subprocess in ``engines/launcher.py`` (the instances), ``engines/model.py`` (the tiny model's build) and
-``bench/vllmbench.py``, while ``engines/venv.py``'s version probe makes a failure "version unknown",
-a warning; yaml in ``topologyfile.py``, ``sim/profile.py`` and ``sim/calibrate.py`` (``--set``); lightkube in ``proxy/pool/k8s_watch.py``; ray in
-``engines/ray_cluster.py``.
+else: connection, OS and timeout errors of the proxy's own HTTP client (``proxy/wire/client.py``, toward
+the instances and the sibling workers) in ``proxy/wire/failures.py``; aiohttp in ``sim/transfer.py`` (the
+simulator's KV pulls) and ``sim/probe.py`` (calibration), while ``bench/load.py`` counts them as failed
+requests; urllib and http.client in ``httpclient.py``; subprocess in ``engines/launcher.py`` (the
+instances), ``engines/model.py`` (the tiny model's build) and ``bench/vllmbench.py``, while
+``engines/venv.py``'s version probe makes a failure "version unknown", a warning; yaml in
+``topologyfile.py``, ``sim/profile.py`` and ``sim/calibrate.py`` (``--set``); lightkube in
+``proxy/pool/k8s_watch.py``; ray in ``engines/ray_cluster.py``.
 ``UpstreamError.status`` is the HTTP status the proxy answers the client with.
 """
 
@@ -156,6 +157,8 @@ class UpstreamError(PDServeError):
     """A call from the proxy to a prefill or decode instance failed.
 
     ``phase`` is "prefill" or "decode" (or "models"/"health" for auxiliary calls), ``url`` the instance.
+    The same client asks a multi-process proxy's sibling workers (phase "worker", ``url`` their Unix
+    socket); peers.py reports those misses itself, and no client is ever answered with one.
     """
 
     status = 502

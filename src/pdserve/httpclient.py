@@ -1,8 +1,9 @@
-"""Blocking HTTP for pdserve's command-line tools and the launcher: one opener, never ``$http_proxy``.
+"""Blocking HTTP for pdserve's command-line tools and the launcher: one opener, never ``$http_proxy``, and
+``request_unix`` for a server on a Unix socket (the launcher's word to each worker of a proxy of several).
 
 The instances pdserve talks to are local or on the cluster network; sending a health check or a verify
 request through a corporate proxy from the environment would only make it fail slowly. (The proxy's
-upstream calls go through its own HTTP/1.1 client, proxy/wire/connection.py, which reads no environment; the
+upstream calls go through its own HTTP/1.1 client, proxy/wire/client.py, which reads no environment; the
 aiohttp sessions of the simulator and the measurement clients ignore ``$http_proxy`` unless told to trust it.)
 urllib's exceptions become ``Unreachable`` here and nowhere else; an answer that is only late (the
 connection made, the request sent) is ``NoAnswer``, one of them, so a queue never reads "cannot reach".
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
 import urllib.error
 import urllib.request
 from collections.abc import Iterable, Mapping
@@ -58,6 +60,47 @@ def request(
         ) from exc
     except (OSError, http.client.HTTPException, ValueError) as exc:  # URLError is an OSError
         raise Unreachable(f"cannot reach {url}: {exc}") from exc
+
+
+class _UnixConnection(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self._path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(self.timeout)
+            sock.connect(self._path)
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
+
+
+def request_unix(
+    path: str, method: str, target: str, body: bytes | None = None, timeout: float = 2.0
+) -> Response:
+    """``request``, to the server on the Unix socket ``path``; a body is JSON."""
+    where = f"unix:{path}"
+    conn = _UnixConnection(path, timeout)
+    try:
+        try:
+            conn.connect()
+        except OSError as exc:
+            raise Unreachable(f"cannot reach {where}: {exc}") from exc
+        headers = {"Content-Type": "application/json"} if body is not None else {}
+        conn.request(method, target, body=body, headers=headers)
+        resp = conn.getresponse()
+        return Response(resp.status, _lower(resp.getheaders()), resp.read())
+    except TimeoutError as exc:
+        raise NoAnswer(
+            f"no answer from {where} within {timeout:g} s (it took the request: busy or stuck)"
+        ) from exc
+    except (OSError, http.client.HTTPException) as exc:
+        raise Unreachable(f"cannot reach {where}: {exc}") from exc
+    finally:
+        conn.close()
 
 
 def _lower(items: Iterable[tuple[str, str]]) -> dict[str, str]:

@@ -9,7 +9,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -19,6 +19,8 @@ import orjson
 import pytest
 from fake_vllm import FakeVLLM
 from proxy_rig import CLIENT_TIMEOUT, TIMEOUTS, serve_fake
+from starlette.requests import Request
+from starlette.responses import Response
 from test_flow import COMPLETION
 from test_tokens import SYSTEM, _write_model_dir
 
@@ -27,7 +29,13 @@ from pdserve.configparts import ApiKeys, HealthChecks, PoolSpec, Routing
 from pdserve.errors import ProxyStartError
 from pdserve.events import InstanceEvent
 from pdserve.prometheus import parse_prometheus, parse_samples
-from pdserve.proxy.serving.peers import Peers, merge_descriptions, socket_path
+from pdserve.proxy.serving.peers import (
+    PARTIAL_HEADER,
+    Peers,
+    merge_descriptions,
+    partial_headers,
+    socket_path,
+)
 from pdserve.proxy.serving.workers import ProxyWorkers
 
 KEY = "admin-key"
@@ -141,6 +149,9 @@ def test_an_instance_reads_drained_only_when_no_worker_has_a_request_or_kv_waiti
     assert (merged["in_flight"], merged["kv_held"], merged["drained"]) == (0, 2, False)
     [quiet] = merge_descriptions(own, [[{**other, "kv_held": 0}]])
     assert quiet["drained"] is True
+    # Without every worker's view, a worker that did not answer may still have requests there.
+    [unsure] = merge_descriptions(own, [[{**other, "kv_held": 0}]], is_whole=False)
+    assert unsure["drained"] is False
 
 
 async def test_what_the_launcher_learns_reaches_every_worker(
@@ -260,7 +271,104 @@ async def test_a_peer_request_with_a_line_break_in_a_header_value_is_refused_uns
         peers = Peers(str(tmp_path), 0, 2)
         with pytest.raises(ValueError, match="line break"):
             await peers.ask("GET", "/metrics", None, {"Authorization": "Bearer k\r\nX-Evil: 1"})
-        assert await peers.ask("GET", "/metrics", None, ADMIN) == [(200, b"ok")]
+        assert (await peers.ask("GET", "/metrics", None, ADMIN)).answers == {1: (200, b"ok")}
     finally:
         server.close()
     assert len(received) == 1 and b"Bearer admin-key" in received[0]  # only the well-formed one went
+
+
+# --- a worker that does not answer its peers ---------------------------------------------------------
+
+PEER_METRICS = (
+    b"# HELP pdserve_requests_total R.\n# TYPE pdserve_requests_total counter\npdserve_requests_total 3\n"
+)
+
+
+def _answer(status: int, body: bytes) -> bytes:
+    return b"HTTP/1.1 %d X\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%s" % (status, len(body), body)
+
+
+@contextmanager
+def _peer_sockets(tmp_path: Path) -> Iterator[Callable[[int, bytes | None], Awaitable[None]]]:
+    """Peers on Unix sockets in ``tmp_path``: ``await serve(i, raw)`` makes worker ``i`` answer every
+    request with ``raw`` (None: take the request and never answer)."""
+    servers: list[asyncio.Server] = []
+
+    async def serve(index: int, raw: bytes | None) -> None:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            if raw is None:
+                await asyncio.sleep(30)
+            writer.write(raw or b"")
+            await writer.drain()
+            writer.close()
+
+        servers.append(await asyncio.start_unix_server(handle, socket_path(str(tmp_path), index)))
+
+    try:
+        yield serve
+    finally:
+        for server in servers:
+            server.close()
+
+
+def _client_request(path: str, method: str = "GET", body: bytes = b"") -> Request:
+    """A request as it reaches a worker over the shared TCP port (so the worker asks its peers)."""
+
+    async def receive() -> dict[str, object]:
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    scope = {"type": "http", "method": method, "path": path, "query_string": b"", "headers": [],
+             "server": ("127.0.0.1", 8000)}  # fmt: skip
+    return Request(scope, receive)
+
+
+async def test_a_merged_read_names_a_worker_that_does_not_answer_and_counts_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with _peer_sockets(tmp_path) as serve:
+        await serve(1, _answer(200, PEER_METRICS))
+        await serve(2, None)  # takes the request, never answers
+        peers = Peers(str(tmp_path), 0, 4, timeout_s=0.3)  # and nothing listens for worker 3
+        request = _client_request("/metrics")
+        text = await peers.metrics(request, PEER_METRICS.decode())
+    said = partial_headers(request)[PARTIAL_HEADER]
+    assert said.startswith("worker 2: no answer within 0.3 s; worker 3: cannot connect"), said
+    values = {(s.name, tuple(s.labels.items())): s.value for s in parse_samples(text)}
+    assert values[("pdserve_requests_total", ())] == 6  # this worker's and worker 1's
+    assert values[("pdserve_workers_missing", ())] == 2
+    misses = {labels: v for (name, labels), v in values.items() if name == "pdserve_worker_misses_total"}
+    assert misses == {(("worker", "1"),): 0, (("worker", "2"),): 1, (("worker", "3"),): 1}
+    logged = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("no answer from worker 2 for GET /metrics" in m for m in logged), logged
+
+
+async def test_a_worker_answering_an_error_is_left_out_of_a_merged_read_and_named(tmp_path: Path) -> None:
+    with _peer_sockets(tmp_path) as serve:
+        await serve(1, _answer(500, b"{}"))
+        peers = Peers(str(tmp_path), 0, 2)
+        request = _client_request("/admin/ledger")
+        own = {"lease_s": 5, "issued": 1, "delivered": 1, "abandoned": {}, "suspect": {}, "open": [],
+               "overdue": 0, "recent": []}  # fmt: skip
+        assert await peers.ledger(request, own) == own
+    assert partial_headers(request) == {PARTIAL_HEADER: "worker 1: answered 500"}
+
+
+async def test_an_answer_every_worker_gave_carries_no_partial_mark(tmp_path: Path) -> None:
+    with _peer_sockets(tmp_path) as serve:
+        await serve(1, _answer(200, b"[]"))
+        peers = Peers(str(tmp_path), 0, 2)
+        request = _client_request("/instances")
+        assert await peers.instances(request, []) == []
+    assert partial_headers(request) == {}
+
+
+async def test_an_admin_change_a_worker_did_not_make_is_named_in_the_answer(tmp_path: Path) -> None:
+    with _peer_sockets(tmp_path) as serve:
+        await serve(1, _answer(200, b"{}"))
+        await serve(2, _answer(409, b"{}"))
+        peers = Peers(str(tmp_path), 0, 4, timeout_s=0.3)  # nothing listens for worker 3
+        response = Response(b"{}", 200)
+        await peers.repeat(_client_request("/admin/instances/drain", "POST", b"{}"), response)
+    said = response.headers[PARTIAL_HEADER]
+    assert said.startswith("worker 3: cannot connect") and said.endswith("; worker 2: answered 409"), said

@@ -9,7 +9,8 @@
 
 All need "Authorization: Bearer <admin_api_key>"; without a configured key the admin API is off (403).
 Handlers change nothing themselves: they ask ``ProxyState`` (state.py), which owns the pools. In a proxy of
-several workers (workers.py) a change is repeated on every worker and the reads merge theirs (peers.py).
+several workers (workers.py) a change is repeated on every worker and the reads merge theirs (peers.py);
+an answer a worker is missing from names it in ``X-Pdserve-Partial``.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pdserve.errors import ConfigError
 from pdserve.proxy.pool.instance import Instance
 from pdserve.proxy.pool.models import model_ids, models_in_service
 from pdserve.proxy.serving.context import context
+from pdserve.proxy.serving.peers import partial_headers
 from pdserve.proxy.serving.routes import describe_instances, error_response, is_authorized
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -78,7 +80,7 @@ async def _instance_named(request: Request) -> Instance:
 
 
 async def list_instances(request: Request) -> Response:
-    return JSONResponse(await describe_instances(request))
+    return JSONResponse(await describe_instances(request), headers=partial_headers(request))
 
 
 async def add(request: Request) -> Response:
@@ -127,7 +129,9 @@ async def _on_named(request: Request, change: Callable[[Instance], None], status
 
 async def ledger(request: Request) -> Response:
     ctx = context(request)
-    return JSONResponse(await ctx.fanout.ledger(request, ctx.state.ledger.snapshot()))
+    return JSONResponse(
+        await ctx.fanout.ledger(request, ctx.state.ledger.snapshot()), headers=partial_headers(request)
+    )
 
 
 ADMIN_ROUTES = [

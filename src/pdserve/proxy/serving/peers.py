@@ -12,6 +12,12 @@ prompt-aware policy in one worker knows where the others sent a prefix.
 A handler hands its own answer to the app's ``Fanout`` and gets the proxy's back, in one line. A proxy
 of one process has ``Fanout`` itself, which hands the answer back and wraps no policy: nothing here runs
 per request then. One worker of several has ``Peers``.
+
+Peers are asked through the proxy's own HTTP client (proxy/wire/client.py, on each peer's Unix socket),
+so a peer that fails to answer fails as an instance would, and is said, never passed over in silence:
+each miss is logged and counted on /metrics (``pdserve_worker_misses_total``, by the worker asked); an
+answer that lacks a worker's part names it in its ``X-Pdserve-Partial`` header (``partial_headers``), a
+merged /metrics also in ``pdserve_workers_missing``, and /instances calls nothing drained then.
 """
 
 from __future__ import annotations
@@ -20,7 +26,8 @@ import asyncio
 import logging
 import os
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -29,9 +36,11 @@ from starlette.responses import Response
 
 from pdserve.asgi import Scope
 from pdserve.config import ROLES, Role
+from pdserve.errors import UpstreamError
 from pdserve.proxy.pool.routing import C, Pick, Policy
 from pdserve.proxy.serving.exposition import format_number
-from pdserve.proxy.wire.connection import RequestWriter, parse_response
+from pdserve.proxy.wire.client import Address, Client
+from pdserve.proxy.wire.connection import RequestWriter
 
 log = logging.getLogger("pdserve.proxy")
 
@@ -39,7 +48,10 @@ PEER_TIMEOUT_S = 2.0
 PEER_REQUEST = RequestWriter("pdserve-worker")
 _GOSSIP_S = 0.1  # how stale one worker's view of another's prefix index may be
 _MAX_PICKS = 10_000  # picks kept for the next batch; beyond it the oldest go (the index is an estimate)
+_MAX_ASKS = 64  # requests in flight to one peer at once; more wait their turn (within the timeout)
 _NUM_RECENT = 256  # handoffs a merged /admin/ledger lists, as one worker's ledger keeps
+PARTIAL_HEADER = "X-Pdserve-Partial"
+_PARTIAL = "pdserve.partial"  # the scope's key for the workers an answer lacks (``partial_headers``)
 
 Described = list[dict[str, Any]]  # Instance.describe() of each instance, as JSON reads it back
 
@@ -52,6 +64,39 @@ def is_peer(scope: Scope) -> bool:
     """Whether the request came over a worker's Unix socket (uvicorn gives such a server no port)."""
     server = scope.get("server")
     return server is not None and server[1] is None
+
+
+def partial_headers(request: Request) -> dict[str, str]:
+    """Headers for the answer to ``request``: ``X-Pdserve-Partial`` names each worker whose part it lacks,
+    and why; none when the answer is whole (always, for a proxy of one process)."""
+    missing = request.scope.get(_PARTIAL)
+    return {PARTIAL_HEADER: "; ".join(missing)} if missing else {}
+
+
+@dataclass
+class Asked:
+    """What the other workers made of one request."""
+
+    answers: dict[int, tuple[int, bytes]] = field(default_factory=dict)  # worker → (status, body)
+    misses: dict[int, str] = field(default_factory=dict)  # worker → why no answer came
+
+    def missing(self, wanted: Container[int]) -> list[str]:
+        """Each worker that did not answer, or answered a status not ``wanted``, and why, as a header
+        carries it."""
+        said = list(self.misses.items())
+        said += [(i, f"answered {status}") for i, (status, _) in self.answers.items() if status not in wanted]
+        return [
+            f"worker {i}: " + why.encode("ascii", "replace").decode().translate(_ONE_LINE) for i, why in said
+        ]
+
+    def bodies(self, request: Request) -> list[bytes]:
+        """The bodies of the 200 answers; every other worker is noted as missing from ``request``'s."""
+        if missing := self.missing((200,)):
+            request.scope.setdefault(_PARTIAL, []).extend(missing)
+        return [body for status, body in self.answers.values() if status == 200]
+
+
+_ONE_LINE = str.maketrans("\r\n", "  ")
 
 
 class Fanout:
@@ -94,7 +139,9 @@ class Peers(Fanout):
         self.index = index
         self.count = count
         self._timeout_s = timeout_s
-        self._paths = [socket_path(directory, i) for i in range(count) if i != index]
+        self._paths = {i: socket_path(directory, i) for i in range(count) if i != index}
+        self._clients: dict[int, Client] = {}  # opened on the loop of the first ask
+        self._misses: Counter[int] = Counter({i: 0 for i in self._paths})  # by the worker asked
         self._picks: list[dict[str, Any]] = []
         self._is_sharing = False  # a prompt-aware policy tells its picks (``sharing``)
 
@@ -109,7 +156,8 @@ class Peers(Fanout):
     async def instances(self, request: Request, own: Described) -> Described:
         if is_peer(request.scope):
             return own
-        return merge_descriptions(own, [orjson.loads(b) for b in await self._same_of_others(request)])
+        others = [orjson.loads(b) for b in await self._same_of_others(request)]
+        return merge_descriptions(own, others, is_whole=len(others) == len(self._paths))
 
     async def requests(self, request: Request, own: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if is_peer(request.scope):
@@ -119,8 +167,14 @@ class Peers(Fanout):
 
     async def metrics(self, request: Request, own: str) -> str:
         if is_peer(request.scope):
-            return own
-        return merge_metrics([own, *(b.decode() for b in await self._same_of_others(request))])
+            return own + self._misses_text()
+        others = [b.decode() for b in await self._same_of_others(request)]
+        merged = merge_metrics([own + self._misses_text(), *others])
+        return merged + _metric(
+            "pdserve_workers_missing", "gauge",
+            "Proxy workers whose part this answer lacks: they did not answer the worker that was asked in time.",
+            [("", len(self._paths) - len(others))],
+        )  # fmt: skip
 
     async def ledger(self, request: Request, own: dict[str, Any]) -> dict[str, Any]:
         if is_peer(request.scope):
@@ -131,11 +185,10 @@ class Peers(Fanout):
         if is_peer(request.scope) or response.status_code >= 300:
             return
         sent = await request.body()
-        answers = await self.ask(request.method, request.url.path, sent, _credentials(request))
-        for status, body in answers:
-            if status >= 300:
-                log.warning("a proxy worker refused %s %s: %s %s", request.method, request.url.path,
-                            status, body[:300])  # fmt: skip
+        asked = await self.ask(request.method, request.url.path, sent, _credentials(request))
+        self._log_refusals(asked, request.method, request.url.path)
+        if missing := asked.missing(range(200, 300)):  # made here: the client must know where it was not
+            response.headers[PARTIAL_HEADER] = "; ".join(missing)
 
     async def run(self) -> None:
         """Send the picks of each ``_GOSSIP_S`` to the peers, until cancelled."""
@@ -143,44 +196,65 @@ class Peers(Fanout):
             await asyncio.sleep(_GOSSIP_S)
             if self._picks:
                 batch, self._picks = self._picks, []
-                await self.ask("POST", "/_pdserve/prefix", orjson.dumps(batch))
+                self._log_refusals(await self.ask("POST", "/_pdserve/prefix", orjson.dumps(batch)), "POST",
+                                   "/_pdserve/prefix")  # fmt: skip
 
     # --- asking ----------------------------------------------------------------------------------
 
     async def ask(
         self, method: str, path: str, body: bytes | None = None, headers: Mapping[str, str] | None = None
-    ) -> list[tuple[int, bytes]]:
-        """Every peer's answer; one that does not answer in time is left out (and logged): a read then
-        shows fewer workers' state, never blocks on a stuck one."""
+    ) -> Asked:
+        """Every peer's answer, whatever its status. A peer that gives none within the timeout is left
+        out, logged and counted (``Asked.misses``): a read then shows fewer workers' state and says so,
+        never blocks on a stuck one."""
+        # Written once, before anything is sent: a header that would split the request raises here.
         request = PEER_REQUEST(method.encode("ascii"), path, {**(headers or {}), "Connection": "close"}, body)
+        clients = await self._open_clients()
         results = await asyncio.gather(
-            *(self._ask_one(p, request) for p in self._paths), return_exceptions=True
+            *(c.exchange(request, "worker", self._timeout_s) for c in clients.values()),
+            return_exceptions=True,
         )
-        answers = []
-        for sock, result in zip(self._paths, results, strict=True):
-            if isinstance(result, BaseException):
-                log.warning(
-                    "worker %d: no answer from %s for %s %s: %r", self.index, sock, method, path, result
-                )
+        asked = Asked()
+        for i, result in zip(clients, results, strict=True):
+            if isinstance(result, UpstreamError):
+                asked.misses[i] = result.detail
+                self._misses[i] += 1
+                log.warning("worker %d: no answer from worker %d for %s %s: %s", self.index, i, method,
+                            path, result.detail)  # fmt: skip
+            elif isinstance(result, BaseException):
+                raise result
             else:
-                answers.append(result)
-        return answers
+                asked.answers[i] = (result.status, result.body)
+        return asked
 
     async def _same_of_others(self, request: Request) -> list[bytes]:
-        """The bodies of the peers' 200 answers to the same GET, with the client's credentials."""
+        """The bodies of the peers' 200 answers to the same GET, with the client's credentials; the
+        others are named in the answer's ``partial_headers``."""
         target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
-        answers = await self.ask("GET", target, None, _credentials(request))
-        return [body for status, body in answers if status == 200]
+        return (await self.ask("GET", target, None, _credentials(request))).bodies(request)
 
-    async def _ask_one(self, sock: str, request: bytes) -> tuple[int, bytes]:
-        async with asyncio.timeout(self._timeout_s):
-            reader, writer = await asyncio.open_unix_connection(sock)
-            try:
-                writer.write(request)
-                raw = await reader.read()  # to the end: Connection: close
-            finally:
-                writer.close()
-        return parse_response(raw)
+    async def _open_clients(self) -> dict[int, Client]:
+        if not self._clients:
+            clients = {i: Client(f"unix:{path}", Address(path=path), PEER_REQUEST, self._timeout_s, _MAX_ASKS)
+                       for i, path in self._paths.items()}  # fmt: skip
+            for client in clients.values():
+                await client.open()
+            self._clients = clients
+        return self._clients
+
+    def _log_refusals(self, asked: Asked, method: str, path: str) -> None:
+        for i, (status, body) in asked.answers.items():
+            if status >= 300:
+                log.warning("worker %d: worker %d refused %s %s: %s %s", self.index, i, method, path, status,
+                            body[:300])  # fmt: skip
+
+    def _misses_text(self) -> str:
+        return _metric(
+            "pdserve_worker_misses_total", "counter",
+            "Requests of one proxy worker to another (merged reads, admin changes, shared picks) that got "
+            "no answer, by the worker asked.",
+            [(f'{{worker="{i}"}}', n) for i, n in sorted(self._misses.items())],
+        )  # fmt: skip
 
     def _share_pick(self, role: Role, url: str, hashes: Sequence[int]) -> None:
         """This worker sent a prompt with these block hashes to ``url``: the others learn it soon."""
@@ -200,6 +274,12 @@ def read_picks(body: bytes) -> list[tuple[Role, str, list[int]]]:
         ]
     except (orjson.JSONDecodeError, TypeError, KeyError) as exc:
         raise ValueError(f"not a list of picks: {exc}") from None
+
+
+def _metric(name: str, kind: str, help_text: str, samples: Sequence[tuple[str, float]]) -> str:
+    lines = [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+    lines += (f"{name}{labels} {format_number(value)}" for labels, value in samples)
+    return "\n".join(lines) + "\n"
 
 
 def _credentials(request: Request) -> dict[str, str]:
@@ -236,9 +316,11 @@ class _SharingPolicy:
 # --- merging the workers' answers ------------------------------------------------------------------
 
 
-def merge_descriptions(own: Described, others: Sequence[Described]) -> Described:
+def merge_descriptions(own: Described, others: Sequence[Described], is_whole: bool = True) -> Described:
     """This worker's view of its instances, with the requests every worker has in flight at each and
-    the KV each holds for every worker's decodes (so drained means drained for the whole proxy)."""
+    the KV each holds for every worker's decodes (so drained means drained for the whole proxy). Without
+    every worker's view (``is_whole`` false) nothing is drained: a worker that did not answer may still
+    have requests there."""
     sums: dict[str, Counter[object]] = {"in_flight": Counter(), "kv_held": Counter()}
     for view in others:
         for d in view:
@@ -252,7 +334,7 @@ def merge_descriptions(own: Described, others: Sequence[Described]) -> Described
         for key, counts in sums.items():
             count = d.get(key)
             totals[key] = (count if isinstance(count, int) else 0) + counts[d.get("url")]
-        drained = bool(d.get("draining")) and not totals["in_flight"] and not totals["kv_held"]
+        drained = is_whole and bool(d.get("draining")) and not totals["in_flight"] and not totals["kv_held"]
         merged.append({**d, **totals, "drained": drained})
     return merged
 

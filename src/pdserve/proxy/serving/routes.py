@@ -9,6 +9,9 @@
     GET  /requests[?id=X]                        the last requests' walk-through (admin key if set)
     GET  /metrics                                the proxy's Prometheus metrics (metrics.py)
 
+Of a proxy of several workers, /instances, /requests and /metrics span them all; an answer that lacks a
+worker's part says which in ``X-Pdserve-Partial`` (peers.py).
+
 Reads never act: /health and /instances report what the health checker last saw. What a client reads
 of an error names an instance by its pool name (``InstanceNames``), not its URL, unless the proxy is
 told to show URLs; a client's X-Request-Id is used only when ``usable_request_id`` takes it.
@@ -36,6 +39,7 @@ from pdserve.proxy.record.responder import Redact, Responder
 from pdserve.proxy.request.wholeon import WHOLE_ON, asked_whole_on
 from pdserve.proxy.serving.context import Context, context
 from pdserve.proxy.serving.exposition import render as render_metrics
+from pdserve.proxy.serving.peers import partial_headers
 
 log = logging.getLogger("pdserve.proxy")
 
@@ -187,7 +191,7 @@ async def describe_instances(request: Request) -> list[dict[str, object]]:
 
 
 async def instances(request: Request) -> JSONResponse:
-    return JSONResponse(await describe_instances(request))
+    return JSONResponse(await describe_instances(request), headers=partial_headers(request))
 
 
 async def requests(request: Request) -> Response:
@@ -196,10 +200,12 @@ async def requests(request: Request) -> Response:
         return error_response(401, "missing or wrong admin API key", "AuthenticationError")
     wanted = request.query_params.get("id")
     found = [t.as_dict() for t in ctx.state.traces if wanted is None or t.request_id == wanted]
-    return JSONResponse({"requests": await ctx.fanout.requests(request, found)})
+    return JSONResponse(
+        {"requests": await ctx.fanout.requests(request, found)}, headers=partial_headers(request)
+    )
 
 
 async def metrics(request: Request) -> Response:
     ctx = context(request)
     text = await ctx.fanout.metrics(request, render_metrics(ctx.state, ctx.admission))
-    return Response(text, media_type="text/plain; version=0.0.4")
+    return Response(text, media_type="text/plain; version=0.0.4", headers=partial_headers(request))

@@ -16,7 +16,6 @@ import logging
 import multiprocessing
 import shutil
 import signal
-import socket
 import tempfile
 import threading
 import time
@@ -25,14 +24,13 @@ from multiprocessing.process import BaseProcess
 
 import orjson
 
-from pdserve import events
+from pdserve import events, httpclient
 from pdserve.config import ProxyConfig
-from pdserve.errors import ProxyStartError
+from pdserve.errors import ProxyStartError, Unreachable
 from pdserve.events import InstanceEvent, KVLogEvent
-from pdserve.proxy.serving.peers import PEER_REQUEST, PEER_TIMEOUT_S, socket_path
+from pdserve.proxy.serving.peers import PEER_TIMEOUT_S, socket_path
 from pdserve.proxy.serving.server import make_server, tune_gc
 from pdserve.proxy.serving.worker import run_worker
-from pdserve.proxy.wire.connection import parse_response
 
 log = logging.getLogger("pdserve.proxy")
 
@@ -95,9 +93,13 @@ class ProxyWorkers:
         body = orjson.dumps(events.to_dict(event))
         for i, path in enumerate(self.sockets):
             try:
-                _call(path, b"POST", "/_pdserve/event", body)
-            except OSError as exc:
+                answer = httpclient.request_unix(path, "POST", "/_pdserve/event", body, PEER_TIMEOUT_S)
+            except Unreachable as exc:
                 log.warning("proxy worker %d did not take %s %s: %s", i, event.kind, event.url, exc)
+                continue
+            if answer.status >= 300:
+                log.warning("proxy worker %d refused %s %s: %s %s", i, event.kind, event.url, answer.status,
+                            answer.body[:300])  # fmt: skip
 
     def wait(self) -> None:
         """Until ``stop_soon`` or ``stop`` (from a signal handler or another thread)."""
@@ -135,8 +137,9 @@ class ProxyWorkers:
 
     def _answers(self, index: int) -> bool:
         try:
-            return _call(socket_path(self._dir, index), b"GET", "/_pdserve/ready") == 200
-        except OSError:
+            path = socket_path(self._dir, index)
+            return httpclient.request_unix(path, "GET", "/_pdserve/ready", None, PEER_TIMEOUT_S).status == 200
+        except Unreachable:
             return False
 
     def _watch(self) -> None:
@@ -158,22 +161,6 @@ class ProxyWorkers:
                 if self._stopping.wait(_RESTART_DELAY_S):
                     return
                 self._spawn(i)
-
-
-def _call(path: str, method: bytes, route: str, body: bytes | None = None) -> int:
-    """One blocking request to a worker's Unix socket; its status."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(PEER_TIMEOUT_S)
-        sock.connect(path)
-        sock.sendall(PEER_REQUEST(method, route, {"Connection": "close"}, body))
-        chunks = []
-        while data := sock.recv(65536):
-            chunks.append(data)
-    try:
-        status, _ = parse_response(b"".join(chunks))
-    except ValueError as exc:
-        raise OSError(f"worker at {path}: {exc}") from None
-    return status
 
 
 def serve(config: ProxyConfig, log_level: str = "info") -> None:

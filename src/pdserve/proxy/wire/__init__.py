@@ -1,3 +1,4 @@
-"""The wire to the instances: the proxy's own HTTP/1.1 client (``connection``: a keep-alive connection
-per request in flight, pooled per instance, on every token's path) and ``upstream``, the one place
-where connection, OS and timeout errors become pdserve's."""
+"""The wire: the proxy's one HTTP client, toward the instances and toward its sibling workers. ``client``
+(pooled keep-alive HTTP/1.1 to one server, over TCP or a Unix socket) drives ``connection`` (a connection
+per request in flight, on every token's path); ``failures`` is the one place where what they raise
+becomes pdserve's; ``upstream`` is the client pointed at an instance, as the flow calls it."""

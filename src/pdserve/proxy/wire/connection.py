@@ -1,7 +1,7 @@
-"""HTTP/1.1 to an instance on raw asyncio: one keep-alive ``Connection`` (an ``asyncio.Protocol`` parsing
-with httptools) and the ``Pool`` of them per instance. ``upstream.py`` drives both and is the one place
-their exceptions become pdserve's. ``RequestWriter`` writes every request the proxy sends, to an instance
-or to a peer worker (peers.py, workers.py); ``parse_response`` reads a peer's whole answer.
+"""HTTP/1.1 on raw asyncio: one keep-alive ``Connection`` (an ``asyncio.Protocol`` parsing with httptools)
+and the ``Pool`` of them per server. client.py drives both; failures.py is the one place their exceptions
+become pdserve's. ``RequestWriter`` writes every request the proxy sends, to an instance or to a sibling
+worker (peers.py).
 
 Why not a general client: every token of every stream passes here. A body chunk costs one parser
 callback and, when the reader already waits, one future; a gap limit costs no timer per chunk (one lazy
@@ -50,33 +50,6 @@ class RequestWriter:
         if body is not None:
             lines.append(body)
         return b"".join(lines)
-
-
-class _WholeAnswer:
-    """httptools' callbacks for one response read to its end."""
-
-    def __init__(self) -> None:
-        self.parts: list[bytes] = []
-        self.is_complete = False
-
-    def on_body(self, body: bytes) -> None:
-        self.parts.append(body)
-
-    def on_message_complete(self) -> None:
-        self.is_complete = True
-
-
-def parse_response(raw: bytes) -> tuple[int, bytes]:
-    """(status, body) of one whole HTTP/1.1 response; ValueError if it is cut short or not HTTP."""
-    answer = _WholeAnswer()
-    parser = httptools.HttpResponseParser(answer)
-    try:
-        parser.feed_data(raw)
-    except httptools.HttpParserError as exc:
-        raise ValueError(f"not an HTTP answer: {exc}") from None
-    if not answer.is_complete:
-        raise ValueError("the answer was cut short")
-    return parser.get_status_code(), b"".join(answer.parts)
 
 
 class Connection(asyncio.Protocol):
@@ -250,18 +223,25 @@ class Pool:
         self._waiters: deque[asyncio.Future[Connection | None]] = deque()
         self.is_closed = False
 
-    async def acquire(self, deadline: float) -> Connection | None:
-        """An idle connection, or None: the caller may open one (and must ``add`` or ``forfeit`` it)."""
-        loop = self.loop
-        now = loop.time()
+    def take(self) -> Connection | None:
+        """An idle connection still fit to reuse, if there is one (no wait: the common case)."""
+        now = self.loop.time()
         while self._idle:
             conn = self._idle.pop()
             if not conn.is_closed and now - conn.idle_since < self._keepalive_s:
                 return conn
             self._drop(conn)
+        return None
+
+    async def acquire(self, deadline: float) -> Connection | None:
+        """An idle connection, or None: the caller may open one (and must ``release`` or ``forfeit`` it).
+        Callers that tried ``take`` first lose nothing: it is tried again here."""
+        if (conn := self.take()) is not None:
+            return conn
         if self._num_open < self._limit:
             self._num_open += 1
             return None
+        loop = self.loop
         waiter: asyncio.Future[Connection | None] = loop.create_future()
         self._waiters.append(waiter)
         timer = loop.call_at(deadline, _expire, waiter)
