@@ -307,6 +307,10 @@ def add_topology(p: argparse.ArgumentParser) -> None:
     p.add_argument("--startup-timeout", type=float, help="seconds for every instance to become healthy")
     p.add_argument("--kv-lease", type=float, dest="kv_lease_s",
                    help="seconds prefill holds KV nobody pulls (vLLM's kv_lease_duration; default 30)")  # fmt: skip
+    p.add_argument("--kv-transfer", choices=("pull", "push"),
+                   help="how prefill's KV reaches decode: decode reads it once prefill answered (pull, the "
+                        "default), or prefill writes it into blocks decode registered while prefill ran "
+                        "(push: vLLM's NixlPushConnector; docs/handover.md)")  # fmt: skip
     p.add_argument("--ray", metavar="ADDRESS",
                    help="run each instance as a Ray actor on the cluster at ADDRESS (host:port, or auto), at its "
                         "node's IP (pip install 'pdserve[ray]'; docs/deploying.md)")  # fmt: skip
@@ -328,7 +332,7 @@ def add_topology(p: argparse.ArgumentParser) -> None:
 def topology_from_args(a: argparse.Namespace) -> Topology:
     base = load_topology(a.config) if a.config else Topology()
     names = ("model", "proxy_port", "host", "first_port", "engine", "sim_profile", "first_side_channel_port",
-             "device", "engine_python", "run_dir", "startup_timeout", "kv_lease_s", "on_instance_exit", "ray")  # fmt: skip
+             "device", "engine_python", "run_dir", "startup_timeout", "kv_lease_s", "kv_transfer", "on_instance_exit", "ray")  # fmt: skip
     given: dict[str, Any] = {n: getattr(a, n) for n in names if getattr(a, n) is not None}
     if a.vllm_args:
         given["vllm_args"] = (*base.vllm_args, *a.vllm_args)
