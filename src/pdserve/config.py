@@ -100,6 +100,10 @@ class ProxySettings:
     # of the admission limits, and answers the reads (/metrics, ledger, requests) for them all.
     workers: int = 1
     otlp_traces_endpoint: str | None = None  # OTLP/HTTP traces URL (…/v1/traces): spans of every request
+    # A greedy or seeded stream gets prefill's sampled token as soon as prefill answers, decode's stream
+    # going on after it (docs/handover.md); off by default: it needs decode to sample the very same token,
+    # which float32 gives and bf16 may not (a different token ends the stream with an error event).
+    first_token_at_once: bool = False
 
     def __post_init__(self) -> None:
         check_positive(

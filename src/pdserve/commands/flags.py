@@ -40,6 +40,9 @@ def add_proxy_settings(p: argparse.ArgumentParser) -> None:
                         "--max-concurrent/--max-queued; one CPython process is about one core of proxy")  # fmt: skip
     g.add_argument("--max-connections-per-upstream", type=int, default=proxy_default("max_connections_per_upstream"),
                    metavar="N", help="pooled keep-alive connections to one instance")  # fmt: skip
+    g.add_argument("--first-token-at-once", action="store_true",
+                   help="a greedy or seeded stream gets prefill's token as soon as prefill answers, decode's "
+                        "stream going on after it (docs/handover.md)")  # fmt: skip
     g.add_argument("--otlp-traces-endpoint", metavar="URL",
                    help="send OpenTelemetry spans of every request to this OTLP/HTTP traces URL (…/v1/traces)")  # fmt: skip
 
@@ -60,6 +63,7 @@ def proxy_settings_from_args(a: argparse.Namespace, topology: Topology | None = 
         kv_lease_s=kv_lease_s,
         workers=a.workers,
         otlp_traces_endpoint=a.otlp_traces_endpoint,
+        first_token_at_once=a.first_token_at_once,
     )
 
 
