@@ -119,6 +119,7 @@ def test_settings_fronting_instances_keep_every_setting() -> None:
         kv_lease_s=12,
         workers=2,
         otlp_traces_endpoint="http://collector:4318/v1/traces",
+        first_token_at_once=True,
     )
     config = settings.fronting({"prefill": ("h:1",), "decode": ("h:2",)}, host="0.0.0.0", port=9000)
     for f in dataclasses.fields(ProxySettings):

@@ -38,6 +38,9 @@ from pdserve.tppairing import UNKNOWN_SHAPE, KVShape, TPPairing, block_size, pai
 Device = Literal["cpu", "cuda"]
 EngineKind = Literal["vllm", "sim"]
 OnInstanceExit = Literal["restart", "stop"]
+# How prefill's KV reaches decode (docs/handover.md): decode READs it (pull, vLLM's NixlConnector) or
+# prefill WRITEs it into blocks decode registered beforehand (push, NixlPushConnector).
+KVTransfer = Literal["pull", "push"]
 MAX_WORKERS: Final = 64
 ELASTIC_ALONE: Final = (
     "an elastic pool has instances of any role: give them as --instance only "
@@ -86,6 +89,10 @@ class ProxySettings:
     # of the admission limits, and answers the reads (/metrics, ledger, requests) for them all.
     workers: int = 1
     otlp_traces_endpoint: str | None = None  # OTLP/HTTP traces URL (…/v1/traces): spans of every request
+    # A greedy or seeded stream gets prefill's sampled token as soon as prefill answers, decode's stream
+    # going on after it (docs/handover.md); off by default: it needs decode to sample the very same token,
+    # which float32 gives and bf16 may not (a different token ends the stream with an error event).
+    first_token_at_once: bool = False
 
     def __post_init__(self) -> None:
         check_positive(
@@ -302,6 +309,9 @@ class Topology:
     # spinning core per instance. None: 100 on cpu (few cores, every one counts), 0 (NIXL's) on cuda.
     nixl_progress_delay_us: int | None = None
     kv_lease_s: float | None = None  # vLLM's kv_lease_duration (whole seconds); None: vLLM's 30 s
+    # pull: decode reads the KV once prefill answered; push: prefill writes it into blocks decode
+    # registered, so the proxy may send decode its request while prefill still runs (docs/handover.md)
+    kv_transfer: KVTransfer = "pull"
     max_model_len: int | None = None  # None: 2048 for the models pdserve builds, the model's own otherwise
     vllm_args: tuple[str, ...] = ()  # extra arguments for every instance (a role's own args follow)
     engine_python: str | None = None  # python of the vLLM venv; None → discovered (engines/venv.py)
@@ -351,6 +361,14 @@ class Topology:
         delay = self.nixl_progress_delay_us
         if delay is not None and (not isinstance(delay, int) or isinstance(delay, bool) or delay < 0):
             raise ConfigError(f"topology.nixl_progress_delay_us must be a whole number >= 0, got {delay!r}")
+        if self.kv_transfer not in ("pull", "push"):
+            raise ConfigError(f"topology.kv_transfer must be 'pull' or 'push', got {self.kv_transfer!r}")
+        if self.kv_transfer == "push" and (self.elastic is not None or self.kv_both):
+            # vLLM refuses to pair a push and a pull connector, and an instance of any role would
+            # register blocks with itself: push is for a prefill pool and a decode pool
+            raise ConfigError(
+                "topology.kv_transfer push needs separate prefill and decode pools (not elastic, not kv_both)"
+            )
         if self.kv_lease_s is not None and self.kv_lease_s < 6:
             # decode heartbeats every lease/6 s (integer division in vLLM): below 6 s that is 0
             raise ConfigError(f"topology.kv_lease_s must be >= 6 s, got {self.kv_lease_s}")

@@ -186,6 +186,28 @@ def test_kv_lease_reaches_both_roles_as_vllms_kv_lease_duration() -> None:
         assert config["kv_connector_extra_config"] == {"kv_lease_duration": 12}
 
 
+def test_push_starts_both_roles_with_vllms_push_connector_and_its_watchdog_at_the_lease() -> None:
+    topology = Topology(kv_transfer="push", kv_lease_s=12)
+    for spec in plan_instances(topology, "/m", None, [0, 1]):
+        config = json.loads(arg_value(spec, "--kv-transfer-config"))
+        assert config["kv_connector"] == "NixlPushConnector"
+        assert config["kv_connector_extra_config"] == {
+            "kv_lease_duration": 12,
+            "push_registration_timeout": 12,
+        }
+    pull = plan_instances(Topology(), "/m", None, [0, 1])
+    assert all(
+        json.loads(arg_value(s, "--kv-transfer-config"))["kv_connector"] == "NixlConnector" for s in pull
+    )
+
+
+def test_push_needs_separate_prefill_and_decode_pools() -> None:
+    with pytest.raises(ConfigError, match="push needs separate prefill and decode pools"):
+        Topology(kv_transfer="push", kv_both=True)
+    with pytest.raises(ConfigError, match="kv_transfer must be 'pull' or 'push'"):
+        Topology(kv_transfer="write")  # type: ignore[arg-type]
+
+
 def test_a_lease_too_short_for_vllms_heartbeat_is_refused() -> None:
     with pytest.raises(ConfigError, match="kv_lease_s must be >= 6"):
         Topology(kv_lease_s=5)

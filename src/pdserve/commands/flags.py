@@ -48,6 +48,9 @@ def add_proxy_settings(p: argparse.ArgumentParser) -> None:
                         "--max-concurrent/--max-queued; one CPython process is about one core of proxy")  # fmt: skip
     g.add_argument("--max-connections-per-upstream", type=int, default=proxy_default("max_connections_per_upstream"),
                    metavar="N", help="pooled keep-alive connections to one instance")  # fmt: skip
+    g.add_argument("--first-token-at-once", action="store_true",
+                   help="a greedy or seeded stream gets prefill's token as soon as prefill answers, decode's "
+                        "stream going on after it (docs/handover.md)")  # fmt: skip
     g.add_argument("--otlp-traces-endpoint", metavar="URL",
                    help="send OpenTelemetry spans of every request to this OTLP/HTTP traces URL (…/v1/traces)")  # fmt: skip
 
@@ -71,6 +74,7 @@ def proxy_settings_from_args(a: argparse.Namespace, topology: Topology | None = 
         kv_lease_s=kv_lease_s,
         workers=a.workers,
         otlp_traces_endpoint=a.otlp_traces_endpoint,
+        first_token_at_once=a.first_token_at_once,
     )
 
 
@@ -340,6 +344,10 @@ def add_topology(p: argparse.ArgumentParser) -> None:
     p.add_argument("--startup-timeout", type=float, help="seconds for every instance to become healthy")
     p.add_argument("--kv-lease", type=float, dest="kv_lease_s",
                    help="seconds prefill holds KV nobody pulls (vLLM's kv_lease_duration; default 30)")  # fmt: skip
+    p.add_argument("--kv-transfer", choices=("pull", "push"),
+                   help="how prefill's KV reaches decode: decode reads it once prefill answered (pull, the "
+                        "default), or prefill writes it into blocks decode registered while prefill ran "
+                        "(push: vLLM's NixlPushConnector; docs/handover.md)")  # fmt: skip
     p.add_argument("--ray", metavar="ADDRESS",
                    help="run each instance as a Ray actor on the cluster at ADDRESS (host:port, or auto), at its "
                         "node's IP (pip install 'pdserve[ray]'; docs/deploying.md)")  # fmt: skip
@@ -361,7 +369,7 @@ def add_topology(p: argparse.ArgumentParser) -> None:
 def topology_from_args(a: argparse.Namespace) -> Topology:
     base = load_topology(a.config) if a.config else Topology()
     names = ("model", "proxy_port", "host", "first_port", "engine", "sim_profile", "first_side_channel_port",
-             "device", "engine_python", "run_dir", "startup_timeout", "kv_lease_s", "on_instance_exit", "ray")  # fmt: skip
+             "device", "engine_python", "run_dir", "startup_timeout", "kv_lease_s", "kv_transfer", "on_instance_exit", "ray")  # fmt: skip
     given: dict[str, Any] = {n: getattr(a, n) for n in names if getattr(a, n) is not None}
     if a.vllm_args:
         given["vllm_args"] = (*base.vllm_args, *a.vllm_args)

@@ -17,7 +17,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pdserve.config import Role, Topology
+from pdserve.config import KVTransfer, Role, Topology
 from pdserve.errors import ConfigError
 
 # Flags the plan owns: a user value would silently break the ports or roles the proxy relies on.
@@ -33,6 +33,9 @@ _KV_ROLES: dict[Role, str] = {"prefill": "kv_producer", "decode": "kv_consumer"}
 # cuda run without async scheduling, where no batches overlap and neither guard is needed (the CPU
 # platform turns async scheduling off itself).
 _ANY_ROLE_KV = "kv_consumer"
+# vLLM's connector per transfer mode: NixlConnector is vLLM's alias of NixlPullConnector (nixl/connector.py)
+_CONNECTORS: dict[KVTransfer, str] = {"pull": "NixlConnector", "push": "NixlPushConnector"}
+_VLLM_LEASE_S = 30  # vLLM's kv_lease_duration when none is given (nixl/base_scheduler.py)
 _NO_ASYNC_SCHEDULING = "--no-async-scheduling"
 _ASYNC_SCHEDULING_FLAGS = ("--async-scheduling", _NO_ASYNC_SCHEDULING)
 # Every instance reports usage.prompt_tokens_details.cached_tokens: on a decode, the prompt tokens it did
@@ -157,7 +160,9 @@ def plan_instances(
             # vLLM's share is of the whole GPU's memory: sharers must split it or the second cannot start.
             args += [_GPU_MEMORY_FLAG, gpu_memory_share(slots[i].num_sharers)]
         is_any = _takes_any_role(topology, role)
-        kv_config = kv_transfer_config(role, topology.device, topology.kv_lease_s, is_any_role=is_any)
+        kv_config = kv_transfer_config(
+            role, topology.device, topology.kv_lease_s, is_any_role=is_any, transfer=topology.kv_transfer
+        )
         args += ["--kv-transfer-config", kv_config]
         if not _sets_flag(role_args, PROMPT_TOKENS_DETAILS_FLAG):
             args.append(PROMPT_TOKENS_DETAILS_FLAG)
@@ -236,7 +241,11 @@ def plan_sim_instances(topology: Topology) -> tuple[InstanceSpec, ...]:
 
 
 def kv_transfer_config(
-    role: Role, device: str, kv_lease_s: float | None = None, is_any_role: bool = False
+    role: Role,
+    device: str,
+    kv_lease_s: float | None = None,
+    is_any_role: bool = False,
+    transfer: KVTransfer = "pull",
 ) -> str:
     """The ``--kv-transfer-config`` JSON: prefill produces KV blocks, decode pulls them; an instance of
     any role (``is_any_role``, role "elastic") does either per request, or serves it whole, as a consumer
@@ -245,14 +254,24 @@ def kv_transfer_config(
     ``kv_lease_s`` sets vLLM's ``kv_lease_duration`` (default 30 s): how long prefill holds KV nobody
     pulls. vLLM 0.32 frees abandoned KV only when the lease runs out, so this is how early it can go.
     Both roles get it: decode heartbeats at a sixth of it to keep leases alive while it pulls.
+
+    ``transfer`` push names vLLM's ``NixlPushConnector`` (prefill WRITEs into blocks decode registered)
+    and sets its registration watchdog, ``push_registration_timeout``, to the lease: vLLM's default is
+    ``decoder_kv_blocks_ttl`` (480 s), and a registration nobody fulfils is worth a warning in the log
+    long before that (docs/handover.md: the watchdog only warns; it frees nothing).
     """
+    extra: dict[str, object] = {}
+    if kv_lease_s is not None:
+        extra["kv_lease_duration"] = int(kv_lease_s)
+    if transfer == "push":
+        extra["push_registration_timeout"] = int(kv_lease_s or _VLLM_LEASE_S)
     config: dict[str, object] = {
-        "kv_connector": "NixlConnector",
+        "kv_connector": _CONNECTORS[transfer],
         "kv_role": _ANY_ROLE_KV if is_any_role or role == "elastic" else _KV_ROLES[role],
         "kv_buffer_device": device,
     }
-    if kv_lease_s is not None:
-        config["kv_connector_extra_config"] = {"kv_lease_duration": int(kv_lease_s)}
+    if extra:
+        config["kv_connector_extra_config"] = extra
     return json.dumps(config, separators=(",", ":"))
 
 

@@ -28,6 +28,9 @@ class Trace:
     # the wait at the proxy for its decode to have room for the KV (proxy/pool/backpressure.py): ms, why
     decode_wait: dict[str, Any] | None = None
     decode_url: str | None = None
+    # the hand-over's sequence (request/handover.py): "pull", "push" (serial: prefill's identity not yet
+    # known), "push concurrent"; "+ first token at once" when the client had prefill's token first
+    handover: str | None = None
     decode_status: int | None = None
     total_ms: float | None = None
     error: str | None = None  # the error the client received, if any
@@ -58,5 +61,5 @@ class Trace:
 
 # What /requests shows of a trace, in this order.
 _FIELDS = ("request_id", "endpoint", "stream", "started", "prefill_url", "prefill_status", "prefill_ms",
-           "kv_transfer_params", "local_prefill_reason", "placement", "decode_wait", "decode_url", "decode_status",
-           "total_ms", "error", "stream_error_event", "retries", "migrations", "outcome", "timeline", "trace_id")  # fmt: skip
+           "kv_transfer_params", "local_prefill_reason", "placement", "decode_wait", "decode_url", "handover",
+           "decode_status", "total_ms", "error", "stream_error_event", "retries", "migrations", "outcome", "timeline", "trace_id")  # fmt: skip

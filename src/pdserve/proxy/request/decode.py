@@ -30,7 +30,7 @@ from pdserve.errors import (
 )
 from pdserve.proxy.request.plan import DecodeStep
 from pdserve.proxy.request.steps import SERVED, DecodeFailed, LeaseSuspect, Served, describe, relay_rejection
-from pdserve.proxy.wire.upstream import Reply, Stream
+from pdserve.proxy.wire.upstream import Reply, Stream, Upstream
 
 log = logging.getLogger("pdserve.proxy")
 
@@ -39,18 +39,22 @@ class Decoder:
     def __init__(self, timeouts: Timeouts) -> None:
         self._t = timeouts
 
-    async def attempt(self, step: DecodeStep) -> Served | DecodeFailed | LeaseSuspect:
+    async def attempt(
+        self, step: DecodeStep, upstream: Upstream | None = None
+    ) -> Served | DecodeFailed | LeaseSuspect:
         """Serve the client from the step's decode with its params (none: decode computes the prompt
         itself); a failure before the client's first byte is returned, unrelayed, so that another
-        attempt may follow."""
+        attempt may follow. ``upstream``: what to call instead of the instance's own (handover.py: a
+        request already sent, a stream less the first token the client has)."""
         call, decode, params = step.call, step.instance, step.params
+        up = decode.upstream if upstream is None else upstream
         payload = orjson.dumps(protocol.decode_body(call.body, params) if params is not None else call.body)
         with decode.dispatched():
             try:
                 if call.is_stream:
-                    result = await self._decode_stream(step, payload)
+                    result = await self._decode_stream(step, payload, up)
                 else:
-                    result = await self._decode_whole(step, payload)
+                    result = await self._decode_whole(step, payload, up)
             except UpstreamError as exc:
                 is_stale = isinstance(exc, UpstreamStaleConnection)
                 if not is_stale:  # the connection's age, not the instance, failed that one
@@ -68,10 +72,12 @@ class Decoder:
             decode.succeeded()
         return result
 
-    async def _decode_whole(self, step: DecodeStep, payload: bytes) -> Served | DecodeFailed | LeaseSuspect:
+    async def _decode_whole(
+        self, step: DecodeStep, payload: bytes, up: Upstream
+    ) -> Served | DecodeFailed | LeaseSuspect:
         call, decode = step.call, step.instance
         limit = call.limit("decode", decode.url, self._t.decode)
-        reply = await decode.upstream.post(call.path, payload, call.headers, "decode", limit)
+        reply = await up.post(call.path, payload, call.headers, "decode", limit)
         status = reply.status
         step.answered(status, time.perf_counter())
         if status >= 500:
@@ -86,15 +92,15 @@ class Decoder:
         step.chunk(time.perf_counter())
         return SERVED if status == 200 else Served(status)
 
-    async def _decode_stream(self, step: DecodeStep, payload: bytes) -> Served | DecodeFailed | LeaseSuspect:
+    async def _decode_stream(
+        self, step: DecodeStep, payload: bytes, up: Upstream
+    ) -> Served | DecodeFailed | LeaseSuspect:
         call, decode = step.call, step.instance
         # The first chunk's budget is what the status line left of first_token, not a fresh one.
         first_token = call.limit("decode", decode.url, self._t.first_token)
         first_chunk_deadline = time.monotonic() + first_token
         with decode.awaiting_first_byte() as first_byte_came:
-            async with decode.upstream.open_stream(
-                call.path, payload, call.headers, "decode", first_token
-            ) as resp:
+            async with up.open_stream(call.path, payload, call.headers, "decode", first_token) as resp:
                 status = resp.status
                 step.answered(status, None)
                 if status != 200:

@@ -39,6 +39,7 @@ from pdserve.proxy.record.record import Trace
 from pdserve.proxy.record.responder import Responder
 from pdserve.proxy.record.timeline import Timeline
 from pdserve.proxy.request.decode import Decoder
+from pdserve.proxy.request.handover import Handover
 from pdserve.proxy.request.migrate import Migrator
 from pdserve.proxy.request.plan import DecodeStep, Plan, Rules
 from pdserve.proxy.request.prefill import Prefiller
@@ -74,6 +75,9 @@ class Flow:
         self._rules = Rules(state, config, self._chooser, LeaseGuard(state, state.ledger))
         self._prefiller = Prefiller(config.timeouts)
         self._decoder = Decoder(config.timeouts)
+        self._handover = Handover(
+            self._prefiller, self._decoder, config.kv_lease_s, config.first_token_at_once
+        )
         self._releaser = Releaser(state, config.kv_lease_s)
         self._migrator = Migrator(state, config.retries, config.timeouts.decode)
         self._tracing = tracing
@@ -172,7 +176,7 @@ class Flow:
             if isinstance(step, DecodeStep):
                 step = plan.decoded(await self._decoder.attempt(step))
             elif isinstance(step, PrefillStep):
-                step = plan.prefilled(await self._prefiller.attempt(step), step.instance)
+                step = await self._handover.prefill(plan, step)  # and decode's, when it went early
             elif isinstance(step, WaitForDecode):
                 call = plan.call
                 step = plan.waited(

@@ -259,6 +259,11 @@ class Plan:
     # --- the record ------------------------------------------------------------------------------------
 
     @property
+    def decode(self) -> Instance | None:
+        """The decode chosen for the next attempt (before a prefill round: the one it hands over to)."""
+        return self._decode
+
+    @property
     def decode_url(self) -> str | None:
         """The decode of the last attempt (a continuation's: where a migrated stream went)."""
         return self._decode.url if self._decode is not None else None

@@ -35,7 +35,7 @@ class Prefiller:
                 except ValueError as exc:
                     raise UpstreamProtocolError("prefill", prefill.url, str(exc)) from None
                 prefill.succeeded()
-                return Prefilled(prefill.url, params, prefill.num_kv_expired)
+                return Prefilled(prefill.url, params, prefill.num_kv_expired, reply.body)
             if reply.status < 500:  # the client's own mistake: no other instance would differ
                 prefill.succeeded()
                 await relay_rejection("prefill", prefill.url, reply, call.out)

@@ -114,6 +114,7 @@ class Prefilled(NamedTuple):
     url: str  # the prefill instance that holds the KV
     params: dict[str, Any]  # its kv_transfer_params, verbatim
     num_kv_expired: float | None  # its count of leases run out unpulled, as last scraped (guard.py)
+    body: bytes = b""  # its whole answer: the first token a stream may send at once (firsttoken.py)
 
 
 class Relayed(NamedTuple):
