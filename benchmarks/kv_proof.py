@@ -208,8 +208,8 @@ def calibrate(
 
 def _quantiles(values: list[float]) -> dict[str, float]:
     ordered = sorted(values)
-    at = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
-    return {"min": ordered[0], "p50": statistics.median(ordered), "p99": at(0.99), "max": ordered[-1]}
+    p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+    return {"min": ordered[0], "p50": statistics.median(ordered), "p99": p99, "max": ordered[-1]}
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
