@@ -19,6 +19,11 @@ limits, and bench, e2e and restart run to their end:
   proof      benchmarks/kv_proof.py on the pair: wrong KV injected (decode handed another fresh prompt's
              params) must fail the teacher-forced oracle at the bf16 tolerance, healthy handoffs pass it,
              and `pdserve verify` passes while ``--concurrency`` other clients stream through the proxy
+  tolerance  only with ``--steps tolerance``: `kv_proof.py --calibrate` on the pair, the figures the bf16
+             tolerance rests on: ``--tolerance-healthy`` healthy handoffs and as many answers of decode
+             alone, and ``--tolerance-wrong`` of each closest wrong KV (decode handed the params of a prompt
+             that differs from its own only in the last block, the first block, one token, or everywhere),
+             each scored teacher-forced on decode
   doctor     `pdserve doctor` on the pair (when this checkout has it); its exit 1 is a failed step
   load       16 streams of 2,000-token unique prompts, 128 tokens out, through the PD proxy, a colocated
              proxy over the same two instances, and one instance alone (TTFT, ITL, KV GB/s)
@@ -80,6 +85,7 @@ STEPS = (
     "nixl",
     "demo",
     "proof",
+    "tolerance",
     "doctor",
     "load",
     "elastic",
@@ -462,6 +468,23 @@ def step_proof(run: Run) -> dict[str, Any]:
     if not injected["ok"] or not loaded["ok"]:
         raise RuntimeError(f"proof failed: wrong_kv ok={injected['ok']}, verify under load ok={loaded['ok']}")
     return result
+
+
+def step_tolerance(run: Run) -> dict[str, Any]:
+    need_pair(run)
+    from kv_proof import CLOSEST, calibrate
+
+    return calibrate(
+        run.prefill,
+        run.decode,
+        healthy=run.a.tolerance_healthy,
+        wrong=run.a.tolerance_wrong,
+        kinds=list(CLOSEST),
+        parallel=run.a.tolerance_parallel,
+        tokens=(256, 1024),
+        say=run.say,
+        deadline=run.deadline - 30,  # what is left after: stopping the pair and writing the results
+    )
 
 
 def eager_args(run: Run) -> list[str]:
@@ -934,8 +957,8 @@ def main() -> int:
                    help="the whole run ends within this many seconds (default: no overall limit)")  # fmt: skip
     p.add_argument(
         "--steps",
-        default=",".join(s for s in STEPS if s not in ("restart", "e2e")),
-        help=f"comma-separated, of {','.join(STEPS)} (restart and e2e only when named)",
+        default=",".join(s for s in STEPS if s not in ("tolerance", "restart", "e2e")),
+        help=f"comma-separated, of {','.join(STEPS)} (tolerance, restart and e2e only when named)",
     )
     p.add_argument(
         "--model", default="8b", help="8b (built here), tiny (pdserve's embedded model) or a model dir"
@@ -945,6 +968,7 @@ def main() -> int:
                         "(the plan's own UCX variables win over these)")  # fmt: skip
     add_numbers(p, {"--nixl-budget-s": 100.0, "--demo-timeout-s": 300.0})
     add_numbers(p, {"--concurrency": 16, "--requests": 32})
+    add_numbers(p, {"--tolerance-healthy": 100, "--tolerance-wrong": 50, "--tolerance-parallel": 8})
     p.add_argument("--elastic-profile", default="llama3-8b-h200", help="the elastic step's --cost-profile")
     p.add_argument(
         "--elastic-slo", default="ttft:1000 tpot:30", help="the elastic step's --slo (and goodput's)"
@@ -968,6 +992,7 @@ def main() -> int:
         run.do("model", lambda r: step_model(r, thread), 200)
         run.do("demo", step_demo, 180)
         run.do("proof", step_proof, 120)
+        run.do("tolerance", step_tolerance, 45)
         run.do("doctor", step_doctor, 120)
         run.do("load", step_load, 80)
         run.do("elastic", step_elastic, 300)
