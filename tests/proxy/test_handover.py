@@ -64,7 +64,7 @@ class System:
             return self.upstreams[url]
 
         settings = {"timeouts": Timeouts(), "retries": Retries(first_backoff_s=0), **config}
-        cfg = ProxyConfig(tuple(urls["prefill"]), tuple(urls["decode"]), **settings)
+        cfg = ProxyConfig.pd(urls["prefill"], urls["decode"], **settings)
         policies = {"prefill": make_policy("round_robin"), "decode": make_policy("round_robin")}
         self.state = ProxyState(cfg, policies, make)  # type: ignore[arg-type]
         self.flow = Flow(self.state, cfg)
@@ -157,7 +157,9 @@ async def test_decode_dead_before_its_registration_hands_the_unread_kv_to_anothe
     def dead(body: dict[str, Any]) -> Answer:
         raise UpstreamConnectError("decode", "http://d0:1", "connection refused")
 
-    system = System([prefill()], [dead, decode()], retries=Retries(first_backoff_s=0, max_decode_attempts=2))
+    system = System(
+        [prefill()], [dead, decode()], retries=Retries(first_backoff_s=0)
+    )  # 2 decode attempts: the default
     system.flow._handover._identities["http://p0:1"] = {"remote_engine_id": "e0", "remote_host": "10.0.0.1",
                                                         "remote_port": 5600, "tp_size": 1}  # fmt: skip
     send = await system.ask(BODY)

@@ -87,7 +87,7 @@ class Handover:
         nxt = plan.prefilled(result, prefill)
         if isinstance(result, Prefilled):
             mode = "push concurrent" if leg is not None else str(result.params.get("transfer_mode", "pull"))
-            plan.trace.handover = mode if early is None else f"{mode} + first token at once"
+            plan.handed_over(mode if early is None else f"{mode} + first token at once")
         if leg is not None and not (isinstance(nxt, DecodeStep) and nxt.instance is leg.decode):
             self._left(leg, prefill, result)
             leg = None

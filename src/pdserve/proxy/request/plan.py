@@ -203,6 +203,10 @@ class Plan:
             rnd.num = self._rules.config.pool("prefill").max_attempts  # no time for another
         return self.next()
 
+    def handed_over(self, sequence: str) -> None:
+        """How prefill's KV (and first token) reached decode: pull, push, push concurrent, + first token."""
+        self.trace.handover = sequence
+
     def waited(self, turn: Waited) -> Step | None:
         """The request's decode has room for its KV after a wait at the proxy; the next step."""
         self._ticket = turn.ticket
