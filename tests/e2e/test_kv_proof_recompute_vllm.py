@@ -47,9 +47,9 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     original = placement.kv_transfer_config
 
     def with_recompute(
-        role: Any, device: str, kv_lease_s: float | None = None, is_any_role: bool = False
+        role: Any, device: str, kv_lease_s: float | None = None, is_any_role: bool = False, **kw: Any
     ) -> str:
-        config = json.loads(original(role, device, kv_lease_s, is_any_role))
+        config = json.loads(original(role, device, kv_lease_s, is_any_role, **kw))
         if role == "decode":  # not a pdserve flag: how a user's own decode may run
             config["kv_load_failure_policy"] = "recompute"
         return json.dumps(config)
