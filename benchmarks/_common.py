@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Mapping
+import tempfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 _RESULT = "RESULT "
@@ -46,3 +48,16 @@ def read_result(output: str) -> Any:
 
 def is_result(line: str) -> bool:
     return line.startswith(_RESULT)
+
+
+def instructions_per_unit(run: Callable[[int, str], object], short: int = 300, long: int = 1300) -> float:
+    """Instructions valgrind counts per unit of work: ``run(n, callgrind_out)`` does ``n`` units under
+    callgrind at ``short`` and ``long``, and the difference is divided out, so start-up cancels."""
+    totals = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in (short, long):
+            out = Path(tmp) / f"cg.{n}"
+            run(n, str(out))
+            summary = [line for line in out.read_text().splitlines() if line.startswith("summary:")]
+            totals.append(int(summary[0].split()[1]))
+    return (totals[1] - totals[0]) / (long - short)

@@ -29,11 +29,12 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
+
+from _common import instructions_per_unit
 
 _KV = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [1, 2, 3, 4],
        "remote_engine_id": "fake-engine", "remote_request_id": "cmpl-fake-0", "remote_host": "127.0.0.1",
@@ -185,15 +186,7 @@ def _run(src: str, mode: str, requests: int, warm: int, rounds: int, callgrind_o
 
 def _instructions(src: str, mode: str, extra: tuple[str, ...] = ()) -> float:
     """Instructions per request: two run lengths under callgrind, subtracted."""
-    totals = []
-    short, long = 300, 1300
-    with tempfile.TemporaryDirectory() as tmp:
-        for n in (short, long):
-            out = str(Path(tmp) / f"cg.{n}")
-            _run(src, mode, n, 300, 1, out, extra)
-            summary = [line for line in Path(out).read_text().splitlines() if line.startswith("summary:")]
-            totals.append(int(summary[0].split()[1]))
-    return (totals[1] - totals[0]) / (long - short)
+    return instructions_per_unit(lambda n, out: _run(src, mode, n, 300, 1, out, extra))
 
 
 def main() -> int:

@@ -18,12 +18,13 @@ import asyncio
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import uvloop
+
+from _common import instructions_per_unit
 
 _BODY = b'{"id":"cmpl-1","choices":[{"text":" tok"}],"kv_transfer_params":{"remote_block_ids":[1,2,3,4]}}'
 _WHOLE = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (
@@ -92,15 +93,7 @@ def _run(src: str, mode: str, calls: int, callgrind_out: str | None = None) -> f
 
 
 def _instructions(src: str, mode: str) -> float:
-    totals = []
-    short, long = 300, 1300
-    with tempfile.TemporaryDirectory() as tmp:
-        for n in (short, long):
-            out = str(Path(tmp) / f"cg.{n}")
-            _run(src, mode, n, out)
-            summary = [line for line in Path(out).read_text().splitlines() if line.startswith("summary:")]
-            totals.append(int(summary[0].split()[1]))
-    return (totals[1] - totals[0]) / (long - short)
+    return instructions_per_unit(lambda n, out: _run(src, mode, n, out))
 
 
 def main() -> int:
