@@ -77,6 +77,11 @@ class Handover:
         """Perform ``step`` (and, when decode's leg went early, the decode step the plan names next);
         the step after them."""
         call, prefill = step.call, step.instance
+        if not (self._identities or self._first_token):  # no push instance known: the serial sequence
+            result = await self._prefiller.attempt(step)
+            if isinstance(result, Prefilled) and result.params.get("transfer_mode") == "push":
+                self._learn(prefill, result)
+            return plan.prefilled(result, prefill)
         leg = self._early_leg(plan, step)
         if leg is None:
             result = await self._prefiller.attempt(step)
@@ -85,7 +90,7 @@ class Handover:
         self._learn(prefill, result)
         early = self._send_early(call, result)
         nxt = plan.prefilled(result, prefill)
-        if isinstance(result, Prefilled):
+        if isinstance(result, Prefilled) and (leg is not None or early is not None):
             mode = "push concurrent" if leg is not None else str(result.params.get("transfer_mode", "pull"))
             plan.handed_over(mode if early is None else f"{mode} + first token at once")
         if leg is not None and not (isinstance(nxt, DecodeStep) and nxt.instance is leg.decode):

@@ -81,13 +81,16 @@ _PICK, _PREFILL, _DECODE, _DONE = range(4)
 class Rules:
     """What every plan of one proxy consults: its state, config, chooser and lease guard (made once)."""
 
-    __slots__ = ("chooser", "config", "guard", "state")
+    __slots__ = ("chooser", "config", "guard", "max_decode_attempts", "max_prefill_attempts", "state")
 
     def __init__(self, state: ProxyState, config: ProxyConfig, chooser: Chooser, guard: LeaseGuard) -> None:
         self.state = state
         self.config = config
         self.chooser = chooser
         self.guard = guard
+        # the pools' attempt limits, asked of every request
+        self.max_prefill_attempts = config.pool("prefill").max_attempts
+        self.max_decode_attempts = config.pool("decode").max_attempts
 
 
 class _PrefillRound:
@@ -189,7 +192,8 @@ class Plan:
             self._handoff = self._rules.state.ledger.open(
                 self.call.out.request_id, result.url, result.params, result.num_kv_expired
             )
-            trace.kv_transfer_params = result.params
+            trace.kv_transfer_params = params = result.params
+            trace.handover = str(params.get("transfer_mode", "pull"))  # the serial sequence, unless told
             return self._decode_step()
         if isinstance(result, Relayed):
             self._end_round()
@@ -200,7 +204,7 @@ class Plan:
         rnd.failure = result
         trace.retries.append(f"prefill {prefill.url}: {describe(result)}")
         if time.monotonic() >= self.call.deadline:
-            rnd.num = self._rules.config.pool("prefill").max_attempts  # no time for another
+            rnd.num = self._rules.max_prefill_attempts  # no time for another
         return self.next()
 
     def handed_over(self, sequence: str) -> None:
@@ -359,7 +363,7 @@ class Plan:
         """The round's next prefill call (or its backoff); None once the round failed."""
         rnd, rules, call = self._round, self._rules, self.call
         assert rnd is not None
-        if rnd.num >= rules.config.pool("prefill").max_attempts:
+        if rnd.num >= rules.max_prefill_attempts:
             return self._prefill_failed()
         if rnd.num and not rnd.waited:
             if not rules.chooser.has_other("prefill", rnd.tried):
@@ -415,9 +419,7 @@ class Plan:
         # failure the client hears of.
         tries.has_others = has_others = rules.chooser.has_other("decode", tries.tried, decode)
         tries.is_last = (
-            tries.num_failed + 1 >= rules.config.pool("decode").max_attempts
-            or not has_others
-            or self._whole_on is not None
+            tries.num_failed + 1 >= rules.max_decode_attempts or not has_others or self._whole_on is not None
         )
         trace.decode_url = decode.url
         self._sent = handoff = self._handoff
