@@ -32,10 +32,10 @@ from typing import Any
 
 from _common import print_result, script_parser
 from pdserve.commands.verify import ask
-from pdserve.config import Topology
 from pdserve.engines.supervisor import restart_hint
 from pdserve.engines.transfers import transfer_counts
 from pdserve.stack import Stack, wait_http_ok
+from pdserve.topology import Topology
 
 PHASES: dict[str, dict[str, str]] = {
     "cache-on": {},

@@ -215,10 +215,10 @@ def cli_has(*words: str) -> bool:
 
 
 def step_facts(run: Run) -> dict[str, Any]:
-    from pdserve.config import Topology
     from pdserve.engines.placement import plan_instances
     from pdserve.engines.venv import engine_vllm_version, version_warning
     from pdserve.stack import _visible_gpus
+    from pdserve.topology import Topology
 
     facts: dict[str, Any] = {}
     for key, argv in {

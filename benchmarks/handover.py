@@ -39,8 +39,8 @@ from typing import Any
 
 import aiohttp
 
-from pdserve.config import Topology
 from pdserve.stack import Stack
+from pdserve.topology import Topology
 
 
 def _prompt(num_words: int) -> str:

@@ -27,10 +27,10 @@ from typing import Any
 
 from _common import script_parser
 from pdserve import httpclient
-from pdserve.config import Topology
 from pdserve.engines.transfers import transfer_counts
 from pdserve.prometheus import parse_prometheus
 from pdserve.stack import Stack
+from pdserve.topology import Topology
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 

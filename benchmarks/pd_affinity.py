@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from pdserve.config import Topology
 from pdserve.stack import Stack
+from pdserve.topology import Topology
 
 AFFINITY_ENV = "PDSERVE_KEEP_CPU_AFFINITY"
 ARMS = {"vLLM moves it": "0", "kept on its cores": "1"}

@@ -49,11 +49,12 @@ import aiohttp
 
 from pdserve import prometheus
 from pdserve.bench.load import Job, send, text_of
-from pdserve.config import ProxySettings, RoleSpec, Timeouts, Topology
+from pdserve.config import ProxySettings, Timeouts
 from pdserve.configparts import ApiKeys
 from pdserve.engines.placement import InstanceSpec
 from pdserve.errors import MetricsUnreadable
 from pdserve.stack import Stack
+from pdserve.topology import RoleSpec, Topology
 
 ADMIN_KEY = "soak-admin"
 WORDS = [

@@ -24,9 +24,10 @@ from typing import Any
 import aiohttp
 
 from pdserve.bench.load import Job, send
-from pdserve.config import ProxySettings, Topology
+from pdserve.config import ProxySettings
 from pdserve.configparts import HealthChecks
 from pdserve.stack import Stack, wait_http_ok
+from pdserve.topology import Topology
 
 
 async def burst(base: str, model: str, num: int) -> list[float]:

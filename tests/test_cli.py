@@ -15,9 +15,10 @@ import pytest
 from pdserve import httpclient
 from pdserve.cli import build_parser, main
 from pdserve.commands.flags import proxy_settings_from_args, topology_from_args
-from pdserve.config import ProxyConfig, RoleSpec
+from pdserve.config import ProxyConfig
 from pdserve.configparts import ElasticPool
 from pdserve.sim.profile import load_profile
+from pdserve.topology import RoleSpec
 
 
 def test_flags_override_the_topology_file(tmp_path: Path) -> None:

@@ -8,17 +8,10 @@ from dataclasses import replace
 
 import pytest
 
-from pdserve.config import (
-    ProxyConfig,
-    ProxySettings,
-    RoleSpec,
-    Timeouts,
-    Topology,
-    lease_warnings,
-    normalize_url,
-)
+from pdserve.config import ProxyConfig, ProxySettings, Timeouts, lease_warnings, normalize_url
 from pdserve.configparts import AdmissionLimits, ApiKeys, HealthChecks, PoolSpec, Retries, Routing
 from pdserve.errors import ConfigError
+from pdserve.topology import RoleSpec, Topology
 from pdserve.topologyfile import topology_from_mapping
 from pdserve.tppairing import KVShape
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.config import RoleSpec, Topology
 from pdserve.errors import ConfigError
 from pdserve.stack import Stack
+from pdserve.topology import RoleSpec, Topology
 
 
 def _sim_topology(tmp_path: Path, decode_args: tuple[str, ...]) -> Topology:

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.config import RoleSpec, Topology
 from pdserve.errors import ConfigError
+from pdserve.topology import RoleSpec, Topology
 from pdserve.topologyfile import load_topology, topology_from_mapping
 
 

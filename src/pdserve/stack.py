@@ -22,7 +22,7 @@ from pathlib import Path
 from types import TracebackType
 
 from pdserve import httpclient
-from pdserve.config import ProxySettings, Topology, lease_warnings
+from pdserve.config import ProxySettings, lease_warnings
 from pdserve.engines.backend import EngineBackend, LocalEngines
 from pdserve.engines.launcher import DEFAULT_ENTRYPOINT, EngineGroup
 from pdserve.engines.model import ResolvedModel, model_kv_shape, resolve_model
@@ -35,6 +35,7 @@ from pdserve.events import InstanceEvent, KVLogEvent
 from pdserve.proxy.serving.thread import ProxyThread, proxy_for
 from pdserve.proxy.serving.workers import ProxyWorkers
 from pdserve.sim.profile import load_profile
+from pdserve.topology import Topology
 from pdserve.tppairing import KVShape
 
 _EMBEDDED_MAX_MODEL_LEN = 2048

@@ -13,8 +13,9 @@ from typing import Any
 
 import yaml
 
-from pdserve.config import INSTANCE_ROLES, Resources, Role, RoleSpec, Topology
+from pdserve.config import INSTANCE_ROLES, Role
 from pdserve.errors import ConfigError
+from pdserve.topology import Resources, RoleSpec, Topology
 
 _TOPOLOGY_FIELDS = {f.name for f in dataclasses.fields(Topology)} - set(INSTANCE_ROLES)
 _ROLE_KEYS = {f.name for f in dataclasses.fields(RoleSpec)}

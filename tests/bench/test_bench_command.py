@@ -18,7 +18,7 @@ from pdserve.bench.runner import CompareReport, write_summary
 from pdserve.bench.verdict import Arm, RatePair, decide
 from pdserve.bench.workload import Workload
 from pdserve.cli import main
-from pdserve.config import Topology
+from pdserve.topology import Topology
 
 PLAN = ["plan", "--profile", "llama3-8b-a100", "--rate", "5", "--input-len", "4096", "--output-len", "64",
         "--slo", "ttft:1000", "tpot:20"]  # fmt: skip

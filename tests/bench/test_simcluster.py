@@ -11,11 +11,11 @@ import pytest
 from pdserve.bench import simcluster
 from pdserve.bench.command import _sim_profile_with_link
 from pdserve.bench.trace import Burst, Phase, Trace
-from pdserve.config import Topology
 from pdserve.configparts import ElasticPool
 from pdserve.errors import ConfigError
 from pdserve.sim.profile import load_profile
 from pdserve.slo import Slo
+from pdserve.topology import Topology
 
 A100 = load_profile("llama3-8b-a100")
 

@@ -18,8 +18,9 @@ import openai
 import pytest
 
 from otlp_receiver import Receiver, otlp_receiver
-from pdserve.config import ProxySettings, Topology
+from pdserve.config import ProxySettings
 from pdserve.stack import Stack
+from pdserve.topology import Topology
 
 # Ports away from `pdserve up`'s defaults, so a developer's running system does not collide with the suite.
 # Supervised as `pdserve up` is: the fault tests kill instances and wait for the supervisor's restart.

@@ -32,10 +32,11 @@ from conftest import E2E_TOPOLOGY
 from pdserve import httpclient, kvproof
 from pdserve.commands.top import ProxyScrape
 from pdserve.commands.verify import verify, wait_for_transfers
-from pdserve.config import ProxySettings, RoleSpec
+from pdserve.config import ProxySettings
 from pdserve.engines.transfers import transfer_counts
 from pdserve.errors import Unreachable
 from pdserve.stack import Stack
+from pdserve.topology import RoleSpec
 
 pytestmark = pytest.mark.vllm
 

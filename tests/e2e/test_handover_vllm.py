@@ -19,9 +19,10 @@ import pytest
 import requests
 
 from pdserve import sse
-from pdserve.config import ProxySettings, Topology
+from pdserve.config import ProxySettings
 from pdserve.prometheus import scrape
 from pdserve.stack import Stack
+from pdserve.topology import Topology
 
 pytestmark = pytest.mark.vllm
 

@@ -23,7 +23,7 @@ from netns import Host, Network, can_make_namespaces
 
 from pdserve import httpclient
 from pdserve.commands.verify import wait_for_transfers
-from pdserve.config import ProxyConfig, RoleSpec, Topology
+from pdserve.config import ProxyConfig
 from pdserve.configparts import Routing
 from pdserve.doctor.logs import read_lanes, read_log
 from pdserve.engines.launcher import EngineGroup
@@ -32,6 +32,7 @@ from pdserve.engines.placement import InstanceSpec, plan_instances
 from pdserve.engines.transfers import transfer_counts
 from pdserve.engines.venv import find_engine_python
 from pdserve.proxy.serving.thread import ProxyThread
+from pdserve.topology import RoleSpec, Topology
 
 pytestmark = pytest.mark.vllm
 

@@ -19,10 +19,10 @@ from warmed import wait_warmed_up, warmups
 
 from pdserve import httpclient
 from pdserve.commands.verify import verify, wait_for_transfers
-from pdserve.config import Topology
 from pdserve.engines.model import SMOLLM_MODEL_NAME
 from pdserve.engines.transfers import transfer_counts
 from pdserve.stack import Stack, wait_http_ok
+from pdserve.topology import Topology
 
 pytestmark = pytest.mark.vllm
 

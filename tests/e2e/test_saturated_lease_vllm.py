@@ -21,9 +21,9 @@ import openai
 import pytest
 
 from pdserve import httpclient
-from pdserve.config import Topology
 from pdserve.prometheus import parse_prometheus
 from pdserve.stack import Stack
+from pdserve.topology import Topology
 
 pytestmark = pytest.mark.vllm
 

@@ -6,7 +6,6 @@ import json
 
 import pytest
 
-from pdserve.config import RoleSpec, Topology
 from pdserve.engines.placement import (
     InstanceSpec,
     cpu_list,
@@ -16,6 +15,7 @@ from pdserve.engines.placement import (
     visible_gpus,
 )
 from pdserve.errors import ConfigError
+from pdserve.topology import RoleSpec, Topology
 from pdserve.topologyfile import topology_from_mapping
 
 

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from pdserve.commands import flags
-from pdserve.config import RoleSpec, Topology
 from pdserve.engines.placement import InstanceSpec, plan_instances, plan_sim_instances
 from pdserve.engines.rayplacement import (
     ActorState,
@@ -24,6 +23,7 @@ from pdserve.engines.rayplacement import (
 )
 from pdserve.errors import ConfigError
 from pdserve.events import InstanceEventKind
+from pdserve.topology import RoleSpec, Topology
 from pdserve.topologyfile import load_topology
 
 RAY = Topology(

@@ -10,9 +10,10 @@ from collections.abc import Iterator
 import pytest
 
 from pdserve import httpclient
-from pdserve.config import ProxySettings, RoleSpec, Timeouts, Topology
+from pdserve.config import ProxySettings, Timeouts
 from pdserve.prometheus import parse_prometheus
 from pdserve.stack import Stack
+from pdserve.topology import RoleSpec, Topology
 
 LEASE_S = 3
 STALL_S = LEASE_S + 3

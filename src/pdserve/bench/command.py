@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pdserve.bench.workload import DATASETS, Workload
-from pdserve.config import Topology
 from pdserve.errors import BenchError, ConfigError
 from pdserve.slo import Slo
+from pdserve.topology import Topology
 
 if TYPE_CHECKING:
     from pdserve.bench.plan import Plan

@@ -1,7 +1,7 @@
 """`pdserve bench`: vLLM's benchmark client against one endpoint, or disaggregated against colocated.
 
 ``run_bench`` drives an endpoint that is already up. ``run_compare`` starts one topology with every
-instance ``kv_both`` (config.Topology.kv_both), puts two proxies in front of the same instances, the
+instance ``kv_both`` (topology.Topology.kv_both), puts two proxies in front of the same instances, the
 pdserve PD proxy (prefill on the prefill instances, decode on the decode instances) and a colocated one
 (every instance serves requests whole), and runs the workload through each in turn, at each rate, the
 order alternating from rate to rate so drift on the machine does not always fall on the same mode. Each
@@ -28,11 +28,12 @@ from pdserve.bench.result import BenchResult, load_result
 from pdserve.bench.verdict import Arm, Mode, RatePair, Verdict, decide, render
 from pdserve.bench.vllmbench import BenchClient
 from pdserve.bench.workload import Workload, client_args, rate_arg
-from pdserve.config import ProxySettings, Topology
+from pdserve.config import ProxySettings
 from pdserve.engines.venv import find_engine_python
 from pdserve.errors import BenchError, ConfigError, Unreachable
 from pdserve.proxy.serving.thread import proxy_for
 from pdserve.stack import Stack, wait_http_ok
+from pdserve.topology import Topology
 
 SIM_ROOT_PREFIX = "pdserve-sim/"  # the simulator's /v1/models "root": it has no tokenizer on disk
 _HEALTH_TIMEOUT_S = 60.0

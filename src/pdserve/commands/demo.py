@@ -16,11 +16,11 @@ from typing import Any
 
 from pdserve import httpclient, kvproof
 from pdserve.commands.verify import http_json, verify
-from pdserve.config import Topology
 from pdserve.engines.backend import LocalEngines
 from pdserve.engines.transfers import transfer_counts
 from pdserve.patience import Patient, Waiting, proxy_readings
 from pdserve.stack import Stack
+from pdserve.topology import Topology
 from pdserve.tppairing import flag_value
 
 # Facts a person can check (the default model, SmolLM2-135M-Instruct, answers these right; not arithmetic).

@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from pdserve.config import INSTANCE_ROLES, ROLES, ProxySettings, Role, Timeouts, Topology, proxy_default
+from pdserve.config import INSTANCE_ROLES, ROLES, ProxySettings, Role, Timeouts, proxy_default
 from pdserve.configparts import (
     AdmissionLimits,
     ApiKeys,
@@ -28,6 +28,7 @@ from pdserve.errors import ConfigError
 from pdserve.patience import LIMIT_S, STALL_S, Waiting
 from pdserve.proxy.pool.policies import POLICIES
 from pdserve.slo import Slo
+from pdserve.topology import Topology
 from pdserve.topologyfile import load_topology, resource_pairs
 
 T = TypeVar("T")

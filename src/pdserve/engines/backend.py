@@ -15,12 +15,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
-from pdserve.config import OnInstanceExit
 from pdserve.engines.launcher import EngineGroup
 from pdserve.engines.logwatch import LogWatcher
 from pdserve.engines.placement import InstanceSpec
 from pdserve.engines.supervisor import RestartPolicy, Supervisor
 from pdserve.events import InstanceEvent, KVLogEvent
+from pdserve.topology import OnInstanceExit
 
 OnEvent = Callable[[InstanceEvent | KVLogEvent], None]
 

@@ -17,8 +17,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pdserve.config import KVTransfer, Role, Topology
+from pdserve.config import Role
 from pdserve.errors import ConfigError
+from pdserve.topology import KVTransfer, Topology
 
 # Flags the plan owns: a user value would silently break the ports or roles the proxy relies on.
 _RESERVED_FLAGS = ("--model", "--host", "--port", "--kv-transfer-config")

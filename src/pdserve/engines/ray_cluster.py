@@ -29,7 +29,6 @@ import ray
 import ray.exceptions
 
 from pdserve import httpclient
-from pdserve.config import Topology
 from pdserve.engines.backend import OnEvent
 from pdserve.engines.launcher import EngineGroup
 from pdserve.engines.placement import InstanceSpec
@@ -44,6 +43,7 @@ from pdserve.engines.rayplacement import (
 )
 from pdserve.errors import ConfigError, EngineError, EngineStartError
 from pdserve.events import InstanceEvent, InstanceEventKind
+from pdserve.topology import Topology
 
 MAX_RESTARTS = 5  # Ray restarts a crash-looping instance this often, then the proxy is told it gave up
 _EXIT_POLL_S = 0.5

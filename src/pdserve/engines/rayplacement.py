@@ -13,9 +13,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pdserve.config import Role, Topology
+from pdserve.config import Role
 from pdserve.engines.placement import InstanceSpec
 from pdserve.events import InstanceEvent, InstanceEventKind
+from pdserve.topology import Topology
 
 # The plan's GPU ids are placeholders under Ray: Ray gives each actor its GPUs and sets the actor's own
 # CUDA_VISIBLE_DEVICES, which the instance inherits.

@@ -6,8 +6,9 @@ import re
 from dataclasses import dataclass, field
 from importlib.metadata import version
 
-from pdserve.config import ROLES, Device, Role
+from pdserve.config import ROLES, Role
 from pdserve.errors import ConfigError
+from pdserve.topology import Device
 
 # Object names become DNS labels (RFC 1035) with a suffix ("-prefill"): keep room for it.
 _NAME = re.compile(r"[a-z]([-a-z0-9]{0,48}[a-z0-9])?")
