@@ -219,3 +219,17 @@ def test_render_refuses_what_would_break_the_deployment(
     assert main(["k8s", "render", "--model", "m", *args]) == 2
     captured = capsys.readouterr()
     assert complaint in captured.err and captured.out == ""
+
+
+def test_a_checkout_run_without_installing_names_its_own_version(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPU host without network runs pdserve from src/ uninstalled: the proxy image is still tagged with
+    the version pyproject.toml gives, not an import error."""
+    import importlib.metadata
+
+    import pdserve.k8s.spec as spec
+
+    def missing(name: str) -> str:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(spec, "version", missing)
+    assert f"pdserve:{spec._own_version()}" == spec.PROXY_IMAGE

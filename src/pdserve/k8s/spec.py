@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import re
+import tomllib
 from dataclasses import dataclass, field
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 
 from pdserve.config import ROLES, Role
 from pdserve.errors import ConfigError
@@ -19,7 +21,22 @@ _RESERVED_FLAGS = ("--host", "--port", "--kv-transfer-config", "--tensor-paralle
                    "--pipeline-parallel-size", "--distributed-executor-backend")  # fmt: skip
 # The image `make image` builds from the Dockerfile, tagged with the package's version: manifests rendered
 # by a release name that release's proxy.
-PROXY_IMAGE = f"pdserve:{version('pdserve')}"
+
+
+def _own_version() -> str:
+    """pdserve's version: its package metadata, or, in a checkout run from src/ without installing (as on a
+    GPU host without network), the pyproject.toml beside src/."""
+    try:
+        return version("pdserve")
+    except PackageNotFoundError:
+        pyproject = Path(__file__).resolve().parents[3] / "pyproject.toml"
+        try:
+            return str(tomllib.loads(pyproject.read_text())["project"]["version"])
+        except (OSError, KeyError, tomllib.TOMLDecodeError):
+            return "dev"
+
+
+PROXY_IMAGE = f"pdserve:{_own_version()}"
 # Variables the manifests set themselves: the side channel is the pod's own address, never a guess.
 _RESERVED_ENV = ("VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_PORT")
 
