@@ -185,8 +185,8 @@ class AdmissionLimits:
     body_timeout_s: float = 60.0
     keep_alive_s: float = 30.0
     max_connections: int = 4096
-    # A split request waits at the proxy, before prefill, while its decode could not pull the KV well
-    # within prefill's lease (proxy/pool/backpressure.py); at most this long, then 503. 0: never waits.
+    # A split request waits at the proxy, before prefill, while its decode would not renew the KV's lease
+    # in time (proxy/pool/backpressure.py); at most this long, then 503. 0: never waits.
     max_decode_wait_s: float = 120.0
 
     def __post_init__(self) -> None:

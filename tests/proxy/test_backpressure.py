@@ -1,6 +1,7 @@
 """Back-pressure from decode to prefill (proxy/pool/backpressure.py): a request is prefilled only when its
-decode can pull the KV well within prefill's lease, judged from the handoffs ahead there and the pace
-measured; otherwise it waits, first come first served, at most --max-decode-wait (then 503).
+decode will renew the KV's lease in time (handoffs reach its engine soon, its scheduler steps), judged
+from streams' way in and gaps between tokens and from how long decode has been silent; otherwise it
+waits, first come first served, at most --max-decode-wait (then 503).
 
 The rule on a hand-moved clock with stand-in decodes; the wait as the flow awaits it; then through a
 running proxy in front of fakes: the wait bounded, its 503 past the limit, and both visible in /metrics
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -26,10 +27,13 @@ from pdserve.configparts import AdmissionLimits
 from pdserve.errors import ConfigError, DecodeBacklogged, UpstreamTimeout
 from pdserve.prometheus import parse_samples
 from pdserve.proxy.pool.backpressure import NO_TICKET, Backpressure
-from pdserve.proxy.pool.instance import EngineLoad
+from pdserve.proxy.pool.breaker import CircuitBreaker
+from pdserve.proxy.pool.instance import EngineLoad, Instance
+from pdserve.proxy.record.timeline import Timeline
 from pdserve.proxy.serving.peers import merge_metrics
 
-LEASE_S = 8.0  # budget: half of it, 4 s
+LEASE_S = 8.0  # budget: half of it, 4 s; vLLM heartbeats every 8 // 6 = 1 s at most
+SCRAPE_S = 2.0  # the proxy's /metrics interval: a stepping decode may look silent this long
 
 
 @dataclass
@@ -42,24 +46,38 @@ class Clock:
 
 @dataclass
 class Decode:
-    """What the rule reads of a decode instance: its URL and its last scrape."""
+    """What the rule reads of a decode instance: its URL and how long it has shown no sign of stepping."""
 
     url: str = "http://decode-0"
-    load: EngineLoad = field(default_factory=EngineLoad)
+    silent: float = 0.0
+
+    def silence_s(self, now: float) -> float:
+        return self.silent
 
 
 def _gate(max_wait_s: float = 30.0) -> tuple[Backpressure, Clock, Decode]:
     clock = Clock()
-    return Backpressure(LEASE_S, max_wait_s, clock), clock, Decode()
+    return Backpressure(LEASE_S, max_wait_s, clock, scrape_every_s=SCRAPE_S), clock, Decode()
 
 
-def _measure(bp: Backpressure, clock: Clock, decode: Decode, per_handoff_s: float) -> None:
-    """One streamed handoff alone at decode whose first token came ``per_handoff_s`` after its KV."""
+def _stream(clock: Clock, gap_s: float, num_tokens: int = 4) -> Timeline:
+    """A stream's timeline as decode relayed it: its first byte, then a token every ``gap_s``."""
+    timeline = Timeline(clock.t)
+    timeline.decode_first_byte = clock.t
+    for i in range(num_tokens):
+        timeline.chunk(clock.t + 0.001 + i * gap_s)
+    return timeline
+
+
+def _measure(bp: Backpressure, clock: Clock, decode: Decode, gap_s: float) -> None:
+    """One streamed handoff alone at decode whose status line came at once and whose tokens came
+    ``gap_s`` apart (decode's scheduler stepped that often)."""
     ticket = bp.admit(decode)  # type: ignore[arg-type]
     assert ticket is not None
     ticket.kv_arrived(is_stream=True)
-    clock.t += per_handoff_s
-    ticket.began(measure=True)
+    ticket.reached()
+    ticket.began()
+    ticket.ended(_stream(clock, gap_s))
 
 
 # --- The rule ------------------------------------------------------------------------------------------
@@ -72,14 +90,54 @@ def test_with_nothing_measured_every_request_is_prefilled_at_once() -> None:
     assert bp.intake(decode).num_ahead == 50  # type: ignore[arg-type]
 
 
-def test_requests_are_prefilled_while_the_measured_pace_keeps_the_queue_within_half_the_lease() -> None:
+def test_a_busy_decode_that_steps_admits_everyone_however_long_its_queue() -> None:
     bp, clock, decode = _gate()
-    _measure(bp, clock, decode, 1.5)  # 1.5 s a handoff: 2 ahead (4.5 s) is past the 4 s budget
-    admitted = [bp.admit(decode) for _ in range(3)]  # type: ignore[arg-type]
-    assert [t is not None for t in admitted] == [True, True, False]
+    _measure(bp, clock, decode, 0.2)  # a step every 0.2 s
+    queued = [bp.admit(decode) for _ in range(40)]  # type: ignore[arg-type]
+    for ticket in queued:
+        assert ticket is not None
+        ticket.kv_arrived(is_stream=True)
+        ticket.reached()  # decode's engine has it: its heartbeats keep the lease from here
+    clock.t += 30.0  # forty first tokens still to come, 30 s on: a long queue, a lease kept alive
+    decode.silent = SCRAPE_S  # the last scrape showed tokens moving
+    assert all(bp.admit(decode) is not None for _ in range(10))  # type: ignore[arg-type]
+
+
+def test_a_stalled_decode_holds_requests_at_the_proxy() -> None:
+    bp, clock, decode = _gate()
+    _measure(bp, clock, decode, 0.2)
+    first = bp.admit(decode)  # type: ignore[arg-type]
+    assert first is not None
+    first.kv_arrived(is_stream=True)
+    first.reached()
+    decode.silent = SCRAPE_S + 2.0  # no token, first byte or answer for 4 s: its engine does not step
+    assert bp.admit(decode) is None  # type: ignore[arg-type]
+    assert "steps ~2.0 s apart" in bp.intake(decode).why()  # type: ignore[arg-type]
+    decode.silent = 0.0  # it stepped again
+    assert bp.admit(decode) is not None  # type: ignore[arg-type]
+
+
+def test_a_decode_whose_steps_come_seconds_apart_holds_requests_at_the_proxy() -> None:
+    bp, clock, decode = _gate()
+    _measure(bp, clock, decode, 0.1)
+    for _ in range(8):  # streams whose tokens came 5 s apart: its heartbeats would too
+        _measure(bp, clock, decode, 5.0)
+    assert bp.admit(decode) is not None  # type: ignore[arg-type]  # nothing ahead: one always goes
+    assert bp.admit(decode) is None  # type: ignore[arg-type]
+
+
+def test_requests_are_prefilled_while_handoffs_reach_decode_well_within_the_lease() -> None:
+    bp, clock, decode = _gate()
+    admitted = [bp.admit(decode)]  # type: ignore[arg-type]
     first = admitted[0]
     assert first is not None
-    first.began(measure=False)  # a whole answer: it leaves the queue, measuring nothing
+    first.kv_arrived(is_stream=True)  # decode's status line does not come: its API server is slow
+    clock.t += 2.5  # 2.5 s on its way, 1 s to a heartbeat: 3.5 s within the 4 s budget
+    admitted.append(bp.admit(decode))  # type: ignore[arg-type]
+    clock.t += 1.0  # 4.5 s past it
+    admitted.append(bp.admit(decode))  # type: ignore[arg-type]
+    assert [t is not None for t in admitted] == [True, True, False]
+    first.began()  # it arrived and answered: it leaves the queue
     assert bp.admit(decode) is not None  # type: ignore[arg-type]
 
 
@@ -99,7 +157,7 @@ def test_kv_waiting_past_the_budget_at_a_stalled_decode_holds_everything_else_ba
     stuck.kv_arrived(is_stream=True)
     clock.t += 3.0
     assert bp.admit(decode) is not None  # type: ignore[arg-type]
-    clock.t += 2.0  # its KV has waited 5 s and decode has not begun: nothing measured, yet no room
+    clock.t += 2.0  # its KV has waited 5 s and decode has not taken the request: nothing measured, no room
     assert bp.admit(decode) is None  # type: ignore[arg-type]
     assert "ahead" in bp.intake(decode).why()  # type: ignore[arg-type]
 
@@ -110,29 +168,43 @@ def test_a_long_whole_answer_holds_no_one_back_once_decode_has_its_kv() -> None:
     whole = [bp.admit(decode) for _ in range(2)]  # type: ignore[arg-type]
     for ticket in whole:
         assert ticket is not None
-        ticket.kv_arrived(is_stream=False)  # decoding for minutes now: the engine's queue speaks for it
+        ticket.kv_arrived(is_stream=False)  # decoding for minutes now: its engine heartbeats it
     clock.t += 60.0
     assert bp.intake(decode).num_ahead == 0 and bp.admit(decode) is not None  # type: ignore[arg-type]
 
 
-def test_the_engines_own_queue_and_time_to_first_token_count_for_whole_answers_too() -> None:
-    bp, _, decode = _gate()
-    decode.load = EngineLoad(num_waiting=0.0, ttft_sum=10.0, ttft_count=10.0)
-    assert bp.admit(decode) is not None  # type: ignore[arg-type]
-    # Over the next scrape interval 5 requests came to their first token in 6 s each, 3 waiting at the end.
-    decode.load = EngineLoad(num_waiting=3.0, ttft_sum=40.0, ttft_count=15.0)
-    intake = bp.intake(decode)  # type: ignore[arg-type]
-    assert intake.per_handoff_s == pytest.approx(6.0 / 2.5)
-    assert intake.expected_s() == pytest.approx(4 * 6.0 / 2.5)  # 3 waiting ahead in the engine, + this one
-    assert bp.admit(decode) is None  # type: ignore[arg-type]
+def test_a_stream_that_began_with_prefills_token_measures_no_gap_from_the_hand_over() -> None:
+    bp, clock, decode = _gate()
+    ticket = bp.admit(decode)  # type: ignore[arg-type]
+    assert ticket is not None
+    timeline = Timeline(clock.t)
+    timeline.chunk(clock.t)  # the client had prefill's first token at once
+    timeline.decode_first_byte = clock.t + 9.0  # decode's first came 9 s later, after its queue
+    timeline.chunk(clock.t + 9.0)
+    ticket.began()
+    ticket.ended(timeline)
+    assert bp.intake(decode).step_gap_s() == 0.0  # type: ignore[arg-type]
 
 
-def test_a_restarted_engine_whose_counters_went_back_measures_nothing_wrong() -> None:
-    bp, _, decode = _gate()
-    decode.load = EngineLoad(ttft_sum=500.0, ttft_count=100.0)
-    bp.intake(decode)  # type: ignore[arg-type]
-    decode.load = EngineLoad(ttft_sum=1.0, ttft_count=2.0)
-    assert bp.intake(decode).per_handoff_s is None  # type: ignore[arg-type]
+@dataclass
+class FakeUpstream:
+    url: str = "http://decode-0"
+    role: str = "decode"
+
+
+def test_an_engine_is_silent_only_while_requests_are_there_and_its_counters_stand_still() -> None:
+    decode = Instance(FakeUpstream(), CircuitBreaker())  # type: ignore[arg-type]
+    assert decode.silence_s(time.monotonic() + 60) == 0.0  # nothing there: nothing to judge
+    with decode.dispatched():
+        decode._progress_at -= 30  # half a minute without a sign of stepping
+        assert decode.silence_s(time.monotonic()) >= 30
+        decode.check_passed(EngineLoad(num_tokens=100.0))  # a scrape: its counters moved
+        assert decode.silence_s(time.monotonic()) < 1
+        decode._progress_at -= 30
+        decode.check_passed(EngineLoad(num_tokens=100.0))  # they stood still
+        assert decode.silence_s(time.monotonic()) >= 30
+        decode.check_passed(EngineLoad(num_tokens=5.0))  # a restart put them back: it stepped
+        assert decode.silence_s(time.monotonic()) < 1
 
 
 def test_no_wait_when_the_limit_is_zero() -> None:
@@ -150,8 +222,8 @@ def test_the_wait_limit_must_not_be_negative() -> None:
 
 
 def _slow(bp: Backpressure, clock: Clock, decode: Decode) -> Any:
-    """A decode measured at 3 s a handoff, one handoff ahead: the next request waits."""
-    _measure(bp, clock, decode, 3.0)
+    """A decode measured at a step every 10 s, one handoff ahead: the next request waits."""
+    _measure(bp, clock, decode, 10.0)
     ahead = bp.admit(decode)  # type: ignore[arg-type]
     assert ahead is not None and bp.admit(decode) is None  # type: ignore[arg-type]
     return ahead
@@ -167,12 +239,12 @@ async def test_waiters_go_first_come_first_served_as_handoffs_ahead_begin() -> N
     await asyncio.sleep(0.01)
     assert bp.num_waiting == 2 and not first.done()
     clock.t += 1.0
-    ahead.began(measure=False)
+    ahead.began()
     await asyncio.sleep(0.01)
     assert first.done() and not second.done()
     turn = first.result()
     assert turn.seconds == pytest.approx(1.0) and "decode http://decode-0" in turn.why
-    turn.ticket.began(measure=False)
+    turn.ticket.began()
     await asyncio.sleep(0.01)
     assert second.done() and bp.num_waiting == 0
     assert bp.results["admitted"] == 2 and bp.waits.count == 2

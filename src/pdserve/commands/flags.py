@@ -259,9 +259,9 @@ def add_admission(p: argparse.ArgumentParser) -> None:
                    help="client connections open at most (each holds a file descriptor); one more is "
                         "answered 503 and closed")  # fmt: skip
     g.add_argument("--max-decode-wait", type=float, default=d.max_decode_wait_s, metavar="S",
-                   help="a request waits at the proxy, before prefill, while its decode could not pull the KV "
-                        "well within the KV lease; at most S seconds, then 503 (0: never waits; default: "
-                        "%(default)s)")  # fmt: skip
+                   help="a request waits at the proxy, before prefill, while its decode would not renew the KV's "
+                        "lease in time (handoffs slow to reach it, or its engine not stepping); at most S "
+                        "seconds, then 503 (0: never waits; default: %(default)s)")  # fmt: skip
 
 
 def admission_from_args(a: argparse.Namespace) -> AdmissionLimits:

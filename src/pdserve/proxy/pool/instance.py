@@ -252,6 +252,13 @@ class Instance:
         stalled = now - self._progress_at if self._num_in_flight else 0.0
         return max(stalled, self.first_byte_wait_s(now))
 
+    def silence_s(self, now: float) -> float:
+        """How long its engine has shown no sign of stepping (token counters that moved at a scrape, a
+        stream's first byte, an answer) while the proxy has requests there; 0 with none. Unlike
+        ``lag_s``, a stream queued for its first byte is no sign of a stall: a queue behind a stepping
+        scheduler keeps its KV's lease alive."""
+        return now - self._progress_at if self._num_in_flight else 0.0
+
     def succeeded(self) -> None:
         self._progress_at = time.monotonic()
         self.breaker.record_success()

@@ -162,8 +162,9 @@ class ProxyState:
         pool = config.elastic_pool
         self.hold = None if self.elastic is None else Hold(self.elastic, pool.hold_max_s, pool.slo.ttft_ms)
         self.ledger = Ledger(config.kv_lease_s)
-        # prefill only what a decode can pull within the lease; the rest waits here (backpressure.py)
-        self.backpressure = Backpressure(config.kv_lease_s, config.admission.max_decode_wait_s)
+        # prefill only what a decode will keep alive until it pulls; the rest waits here (backpressure.py)
+        self.backpressure = Backpressure(config.kv_lease_s, config.admission.max_decode_wait_s,
+                                         scrape_every_s=config.health.interval_s)  # fmt: skip
         self.stats = Stats()
         self._traces: deque[Trace] = deque(maxlen=num_traces)
         # The loop the proxy serves on, from ``open`` to ``close``: asyncio.get_running_loop() costs a

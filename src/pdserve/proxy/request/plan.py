@@ -302,7 +302,7 @@ class Plan:
         trace.outcome = outcome._value_  # the value without Enum's property call, once a request
         if self._handoff is not None:
             self._abandon(error or "request ended", "client_gone" if is_client_gone else "failed")
-        self._ticket.release()
+        self._ticket.ended(timeline)  # a stream's gaps between tokens: how often its decode steps
         return outcome
 
     def continuation_ended(self) -> None:
@@ -562,6 +562,8 @@ class DecodeStep:
         plan.trace.decode_status = status
         if now is not None:
             plan.timeline.decode_first_byte = now
+        else:
+            plan._ticket.reached()  # a stream's status line: decode's API server has the request
 
     async def trusted(self, now: float | None = None) -> LeaseSuspect | None:
         """The lease guard's verdict on decode's answer, which is about to begin (``now``: a stream's
@@ -578,7 +580,7 @@ class DecodeStep:
         if suspicion is None:
             return None
         log.warning("request %s: not relaying decode's answer: %s", self.call.request_id, suspicion.why)
-        plan._ticket.began(self.call.is_stream)  # a stream's first byte: how long decode took, measured
+        plan._ticket.began()
         plan._suspect(suspicion.kind, suspicion.why)
         await guard.purge(self.instance)
         return LeaseSuspect(suspicion.why)
@@ -588,7 +590,7 @@ class DecodeStep:
         refusal in its handler also tells prefill to free the KV; one in its request validation leaves
         it to the lease, or to ``Release``)."""
         plan = self._plan
-        plan._ticket.began(status == 200 and self.call.is_stream)
+        plan._ticket.began()
         handoff = plan._handoff
         if handoff is None:
             return

@@ -123,7 +123,7 @@ def render(state: ProxyState, admission: Admission) -> str:
 
 def _backpressure(t: _Text, bp: Backpressure) -> None:
     t.metric("pdserve_decode_wait_waiting", "gauge", "Requests waiting at the proxy, before prefill, for their "
-             "decode to have room to pull the KV well within prefill's lease.", [({}, bp.num_waiting)])  # fmt: skip
+             "decode to renew the KV's lease in time (it steps, and handoffs reach it).", [({}, bp.num_waiting)])  # fmt: skip
     t.metric("pdserve_decode_waits_total", "counter", "Requests that waited for room at their decode, by how the "
              "wait ended (admitted, timed_out: answered 503 at --max-decode-wait, gone: the client left).",
              (({"result": r}, n) for r, n in sorted(bp.results.items())))  # fmt: skip
@@ -132,8 +132,9 @@ def _backpressure(t: _Text, bp: Backpressure) -> None:
     t.metric("pdserve_decode_handoffs_ahead", "gauge", "Per decode: requests sent toward it (prefilling, or their "
              "KV waiting for it) whose answer has not begun.", [({"url": i.url}, i.num_ahead) for i in intakes])  # fmt: skip
     t.metric("pdserve_decode_expected_pull_seconds", "gauge", "Per decode: how long a handoff sent now would "
-             f"wait for its KV to be pulled, as measured; above {SHARE:g} of the KV lease requests wait.",
-             [({"url": i.url}, round(i.expected_s(), 3)) for i in intakes])  # fmt: skip
+             "have its KV go unrenewed (its way to decode's engine, a lease heartbeat's period, the gap between "
+             f"decode's steps), as measured; above {SHARE:g} of the KV lease requests wait.",
+             [({"url": i.url}, round(i.exposure_s(), 3)) for i in intakes])  # fmt: skip
 
 
 def _elastic(t: _Text, router: ElasticRouter, instances: Sequence[Instance]) -> None:
