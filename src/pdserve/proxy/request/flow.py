@@ -129,7 +129,9 @@ class Flow:
             plan.traced(f"{span.get_span_context().trace_id:032x}")
         begun = time.perf_counter()
         try:
-            await (self._run(plan) if whole_on is None else self._steps(plan))
+            hold = self._state.hold
+            # an elastic pool's hold and router place the request first (no frame more for a fixed pool's)
+            await (self._steps(plan) if hold is None or whole_on is not None else self._placed(hold, plan))
         except UpstreamError as failed:
             # A stream that broke after the client had tokens may go on elsewhere (migrate.py); the
             # answer of one named instance may not.

@@ -193,7 +193,7 @@ class Plan:
                 self.call.out.request_id, result.url, result.params, result.num_kv_expired
             )
             trace.kv_transfer_params = params = result.params
-            trace.handover = str(params.get("transfer_mode", "pull"))  # the serial sequence, unless told
+            trace.handover = params.get("transfer_mode") or "pull"  # the serial sequence, unless told
             return self._decode_step()
         if isinstance(result, Relayed):
             self._end_round()
@@ -302,7 +302,9 @@ class Plan:
         trace.outcome = outcome._value_  # the value without Enum's property call, once a request
         if self._handoff is not None:
             self._abandon(error or "request ended", "client_gone" if is_client_gone else "failed")
-        self._ticket.ended(timeline)  # a stream's gaps between tokens: how often its decode steps
+        ticket = self._ticket
+        if ticket is not NO_TICKET:
+            ticket.ended(timeline)  # a stream's gaps between tokens: how often its decode steps
         return outcome
 
     def continuation_ended(self) -> None:
@@ -344,7 +346,8 @@ class Plan:
         if self._local_reason is None and self._handoff is None:
             first = placed.placement.prefill if placed is not None and tries.is_first else None
             self._round = _PrefillRound(call, first, decode if placed is not None else None)
-            self._ticket.release()  # the round waits for room at its own decode
+            if self._ticket.is_held:
+                self._ticket.release()  # the round waits for room at its own decode
             self._phase = _PREFILL
         else:
             self._phase = _DECODE
@@ -590,7 +593,8 @@ class DecodeStep:
         refusal in its handler also tells prefill to free the KV; one in its request validation leaves
         it to the lease, or to ``Release``)."""
         plan = self._plan
-        plan._ticket.began()
+        if plan._ticket.is_held:
+            plan._ticket.began()
         handoff = plan._handoff
         if handoff is None:
             return
