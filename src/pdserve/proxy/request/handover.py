@@ -88,7 +88,12 @@ class Handover:
         if isinstance(result, Prefilled):
             mode = "push concurrent" if leg is not None else str(result.params.get("transfer_mode", "pull"))
             plan.handed_over(mode if early is None else f"{mode} + first token at once")
-        if leg is not None and not (isinstance(nxt, DecodeStep) and nxt.instance is leg.decode):
+        # Decode's early leg waits for this prefill's WRITE: only that prefill's success may adopt it. After
+        # a failure the plan may name the same decode to compute the prompt itself, which needs a request
+        # of its own (the leg's would wait for a WRITE that never comes).
+        if leg is not None and not (
+            isinstance(result, Prefilled) and isinstance(nxt, DecodeStep) and nxt.instance is leg.decode
+        ):
             self._left(leg, prefill, result)
             leg = None
         if (early is None and leg is None) or not isinstance(nxt, DecodeStep):
