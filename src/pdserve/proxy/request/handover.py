@@ -163,11 +163,13 @@ class Handover:
 
     def _left(self, leg: EarlyLeg, prefill: Instance, result: PrefillResult) -> None:
         """The plan did not send decode's step to the early leg's decode: close it. Had prefill not
-        answered, the blocks decode registered for it stay until decode restarts (vLLM 0.32)."""
+        answered, the blocks decode registered for it stay until decode restarts (vLLM 0.32; `pdserve up`'s
+        supervisor restarts a push decode that sits idle holding them: engines/stranded.py)."""
         leg.close()
         if not isinstance(result, Prefilled):
             log.warning("request %s: decode %s may hold blocks registered for prefill %s until it restarts "
-                        "(vLLM frees blocks registered for a push only when the push arrives)",
+                        "(vLLM frees blocks registered for a push only when the push arrives; a supervised "
+                        "decode is restarted once it sits idle holding them)",
                         leg.call.request_id, leg.decode.url, prefill.url)  # fmt: skip
 
 
