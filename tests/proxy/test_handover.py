@@ -153,7 +153,7 @@ async def test_a_push_that_never_arrives_ends_within_the_lease_and_the_prompt_is
     assert "kv_transfer_params" not in system.bodies(last)[-1]
 
 
-async def test_prefill_dead_after_decode_registered_lets_decode_compute_the_prompt_on_a_request_of_its_own() -> None:
+async def test_prefill_dead_after_decode_registered_lets_decode_compute_the_prompt_anew() -> None:
     def dead(body: dict[str, Any]) -> Answer:
         raise UpstreamConnectError("prefill", "http://p0:1", "connection refused")
 
