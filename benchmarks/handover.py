@@ -5,19 +5,21 @@ vLLM pairs a push connector only with a push connector, so the sequences need tw
 instance on its own core). On each pair the arms are proxies in front of the very same instances, plus
 the decode instance alone:
 
-    pull pair   pull (serial)              the pair's own proxy
-                pull + first token         a second proxy, --first-token-at-once
+    pull pair   pull (serial)              a proxy process
+                pull + first token         a second proxy process, --first-token-at-once
                 alone                      decode, addressed directly
-    push pair   push (decode sent first)   the pair's own proxy (after one request taught it prefill's id)
-                push + first token         a second proxy, --first-token-at-once
+    push pair   push (decode sent first)   a proxy process (after one request taught it prefill's id)
+                push + first token         a second proxy process, --first-token-at-once
                 alone                      decode, addressed directly
 
-Rounds rotate the arms (round r starts with arm r mod 3), each round sends ``--requests`` streamed greedy
-completions per concurrency, every prompt fresh (its own words and ``cache_salt``). TTFT is the client's
+Both proxies of a pair are processes of their own, alike but for the flag (the stack's own proxy, on a
+thread of this process beside the load client, is not timed). Rounds rotate the arms (round r starts with
+arm r mod 3); each round sends ``--requests`` streamed greedy completions per concurrency (at least as
+many as the concurrency), every prompt fresh (its own words and ``cache_salt``). TTFT is the client's
 time to the first chunk with text; ITL the gaps between text chunks. Answers are compared with decode's
 own (greedy, float32).
 
-    PYTHONPATH=src .venv/bin/python benchmarks/handover.py [--rounds 2] [--requests 8] [--concurrency 1,8]
+    PYTHONPATH=src .venv/bin/python benchmarks/handover.py [--rounds 2] [--requests 8] [--concurrency 1,8,32]
 """
 
 from __future__ import annotations
@@ -132,10 +134,12 @@ def run_pair(transfer: str, args: argparse.Namespace, base_port: int, run_dir: P
     with Stack(topology, say=lambda m: print(f"[{transfer}] {m}", flush=True)) as stack:
         assert stack.model is not None
         model = stack.model.served_model_name or stack.model.path
-        with _proxy(stack, base_port + 5, "--first-token-at-once") as early:
-            arms = {transfer: stack.proxy_url, f"{transfer} + first token": early,
-                    "alone": stack.urls("decode")[0]}  # fmt: skip
-            for url in (stack.proxy_url, early):  # each proxy learns prefill's identity before timing
+        with (
+            _proxy(stack, base_port + 4) as plain,
+            _proxy(stack, base_port + 5, "--first-token-at-once") as early,
+        ):
+            arms = {transfer: plain, f"{transfer} + first token": early, "alone": stack.urls("decode")[0]}
+            for url in (plain, early):  # each proxy learns prefill's identity before timing
                 body = {
                     "model": model,
                     "prompt": _prompt(8),
@@ -151,7 +155,7 @@ def run_pair(transfer: str, args: argparse.Namespace, base_port: int, run_dir: P
                 for r in range(args.rounds):
                     bodies = [{"model": model, "prompt": _prompt(args.prompt_words), "max_tokens": args.max_tokens,
                                "temperature": 0, "stream": True, "cache_salt": uuid.uuid4().hex}
-                              for _ in range(args.requests)]  # fmt: skip
+                              for _ in range(max(args.requests, concurrency))]  # fmt: skip
                     texts: dict[str, list[str]] = {}
                     for name in names[r % 3 :] + names[: r % 3]:
                         results = asyncio.run(_batch(arms[name], bodies, concurrency))
@@ -183,7 +187,7 @@ def main() -> None:
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--requests", type=int, default=8)
-    parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8])
+    parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
     parser.add_argument("--prompt-words", type=int, default=200)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--first-port", type=int, default=27000)

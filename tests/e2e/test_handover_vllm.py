@@ -18,7 +18,8 @@ import orjson
 import pytest
 import requests
 
-from pdserve import sse
+from pdserve import cli, kvproof, sse
+from pdserve.commands.verify import verify
 from pdserve.config import ProxySettings
 from pdserve.prometheus import scrape
 from pdserve.stack import Stack
@@ -126,3 +127,27 @@ def test_the_first_token_comes_at_once_and_the_stream_reads_as_one_instances(
     assert _trace(push_stack, rid)["handover"] == "push concurrent + first token at once"
     if chat:
         assert sum("role" in (e["choices"][0].get("delta") or {}) for e in events if e.get("choices")) == 1
+
+
+def test_verify_proves_each_pushed_request_and_says_how_it_was_handed_over(push_stack: Stack) -> None:
+    report = verify(push_stack.proxy_url, say=lambda _m: None, tolerance=kvproof.FLOAT32)
+    assert report.ok, "\n".join(report.lines())
+    # decode's own cached tokens prove each request's transfer, whichever way the KV went
+    proofs = [what for ok, what in report.checks if "prompt tokens" in what and "hand-over:" in what]
+    assert len(proofs) == 4, report.lines()
+    assert all("hand-over: push" in what for what in proofs), proofs
+
+
+def test_doctor_proves_the_push_on_prefills_counter_and_states_the_mode(
+    push_stack: Stack, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = cli.main(["doctor", push_stack.proxy_url, "--logs", str(push_stack.run_dir), "--json"])
+    report = orjson.loads(capsys.readouterr().out)
+    [pair] = report["pairs"]
+    failed = [c["what"] for c in pair["checks"] if c["status"] == "fail"]
+    assert failed == [], (code, failed, report["summary"])
+    lines = " | ".join(c["what"] for c in pair["checks"])
+    assert "transfer mode: push" in lines
+    assert "prefill's transfer counter (vllm:nixl_xfer_time_seconds_count) rose by" in lines
+    handoff = pair["handoff"]
+    assert handoff["num_transfers"] >= 1 and handoff["num_failed"] == 0 and handoff["bytes"] > 0

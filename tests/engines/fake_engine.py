@@ -12,6 +12,7 @@ Takes the vLLM flags the launcher passes (--host, --port) plus its own:
   --gpu-held-by PATH       exit with vLLM's "Free memory on device" error while the process whose pid PATH
                            holds runs (a prefill whose dead predecessor's memory a live decode keeps mapped)
   --traceback-lines N      after that error, N lines of traceback (vLLM's API server prints ~60)
+  --metrics-file PATH      answer /metrics with what PATH holds when asked (vLLM's counters, as a test sets them)
 """
 
 from __future__ import annotations
@@ -27,10 +28,16 @@ from pathlib import Path
 
 
 class Health(BaseHTTPRequestHandler):
+    metrics_file: str | None = None
+
     def do_GET(self) -> None:
-        self.send_response(200 if self.path == "/health" else 404)
-        self.send_header("Content-Length", "0")
+        body = b""
+        if self.path == "/metrics" and self.metrics_file is not None:
+            body = Path(self.metrics_file).read_bytes()
+        self.send_response(200 if self.path == "/health" or body else 404)
+        self.send_header("Content-Length", str(len(body)))
         self.end_headers()
+        self.wfile.write(body)
 
     def log_message(self, format: str, *args: object) -> None:
         pass
@@ -57,6 +64,7 @@ def main() -> None:
     parser.add_argument("--write-pid")
     parser.add_argument("--gpu-held-by")
     parser.add_argument("--traceback-lines", type=int, default=0)
+    parser.add_argument("--metrics-file")
     args, _unknown = parser.parse_known_args()
     if args.write_pid:
         with open(args.write_pid, "w") as f:
@@ -87,6 +95,7 @@ def main() -> None:
         print("RuntimeError: fake engine failed to allocate KV cache", flush=True)
         sys.exit(3)
     time.sleep(args.delay)
+    Health.metrics_file = args.metrics_file
     server = ThreadingHTTPServer((args.host, args.port), Health)
     print(f"fake engine serving on {args.host}:{args.port}", flush=True)
     server.serve_forever()

@@ -299,3 +299,51 @@ def test_the_gpu_memory_hint_is_read_above_vllms_traceback_but_never_from_an_ear
     _kill(group, prefill)  # its log still holds the refusal of two runs ago: decode is left alone
     recorder.wait_for(prefill.url, "ready", count=2, timeout=20)
     assert recorder.kinds(decode.url) == ["exited", "restarting", "ready"]
+
+
+def _push_decode(metrics: Path, registration_timeout_s: int) -> InstanceSpec:
+    config = ('{"kv_connector":"NixlPushConnector","kv_role":"kv_consumer",'
+              f'"kv_connector_extra_config":{{"push_registration_timeout":{registration_timeout_s}}}}}')  # fmt: skip
+    return fake_spec("decode", 0, "--metrics-file", str(metrics), "--kv-transfer-config", config)
+
+
+def _counters(running: int, waiting: int, usage: float) -> str:
+    return (f"vllm:num_requests_running{{engine=\"0\"}} {running}\n"
+            f"vllm:num_requests_waiting{{engine=\"0\"}} {waiting}\nvllm:kv_cache_usage_perc{{engine=\"0\"}} {usage}\n")  # fmt: skip
+
+
+def test_a_push_decode_idle_yet_holding_blocks_past_its_registration_watchdog_is_restarted_to_free_them(
+    supervised: Callable[..., tuple[EngineGroup, Supervisor]], recorder: Recorder, tmp_path: Path
+) -> None:
+    metrics = tmp_path / "metrics"
+    metrics.write_text(_counters(running=0, waiting=0, usage=0.02))  # blocks registered for a dead prefill
+    decode = _push_decode(metrics, registration_timeout_s=1)
+    began = time.monotonic()
+    supervised(decode, policy=dataclasses.replace(FAST, stranded_check_s=0.2))
+    recycled = recorder.wait_for(decode.url, "exited")
+    assert time.monotonic() - began > 1.0  # not before vLLM's own watchdog gave up on the push
+    assert "KV blocks registered for a push that never came" in recycled.detail
+    metrics.write_text(_counters(running=0, waiting=0, usage=0.0))  # what the restart frees
+    recorder.wait_for(decode.url, "ready")
+    time.sleep(1.5)
+    assert recorder.kinds(decode.url) == ["exited", "restarting", "ready"]
+    assert "decode-0 restarted to free KV blocks" in "\n".join(recorder.messages)
+
+
+@pytest.mark.parametrize(
+    "counters",
+    [_counters(running=1, waiting=0, usage=0.02), _counters(running=0, waiting=0, usage=0.0)],
+    ids=["busy", "holding-nothing"],
+)
+def test_a_push_decode_that_is_busy_or_holds_nothing_is_left_alone(
+    supervised: Callable[..., tuple[EngineGroup, Supervisor]],
+    recorder: Recorder,
+    tmp_path: Path,
+    counters: str,
+) -> None:
+    metrics = tmp_path / "metrics"
+    metrics.write_text(counters)
+    decode = _push_decode(metrics, registration_timeout_s=1)
+    supervised(decode, policy=dataclasses.replace(FAST, stranded_check_s=0.2))
+    time.sleep(2.5)
+    assert recorder.kinds(decode.url) == []

@@ -153,6 +153,23 @@ async def test_a_push_that_never_arrives_ends_within_the_lease_and_the_prompt_is
     assert "kv_transfer_params" not in system.bodies(last)[-1]
 
 
+async def test_prefill_dead_after_decode_registered_lets_decode_compute_the_prompt_anew() -> None:
+    def dead(body: dict[str, Any]) -> Answer:
+        raise UpstreamConnectError("prefill", "http://p0:1", "connection refused")
+
+    # the early leg stands for a registration no WRITE will fulfil: it never answers
+    waits_for_a_write = iter([decode(delay_s=30), decode()])
+    system = System([dead], [lambda body: next(waits_for_a_write)(body)], kv_lease_s=20)
+    system.flow._handover._identities["http://p0:1"] = {"remote_engine_id": "e0", "remote_host": "10.0.0.1",
+                                                        "remote_port": 5600, "tp_size": 1}  # fmt: skip
+    began = time.monotonic()
+    send = await system.ask(BODY)
+    assert time.monotonic() - began < 5, "the request waited on a push from a dead prefill"
+    assert send.status == 200 and b"Hello" in send.body
+    # decode's second request computes the prompt: no params that would have it wait for a push
+    assert [("kv_transfer_params" in b) for b in system.bodies("http://d0:1")] == [True, False]
+
+
 async def test_decode_dead_before_its_registration_hands_the_unread_kv_to_another_decode() -> None:
     def dead(body: dict[str, Any]) -> Answer:
         raise UpstreamConnectError("decode", "http://d0:1", "connection refused")

@@ -73,6 +73,8 @@ class Split:
     kept_whole: str | None = None  # why it was not split, if it was not
     moved: str | None = None  # where its stream went on mid-way, if it did
     unknown: str | None = None  # why the record could not be read
+    # how the KV reached decode: pull, push, push concurrent (+ first token at once); None: not said
+    handover: str | None = None
 
 
 def split_of(proxy_url: str, request_id: str, admin_key: str | None) -> Split:
@@ -99,4 +101,9 @@ def split_of(proxy_url: str, request_id: str, admin_key: str | None) -> Split:
     moved = "; ".join(
         f"from {m.get('from')} after {m.get('after_tokens')} tokens to {m.get('to')}" for m in migrations
     )
-    return Split(None if is_split else str(why or "not split"), moved or None)
+    handover = record.get("handover")
+    return Split(
+        None if is_split else str(why or "not split"),
+        moved or None,
+        handover=str(handover) if handover else None,
+    )

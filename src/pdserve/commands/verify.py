@@ -195,9 +195,12 @@ def check_answer(
     alone: Answer | None = None,
     moved: str | None = None,
     post: Callable[..., httpclient.Response] = httpclient.post_json,
+    handover: str | None = None,
 ) -> None:
     """The per-request checks of one PD answer; each names the request, so a failure says which.
-    ``moved``: the stream went on from another instance mid-way (the proxy's record says so)."""
+    ``moved``: the stream went on from another instance mid-way (the proxy's record says so).
+    ``handover``: how the proxy's record says the KV reached decode (pull or push); decode's own
+    cached-token count proves the transfer in either mode (in push mode prefill counts the WRITE)."""
     who = f"{label} [{answer.request_id}]"
     is_answered = report.check(
         answer.status == 200 and answer.error is None and bool(answer.text),
@@ -213,7 +216,7 @@ def check_answer(
         )
         return
     ok, said = answer.evidence.transfer()
-    report.check(ok, f"{who}: {said}")
+    report.check(ok, f"{who}: {said}" + (f" (hand-over: {handover})" if handover else ""))
     oracle_id = f"{answer.request_id}-oracle"
     report.request_ids.append(oracle_id)
     headers = {**(reference.headers or {}), "X-Request-Id": oracle_id}
@@ -336,7 +339,9 @@ def verify(
                 headers=reference.headers,
                 post=post,
             )
-        check_answer(report, label, answer, reference, model, tolerance, alone, split.moved, post)
+        check_answer(
+            report, label, answer, reference, model, tolerance, alone, split.moved, post, split.handover
+        )
     if len(never_split) == len(report.answers):
         report.check(False, f"cannot prove: this pool never splits ({never_split[0]})")
     if unread:

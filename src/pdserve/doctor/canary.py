@@ -254,6 +254,14 @@ def run(
         f"{str(params['remote_engine_id'])[:8]}…, side channel {params['remote_host']}:{params['remote_port']}",
     )
     pair.params = params
+    is_push = params.get("transfer_mode") == "push"
+    pair.add(
+        "info",
+        "transfer mode: push (decode registers its blocks with prefill, prefill WRITEs the KV into them; "
+        "prefill's vllm:nixl_* counters move)"
+        if is_push
+        else "transfer mode: pull (decode READs prefill's blocks; decode's vllm:nixl_* counters move)",
+    )
     _side_channel(pair, params, d.url)
 
     decode_body = kvproof.with_evidence(protocol.decode_body(body, params), "completions")
@@ -270,7 +278,7 @@ def run(
     try:
         # A decode that failed its pull answers 500 and counts the failure, a little later; one that
         # refused the request (4xx) or was not reached never touched NIXL: nothing to wait for.
-        deltas = _counters(pair, d.url, before_d, p.url, before_p, decoded.status)
+        deltas = _counters(pair, d.url, before_d, p.url, before_p, decoded.status, is_push)
     except MetricsUnreadable as exc:  # an instance that stops answering /metrics mid-canary
         pair.check(False, f"reading the transfer counters: {exc}")
         return params
@@ -353,40 +361,45 @@ def _counters(
     p_url: str,
     before_p: dict[str, float],
     decode_status: int,
+    is_push: bool = False,
 ) -> dict[str, Any] | None:
-    """The transfer evidence on decode (and the late-pull signals on prefill), as checks; the deltas
-    a Handoff needs when the canary's transfer was counted."""
-    is_pulling = decode_status in (200, 500)
-    after_d = _wait_for_counters(d_url, before_d) if is_pulling else scrape(d_url, _SCRAPE_TIMEOUT)
-    after_p = scrape(p_url, _SCRAPE_TIMEOUT)
-    if XFER_COUNT not in after_d:
-        pair.check(False, f"decode {d_url} exports no vllm:nixl_* metrics: it runs without a NixlConnector")
+    """The transfer evidence on the instance that moves the KV (decode READs it in pull mode, prefill
+    WRITEs it in push mode: that one counts the transfer), and the late-pull signals on prefill, as
+    checks; the deltas a Handoff needs when the canary's transfer was counted."""
+    is_moving = decode_status in (200, 500)
+    mover, verb = ("prefill", "pushed") if is_push else ("decode", "pulled")
+    url, before = (p_url, before_p) if is_push else (d_url, before_d)
+    after = _wait_for_counters(url, before) if is_moving else scrape(url, _SCRAPE_TIMEOUT)
+    after_p = after if is_push else scrape(p_url, _SCRAPE_TIMEOUT)
+    if XFER_COUNT not in after:
+        pair.check(False, f"{mover} {url} exports no vllm:nixl_* metrics: it runs without a NixlConnector")
         return None
-    count, failed = _delta(after_d, before_d, XFER_COUNT), _delta(after_d, before_d, XFER_FAILED)
-    moved, xfer_s = _delta(after_d, before_d, BYTES_SUM), _delta(after_d, before_d, XFER_TIME_SUM)
+    count, failed = _delta(after, before, XFER_COUNT), _delta(after, before, XFER_FAILED)
+    moved, xfer_s = _delta(after, before, BYTES_SUM), _delta(after, before, XFER_TIME_SUM)
     if failed:  # maybe another client's: the canary's own answer (its status, its evidence) decides
         pair.add(
             "warn",
-            f"decode's failed-transfer counter (vllm:nixl_num_failed_transfers) rose by {failed:g} while the "
-            "canary ran (its own evidence decides; other clients' pulls count here too)",
+            f"{mover}'s failed-transfer counter (vllm:nixl_num_failed_transfers) rose by {failed:g} while the "
+            "canary ran (its own evidence decides; other clients' transfers count here too)",
         )
     if failed or decode_status != 200:
         return None
-    descriptors = _delta(after_d, before_d, DESCRIPTORS_SUM) if DESCRIPTORS_SUM in after_d else None
+    descriptors = _delta(after, before, DESCRIPTORS_SUM) if DESCRIPTORS_SUM in after else None
     is_moved = count >= 1 and moved > 0
-    counter = f"decode's transfer counter (vllm:nixl_xfer_time_seconds_count) rose by {count:g}"
+    counter = f"{mover}'s transfer counter (vllm:nixl_xfer_time_seconds_count) rose by {count:g}"
     if is_moved:  # the figures; other clients' transfers may be among them, so they prove nothing
         pair.add(
             "info",
-            f"{counter}: {size(moved)} of KV pulled over NIXL in {duration(xfer_s)}"
+            f"{counter}: {size(moved)} of KV {verb} over NIXL in {duration(xfer_s)}"
             + (f" ({descriptors:g} descriptors)" if descriptors else ""),
         )
     else:  # nothing moved at all: not the canary's either
-        pair.check(
-            False,
-            f"{counter}: decode answered without pulling the KV (is it a kv_consumer NixlConnector? "
-            "did the params reach it?)",
+        hint = (
+            "did decode register its blocks with this prefill? both must run NixlPushConnector"
+            if is_push
+            else "is it a kv_consumer NixlConnector? did the params reach it?"
         )
+        pair.check(False, f"{counter}: decode answered without the KV moving ({hint})")
         pair.add(
             "info",
             f"prefill keeps the canary's KV until its lease runs out (kv_lease_duration, {_DEFAULT_LEASE_S:g} s "
@@ -395,7 +408,8 @@ def _counters(
         return None
     if count > 1:
         pair.add(
-            "warn", f"decode counted {count:g} transfers meanwhile (other traffic): the figures are their sum"
+            "warn",
+            f"{mover} counted {count:g} transfers meanwhile (other traffic): the figures are their sum",
         )
     expired, late = _delta(after_p, before_p, KV_EXPIRED), _delta(after_p, before_p, NOTIFS_AFTER_EXPIRY)
     if late:

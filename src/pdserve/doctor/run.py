@@ -155,16 +155,17 @@ def restarts(
         )
 
 
-def lifetime(pair: PairReport, d: InstanceFacts) -> None:
-    """Decode's transfers since it started, from the counters read before the canary: a second,
-    larger sample of the same link."""
-    count, moved, seconds = (d.metrics.get(n, 0.0) for n in (XFER_COUNT, BYTES_SUM, XFER_TIME_SUM))
-    if count >= 1 and seconds > 0:
-        pair.add(
-            "info",
-            f"when doctor started, decode had pulled {count:g} KV transfer(s), {size(moved)} in "
-            f"{duration(seconds)} ({rate(moved / seconds)}, {duration(seconds / count)} each)",
-        )
+def lifetime(pair: PairReport, p: InstanceFacts, d: InstanceFacts) -> None:
+    """The pair's transfers since it started, from the counters read before the canary: a second,
+    larger sample of the same link. Decode counts the transfers it pulled, prefill those it pushed."""
+    for facts, verb in ((d, "pulled"), (p, "pushed")):
+        count, moved, seconds = (facts.metrics.get(n, 0.0) for n in (XFER_COUNT, BYTES_SUM, XFER_TIME_SUM))
+        if count >= 1 and seconds > 0:
+            pair.add(
+                "info",
+                f"when doctor started, {facts.role} had {verb} {count:g} KV transfer(s), {size(moved)} in "
+                f"{duration(seconds)} ({rate(moved / seconds)}, {duration(seconds / count)} each)",
+            )
 
 
 def _recent_requests(proxy_url: str, admin_key: str | None) -> list[dict[str, Any]]:
@@ -197,7 +198,7 @@ def _pair(
     if d.model is None:
         pair.check(False, f"decode {d.url} names no model on /v1/models")
         return pair
-    lifetime(pair, d)
+    lifetime(pair, p, d)
     begun = time.time()
     measured = PairReport(p.url, d.url)
     params = canary.run(measured, p, d, d.model, prompt_tokens, waiting=waiting, say=say)

@@ -18,6 +18,10 @@ finds its GPU memory still taken gets it back by a restart of the decodes: a dec
 KV over cuda_ipc keeps those buffers mapped, and the driver frees an exporter's memory only when every
 importer has let go (measured on one H200: killing prefill freed 0.8 of its 64 GB, killing decode
 freed all of it; UCX_CUDA_IPC_CACHE=n freed half, not enough). This is done once per outage.
+
+One rule for push decodes: one that sits idle yet holds KV blocks for longer than its registration
+watchdog holds blocks registered for a push that never came, which vLLM 0.32 frees only on a restart
+(stranded.py): it is restarted, as it is idle, nothing in flight is lost.
 """
 
 from __future__ import annotations
@@ -33,8 +37,10 @@ from typing import Literal
 
 from pdserve.engines.launcher import RUN_HEADER, EngineGroup
 from pdserve.engines.placement import InstanceSpec
-from pdserve.errors import ConfigError, EngineStartError
+from pdserve.engines.stranded import StrandedWatch, push_registration_timeout
+from pdserve.errors import ConfigError, EngineStartError, MetricsUnreadable
 from pdserve.events import InstanceEvent, InstanceEventKind
+from pdserve.prometheus import scrape
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +78,7 @@ class RestartPolicy:
     max_restarts: int = 5  # restarts allowed within window_s; one more exit is a crash loop
     window_s: float = 600.0
     poll_s: float = 0.25  # how often exits and health are checked
+    stranded_check_s: float = 2.0  # how often a push decode's counters are read for stranded blocks
 
     def __post_init__(self) -> None:
         for name in ("first_backoff_s", "max_backoff_s", "window_s", "poll_s"):
@@ -100,6 +107,9 @@ class _Watched:
     # A prefill whose restart found its GPU memory held: the decodes were restarted to free it, once
     # per outage (a second refusal means something else holds it; restarting decodes again would not help).
     has_freed_gpu: bool = False
+    # A push decode: whether it holds blocks registered for a push that never came (None: not push).
+    stranded: StrandedWatch | None = None
+    next_stranded_check: float = 0.0
 
 
 class Supervisor:
@@ -116,7 +126,7 @@ class Supervisor:
         self._on_event = on_event
         self._say = say
         self.policy = policy or RestartPolicy()
-        self._watched = [_Watched(spec) for spec in group.specs]
+        self._watched = [_Watched(spec, stranded=_stranded_watch(spec)) for spec in group.specs]
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pdserve-supervisor", daemon=True)
 
@@ -155,6 +165,8 @@ class Supervisor:
                 elif self._group.is_healthy(watched.spec):
                     watched.state = "up"
                     watched.has_freed_gpu = False
+                    if watched.stranded is not None:
+                        watched.stranded.reset()
                     took = time.monotonic() - watched.exited_at
                     self._say(f"{watched.spec.name} is back, {took:.0f} s after it went down")
                     self._emit(watched, "ready", f"healthy {took:.1f} s after it went down")
@@ -162,6 +174,11 @@ class Supervisor:
                     self._group.kill(watched.spec)
                     timeout = self._group.startup_timeout
                     self._failed(watched, now, f"not healthy {timeout:.0f} s after restart")
+            elif (
+                watched.state == "up" and watched.stranded is not None and now >= watched.next_stranded_check
+            ):
+                watched.next_stranded_check = now + self.policy.stranded_check_s
+                self._check_stranded(watched, watched.stranded, now)
 
     def _failed(self, watched: _Watched, now: float, status: str) -> None:
         spec = watched.spec
@@ -207,6 +224,25 @@ class Supervisor:
             watched.exited_at = now
             self._wait(watched, prefill.due)  # prefill first, as the launcher starts them
 
+    def _check_stranded(self, watched: _Watched, stranded: StrandedWatch, now: float) -> None:
+        """Restart the push decode if it has sat idle holding blocks past its registration watchdog."""
+        try:
+            counters: dict[str, float] | None = scrape(watched.spec.url, timeout=1.0)
+        except MetricsUnreadable:
+            counters = None
+        if not stranded.sample(counters, now):
+            return
+        stranded.reset()
+        why = (
+            f"restarted to free KV blocks registered for a push that never came (idle, holding blocks for "
+            f"over {stranded.timeout_s:g} s; vLLM frees them only when the push arrives)"
+        )
+        self._say(f"{watched.spec.name} {why}")
+        self._emit(watched, "exited", why)
+        self._group.kill(watched.spec)
+        watched.exited_at = now
+        self._wait(watched, now)
+
     def _wait(self, watched: _Watched, due: float) -> None:
         """Restart it at ``due``, or as soon after as its GPU, processes and ports allow."""
         watched.state = "waiting"
@@ -246,3 +282,8 @@ class Supervisor:
             self._on_event(InstanceEvent(watched.spec.url, kind, detail))
         except Exception:
             log.exception("delivering %s for %s failed", kind, watched.spec.name)
+
+
+def _stranded_watch(spec: InstanceSpec) -> StrandedWatch | None:
+    timeout_s = push_registration_timeout(spec)
+    return StrandedWatch(timeout_s) if timeout_s is not None else None

@@ -93,7 +93,12 @@ class Handover:
         if isinstance(result, Prefilled) and (leg is not None or early is not None):
             mode = "push concurrent" if leg is not None else str(result.params.get("transfer_mode", "pull"))
             plan.handed_over(mode if early is None else f"{mode} + first token at once")
-        if leg is not None and not (isinstance(nxt, DecodeStep) and nxt.instance is leg.decode):
+        # Decode's early leg waits for this prefill's WRITE: only that prefill's success may adopt it. After
+        # a failure the plan may name the same decode to compute the prompt itself, which needs a request
+        # of its own (the leg's would wait for a WRITE that never comes).
+        if leg is not None and not (
+            isinstance(result, Prefilled) and isinstance(nxt, DecodeStep) and nxt.instance is leg.decode
+        ):
             self._left(leg, prefill, result)
             leg = None
         if (early is None and leg is None) or not isinstance(nxt, DecodeStep):
@@ -163,11 +168,13 @@ class Handover:
 
     def _left(self, leg: EarlyLeg, prefill: Instance, result: PrefillResult) -> None:
         """The plan did not send decode's step to the early leg's decode: close it. Had prefill not
-        answered, the blocks decode registered for it stay until decode restarts (vLLM 0.32)."""
+        answered, the blocks decode registered for it stay until decode restarts (vLLM 0.32; `pdserve up`'s
+        supervisor restarts a push decode that sits idle holding them: engines/stranded.py)."""
         leg.close()
         if not isinstance(result, Prefilled):
             log.warning("request %s: decode %s may hold blocks registered for prefill %s until it restarts "
-                        "(vLLM frees blocks registered for a push only when the push arrives)",
+                        "(vLLM frees blocks registered for a push only when the push arrives; a supervised "
+                        "decode is restarted once it sits idle holding them)",
                         leg.call.request_id, leg.decode.url, prefill.url)  # fmt: skip
 
 
