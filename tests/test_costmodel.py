@@ -106,3 +106,12 @@ def test_mixed_prompt_lengths_queue_longer_and_stall_colocated_decodes_more() ->
     assert (
         Model(costs, mixed).colocated_latency(4, 30.0)[1] > Model(costs, same).colocated_latency(4, 30.0)[1]
     )
+
+
+def test_the_most_sequences_an_instance_runs_keep_the_step_quantile_within_the_tpot_objective() -> None:
+    m = Model(H200, Load(40.0, 1000, 200), Slo(ttft_ms=1000, tpot_ms=10))
+    batch = m.max_batch(True)
+    at_mean = (0.010 - H200.step_base_s) / m.per_seq_s  # every stream misses whenever the batch swings up
+    assert 80 < batch < at_mean
+    quantile_step = H200.step_base_s + m.per_seq_s * (batch + m.z * batch**0.5)
+    assert quantile_step == pytest.approx(0.010, rel=1e-6)

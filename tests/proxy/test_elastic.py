@@ -270,3 +270,23 @@ def test_a_wave_of_long_prompts_grows_the_prefill_side_within_seconds() -> None:
         if r.layout != "4 colocated":
             break
     assert r.layout.endswith("D") and clock.t - began <= 3.0
+
+
+def test_the_first_second_of_traffic_is_planned_at_its_own_rate_not_one_request_a_second() -> None:
+    r, clock = router(slo=Slo(ttft_ms=300, tpot_ms=25))
+    members = pool(4)
+    drive(r, clock, members, 50, 0.4, 2000, 200)  # 20 requests in 0.4 s: before the first re-plan
+    load = r.describe()["load"]
+    assert isinstance(load, dict) and 40 <= load["rate"] <= 60
+
+
+def test_arrivals_that_outrun_the_plan_re_plan_before_the_interval_is_up() -> None:
+    clock = Clock()
+    r = ElasticRouter(ElasticPool(costs=H200, slo=SLO, replan_s=60.0), clock)
+    members = pool(4)
+    drive(r, clock, members, 50, 1 / 50, 2000, 128)
+    alone = r.describe()["predicted_ttft_ms"]  # one arrival: planned as next to no traffic
+    drive(r, clock, members, 50, 1, 2000, 128)
+    planned = r.describe()["predicted_ttft_ms"]
+    assert isinstance(alone, float) and isinstance(planned, float)
+    assert planned > 1.5 * alone  # the prefill side's queue at 50 req/s, seen within the second
