@@ -434,13 +434,15 @@ def process(
 
 def _pdserve(prefill: int, decode: int, port: int, workers: int = 1) -> list[str]:
     # Defaults but for the pool size, which must hold --open-streams decode connections at once. A
-    # --baseline-src from before --workers serves from proxy/serving/server.py; one from before the pools by
-    # role takes the URLs as prefill_urls and decode_urls.
+    # --baseline-src from before the proxy's rooms serves from proxy/workers.py, one from before --workers
+    # from proxy/serving/server.py; one from before the pools by role takes the URLs as prefill_urls and
+    # decode_urls.
     many = f", workers={workers}" if workers > 1 else ""
     urls = f"('http://{HOST}:{prefill}',), ('http://{HOST}:{decode}',)"
     code = ("from pdserve.config import ProxyConfig\n"
             "try:\n    from pdserve.proxy.serving.workers import serve\n"
-            "except ImportError:\n    from pdserve.proxy.serving.server import serve\n"
+            "except ImportError:\n    try:\n        from pdserve.proxy.workers import serve\n"
+            "    except ImportError:\n        from pdserve.proxy.serving.server import serve\n"
             "make = getattr(ProxyConfig, 'pd', None) or "
             "(lambda p, d, **kw: ProxyConfig(prefill_urls=p, decode_urls=d, **kw))\n"
             f"serve(make({urls}, host='{HOST}', port={port}, max_connections_per_upstream=4096{many}), 'warning')")  # fmt: skip

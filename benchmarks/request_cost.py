@@ -9,11 +9,12 @@ run lengths, subtracted, so start-up cancels). Each src/ runs in its own process
 each ``--baseline-src`` in turn, round after round.
 
     .venv/bin/python benchmarks/request_cost.py [--baseline-src /tmp/pdserve-base/src] [--modes whole,stream]
-        [--requests 5000] [--rounds 3] [--callgrind] [--no-migrate-streams]
+        [--requests 5000] [--rounds 3] [--callgrind] [--no-migrate-streams] [--no-decode-wait]
 
 ``--no-migrate-streams`` adds a row: the current src/ served as ``pdserve proxy --no-migrate-streams``
 serves (decode not asked for token ids, nothing cut from its events), to tell that feature's cost from
-the rest's.
+the rest's; ``--no-decode-wait`` one served as ``--max-decode-wait 0`` serves (no back-pressure from decode:
+no place kept at decode per request), to tell the back-pressure's cost from the rest's.
 
 The instances answer as vLLM's PD pair does (prefill's ``kv_transfer_params``, decode 16 tokens whole or
 as 16 SSE events); garbage collection is tuned as the proxy's process tunes it (server.tune_gc).
@@ -110,7 +111,7 @@ class _Instance:
 
 
 async def _serve(
-    mode: str, num_requests: int, num_warm: int, rounds: int, migrate: bool = True
+    mode: str, num_requests: int, num_warm: int, rounds: int, migrate: bool = True, decode_wait: bool = True
 ) -> list[float]:
     """CPU µs per request of each round, after ``num_warm`` requests to warm up."""
     from pdserve.config import ProxyConfig
@@ -125,6 +126,10 @@ async def _serve(
         from pdserve.configparts import Retries
 
         options["retries"] = Retries(migrate_streams=False)
+    if not decode_wait:
+        from pdserve.configparts import AdmissionLimits
+
+        options["admission"] = AdmissionLimits(max_decode_wait_s=0)
     options.update(host="127.0.0.1", port=1, max_connections_per_upstream=4096)
     try:
         config = ProxyConfig.pd(("http://p:1",), ("http://d:1",), **options)
@@ -169,7 +174,8 @@ async def _serve(
 
 
 def _child(args: argparse.Namespace) -> int:
-    costs = asyncio.run(_serve(args.mode, args.requests, args.warm, args.rounds, not args.no_migrate_streams))
+    costs = asyncio.run(_serve(args.mode, args.requests, args.warm, args.rounds, not args.no_migrate_streams,
+                               not args.no_decode_wait))  # fmt: skip
     print(" ".join(f"{c:.2f}" for c in costs))
     return 0
 
@@ -204,6 +210,9 @@ def main() -> int:
     parser.add_argument(
         "--no-migrate-streams", action="store_true", help="also the current src/ without migration"
     )
+    parser.add_argument(
+        "--no-decode-wait", action="store_true", help="also the current src/ without the back-pressure"
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", default="whole", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -216,6 +225,9 @@ def main() -> int:
     if args.no_migrate_streams:
         srcs["this, --no-migrate-streams"] = srcs["this"]
         extras["this, --no-migrate-streams"] = ("--no-migrate-streams",)
+    if args.no_decode_wait:
+        srcs["this, --max-decode-wait 0"] = srcs["this"]
+        extras["this, --max-decode-wait 0"] = ("--no-decode-wait",)
     print(
         f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} cores; "
         + ", ".join(f"{k}: {v}" for k, v in srcs.items())
