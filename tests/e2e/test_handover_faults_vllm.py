@@ -16,17 +16,17 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import orjson
 import pytest
 import requests
+from engineprocs import pgid, wait_until
 
 from pdserve.config import ProxyConfig, Timeouts
 from pdserve.configparts import ApiKeys, HealthChecks
-from pdserve.engines.backend import LocalEngines
 from pdserve.errors import MetricsUnreadable
 from pdserve.events import InstanceEvent
 from pdserve.prometheus import KV_USAGE, NUM_RUNNING, NUM_WAITING, scrape
@@ -98,23 +98,6 @@ def _complete(base: str, model: str, prompt: str, request_id: str | None = None)
     return requests.post(f"{base}/v1/completions", json=body, headers=headers, timeout=120)
 
 
-def _wait_until(condition: Callable[[], bool], timeout: float, interval: float = 0.25) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(interval)
-    return condition()
-
-
-def _pgid(stack: Stack, role: str) -> int:
-    assert isinstance(stack.engines, LocalEngines)
-    spec = next(s for s in stack.specs if s.role == role)
-    pid = stack.engines.group.pid(spec)
-    assert pid is not None
-    return pid
-
-
 def _held(url: str) -> tuple[float, float, float] | None:
     """(KV usage, requests running, requests waiting) by the instance's own counters; None if it is down."""
     try:
@@ -133,7 +116,7 @@ def _holds_nothing(stack: Stack, timeout: float) -> None:
     """Every instance serving, holding no block and no request, within ``timeout`` (a decode the
     supervisor restarts to free stranded blocks is back first)."""
     urls = [*stack.urls("prefill"), *stack.urls("decode")]
-    assert _wait_until(lambda: all(_held(u) == (0.0, 0.0, 0.0) for u in urls), timeout), {
+    assert wait_until(lambda: all(_held(u) == (0.0, 0.0, 0.0) for u in urls), timeout, interval=0.25), {
         u: _held(u) for u in urls
     }
 
@@ -145,7 +128,7 @@ def _supervisor_event(stack: Stack, url: str, kind: str, since: float, timeout: 
             None,
         )
 
-    assert _wait_until(lambda: found() is not None, timeout), [
+    assert wait_until(lambda: found() is not None, timeout, interval=0.25), [
         (e.kind, e.detail) for at, e in stack.instance_events if at >= since
     ]
     event = found()
@@ -160,7 +143,7 @@ class _Held:
         self.stack, self.base = stack, base
         self.prompt = _prompt("held")
         self.request_id = f"held-{uuid.uuid4().hex[:8]}"
-        self.prefill_pgid = _pgid(stack, "prefill")
+        self.prefill_pgid = pgid(stack, "prefill")
         self.outcome: dict[str, Any] = {}
         self._stream = stream
         self._thread = threading.Thread(target=self._send, daemon=True)
@@ -175,7 +158,9 @@ class _Held:
         os.killpg(self.prefill_pgid, signal.SIGSTOP)
         self._thread.start()
         # decode admitted the request and allocated the blocks it registers with prefill
-        assert _wait_until(lambda: _usage(decode) > 0.0, timeout=30), "decode never allocated blocks"
+        assert wait_until(lambda: _usage(decode) > 0.0, timeout=30, interval=0.25), (
+            "decode never allocated blocks"
+        )
         time.sleep(0.5)  # its worker sends the registration on its next step
         return self
 
@@ -204,7 +189,7 @@ def test_a_client_that_leaves_a_push_request_leaves_no_block_held(pair: Stack, q
     model = _model(pair)
     body = orjson.dumps({"model": model, "prompt": _prompt("leaver"), "max_tokens": 8, "stream": True})
     host, port = quick.removeprefix("http://").split(":")
-    prefill_pgid = _pgid(pair, "prefill")
+    prefill_pgid = pgid(pair, "prefill")
     os.killpg(prefill_pgid, signal.SIGSTOP)
     try:
         with socket.create_connection((host, int(port)), timeout=10) as sock:
@@ -213,7 +198,7 @@ def test_a_client_that_leaves_a_push_request_leaves_no_block_held(pair: Stack, q
                 f"Content-Length: {len(body)}\r\n\r\n".encode()
                 + body
             )
-            assert _wait_until(lambda: _usage(pair.urls("decode")[0]) > 0.0, timeout=30)
+            assert wait_until(lambda: _usage(pair.urls("decode")[0]) > 0.0, timeout=30, interval=0.25)
             time.sleep(0.5)
         # the client is gone while prefill computes: decode's leg is closed at once, prefill's finishes
     finally:
@@ -229,7 +214,7 @@ def test_decode_killed_while_prefill_writes_the_request_goes_on_and_prefill_free
 ) -> None:
     with _Held(pair, quick) as held:
         killed_at = time.monotonic()
-        os.killpg(_pgid(pair, "decode"), signal.SIGKILL)
+        os.killpg(pgid(pair, "decode"), signal.SIGKILL)
     outcome = held.join(QUICK.prefill + QUICK.decode)
     assert outcome["at"] - killed_at < QUICK.prefill + QUICK.decode
     if outcome["status"] != 200:

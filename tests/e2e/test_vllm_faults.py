@@ -12,19 +12,19 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import openai
 import pytest
+from engineprocs import pgid, wait_until
 from warmed import wait_warmed_up, warmups
 
 from pdserve import httpclient
 from pdserve.commands.verify import wait_for_transfers
 from pdserve.config import ProxyConfig, Timeouts
 from pdserve.configparts import HealthChecks
-from pdserve.engines.backend import LocalEngines
 from pdserve.engines.placement import InstanceSpec
 from pdserve.engines.transfers import transfer_counts
 from pdserve.events import InstanceEvent
@@ -43,24 +43,8 @@ def _prompt(tag: str, words: int = 60) -> str:
     return f"{tag} {uuid.uuid4().hex[:6]}: " + "the harbour lights came on one by one " * (words // 8)
 
 
-def _wait_until(condition: Callable[[], bool], timeout: float, interval: float = 0.5) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(interval)
-    return condition()
-
-
 def _spec(stack: Stack, role: str) -> InstanceSpec:
     return next(s for s in stack.specs if s.role == role)
-
-
-def _pgid(stack: Stack, role: str) -> int:
-    assert isinstance(stack.engines, LocalEngines)
-    pid = stack.engines.group.pid(_spec(stack, role))
-    assert pid is not None
-    return pid
 
 
 def _kv_usage(url: str) -> float:
@@ -211,7 +195,7 @@ def _leave_once_prefill_answered(proxy_url: str, model: str, prompt: str, timeou
             found = httpclient.get(f"{proxy_url}/requests?id={request_id}", 10).json()["requests"]
             return found[0].get("prefill_status") if found else None
 
-        assert _wait_until(lambda: prefill_status() is not None, timeout, interval=0.1), (
+        assert wait_until(lambda: prefill_status() is not None, timeout, interval=0.1), (
             "prefill never answered the leaver"
         )
         assert prefill_status() == 200
@@ -223,14 +207,14 @@ def test_client_leaving_between_phases_gets_its_kv_back_on_prefill_within_the_le
     quick_proxy, _ = quick
     prefill = stack.urls("prefill")[0]
     idle = _kv_usage(prefill)
-    decode_pgid = _pgid(stack, "decode")
+    decode_pgid = pgid(stack, "decode")
     os.killpg(decode_pgid, signal.SIGSTOP)  # prefill answers; decode never does
     try:
         _leave_once_prefill_answered(quick_proxy.url, model_name, _prompt("leaver"))
         held = _kv_usage(prefill)
         assert held > idle, "prefill should be holding the prompt's KV for the missing decode"
         # Nobody will pull it: vLLM's lease frees it.
-        assert _wait_until(lambda: _kv_usage(prefill) <= idle, timeout=LEASE_S + 15), (
+        assert wait_until(lambda: _kv_usage(prefill) <= idle, timeout=LEASE_S + 15), (
             f"prefill still holds KV {LEASE_S + 15:.0f} s after the client left"
         )
     finally:
@@ -282,7 +266,7 @@ class _Kill:
 
     def victim(self, role: str) -> tuple[InstanceSpec, int]:
         """The role's instance and its process group."""
-        return _spec(self.stack, role), _pgid(self.stack, role)
+        return _spec(self.stack, role), pgid(self.stack, role)
 
     def load(self) -> _Load:
         return _Load(self.client, self.decode_alone, self.model_name)
@@ -379,7 +363,7 @@ def _finished_trace(proxy_url: str, request_id: str) -> dict[str, Any]:
         found[:] = httpclient.get(f"{proxy_url}/requests?id={request_id}", 10).json()["requests"]
         return bool(found) and found[0]["outcome"] is not None
 
-    assert _wait_until(finished, timeout=10), found
+    assert wait_until(finished, timeout=10), found
     return found[0]
 
 
@@ -419,7 +403,7 @@ def test_decode_killed_mid_stream_the_stream_goes_on_with_one_instances_text_and
             pytest.fail(f"decode finished the stream before it was killed, {attempts} times")
         assert [m["result"] for m in trace["migrations"]] == ["ok"], trace["migrations"]
         migrated = b'pdserve_migrations_total{result="ok"} 1'
-        assert _wait_until(lambda: migrated in httpclient.get(f"{quick_url}/metrics", 10).body, timeout=10), [
+        assert wait_until(lambda: migrated in httpclient.get(f"{quick_url}/metrics", 10).body, timeout=10), [
             line
             for line in httpclient.get(f"{quick_url}/metrics", 10).body.splitlines()
             if b"migrations" in line
@@ -431,7 +415,7 @@ def test_decode_killed_mid_stream_the_stream_goes_on_with_one_instances_text_and
     assert len(errors) <= 2 * attempt and not [e for e in errors if e.status_code == 503], errors
     # The stream's KV was pulled before its first token, and the load's handoffs that died with decode
     # are released by their lease: prefill ends up holding nothing.
-    assert _wait_until(lambda: _kv_usage(prefill) == 0.0, timeout=LEASE_S + 15)
+    assert wait_until(lambda: _kv_usage(prefill) == 0.0, timeout=LEASE_S + 15)
     # The returning decode met prefill through the proxy's canary (its pull is counted) before it served.
     wait_warmed_up(stack, warmups_before)
     _serves_again(stack, client, model_name, decode_alone, num=3)
