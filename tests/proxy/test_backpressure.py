@@ -195,16 +195,16 @@ class FakeUpstream:
 def test_an_engine_is_silent_only_while_requests_are_there_and_its_counters_stand_still() -> None:
     decode = Instance(FakeUpstream(), CircuitBreaker())  # type: ignore[arg-type]
     assert decode.silence_s(time.monotonic() + 60) == 0.0  # nothing there: nothing to judge
-    with decode.dispatched():
-        decode._progress_at -= 30  # half a minute without a sign of stepping
-        assert decode.silence_s(time.monotonic()) >= 30
-        decode.check_passed(EngineLoad(num_tokens=100.0))  # a scrape: its counters moved
-        assert decode.silence_s(time.monotonic()) < 1
-        decode._progress_at -= 30
-        decode.check_passed(EngineLoad(num_tokens=100.0))  # they stood still
-        assert decode.silence_s(time.monotonic()) >= 30
-        decode.check_passed(EngineLoad(num_tokens=5.0))  # a restart put them back: it stepped
-        assert decode.silence_s(time.monotonic()) < 1
+    decode.dispatch()  # one request there
+    decode._progress_at -= 30  # half a minute without a sign of stepping
+    assert decode.silence_s(time.monotonic()) >= 30
+    decode.check_passed(EngineLoad(num_tokens=100.0))  # a scrape: its counters moved
+    assert decode.silence_s(time.monotonic()) < 1
+    decode._progress_at -= 30
+    decode.check_passed(EngineLoad(num_tokens=100.0))  # they stood still
+    assert decode.silence_s(time.monotonic()) >= 30
+    decode.check_passed(EngineLoad(num_tokens=5.0))  # a restart put them back: it stepped
+    assert decode.silence_s(time.monotonic()) < 1
 
 
 def test_no_wait_when_the_limit_is_zero() -> None:

@@ -11,7 +11,7 @@ The lifecycle, and who moves it:
 
 Health checks (health.py) report through ``check_passed``/``check_failed``; the launcher (through
 ``ProxyState.on_event``) through ``restarting``/``restarted``/``gave_up``; requests through
-``dispatched``/``succeeded``/``failed``, which feed the circuit breaker; the admin API through
+``dispatch``/``undispatch``/``succeeded``/``failed``, which feed the circuit breaker; the admin API through
 ``ProxyState`` (state.py), which owns membership; ``ProxyState`` also through ``warming``/``warmed``
 around a returning instance's handshake canaries (warmup.py). Nobody else writes these fields.
 """
@@ -21,7 +21,6 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve import prometheus
@@ -214,30 +213,23 @@ class Instance:
     def num_in_flight(self) -> int:
         return self._num_in_flight
 
-    def dispatched(self) -> _Dispatched:
-        """``with instance.dispatched():`` counts one request in flight here for the block (a class,
-        not a generator: twice per request)."""
-        return _Dispatched(self)
-
-    def awaiting_first_byte(self) -> _AwaitingFirstByte:
-        """Within the block the instance owes a streamed request its first byte; call what it yields
-        when the byte comes. How long the oldest such wait is tells a stalled engine from a busy one."""
-        return _AwaitingFirstByte(self)
-
-    def _dispatch(self) -> None:
+    def dispatch(self) -> None:
+        """One more request in flight here, until ``undispatch`` (in a ``finally``: plain calls, not a
+        context manager, since every request makes two)."""
         now = time.monotonic()
         self.breaker.on_dispatch(now)
         if self._num_in_flight == 0:
             self._progress_at = now  # idle until now: the wait for progress starts here
         self._num_in_flight += 1
 
-    def _undispatch(self) -> None:
+    def undispatch(self) -> None:
         self._num_in_flight -= 1
 
-    def _owe_first_byte(self, key: int) -> None:
+    def owe_first_byte(self, key: int) -> None:
+        """A streamed request here awaits its first byte until ``first_byte(key)`` (idempotent)."""
         self._awaiting_first[key] = time.monotonic()
 
-    def _first_byte(self, key: int) -> None:
+    def first_byte(self, key: int) -> None:
         if self._awaiting_first.pop(key, None) is not None:
             self._progress_at = time.monotonic()
 
@@ -304,33 +296,3 @@ class Instance:
             "lag_s": round(self.lag_s(time.monotonic()), 1),
             "error": self._last_error,
         }
-
-
-class _Dispatched:
-    __slots__ = ("_instance",)
-
-    def __init__(self, instance: Instance) -> None:
-        self._instance = instance
-
-    def __enter__(self) -> None:
-        self._instance._dispatch()
-
-    def __exit__(self, *exc: object) -> None:
-        self._instance._undispatch()
-
-
-class _AwaitingFirstByte:
-    __slots__ = ("_instance",)
-
-    def __init__(self, instance: Instance) -> None:
-        self._instance = instance
-
-    def __enter__(self) -> Callable[[], None]:
-        self._instance._owe_first_byte(id(self))
-        return self.arrived
-
-    def arrived(self) -> None:
-        self._instance._first_byte(id(self))
-
-    def __exit__(self, *exc: object) -> None:
-        self.arrived()

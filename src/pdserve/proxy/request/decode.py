@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 
 import orjson
 
@@ -49,21 +48,23 @@ class Decoder:
         call, decode, params = step.call, step.instance, step.params
         up = decode.upstream if upstream is None else upstream
         payload = orjson.dumps(protocol.decode_body(call.body, params) if params is not None else call.body)
-        with decode.dispatched():
-            try:
-                if call.is_stream:
-                    result = await self._decode_stream(step, payload, up)
-                else:
-                    result = await self._decode_whole(step, payload, up)
-            except UpstreamError as exc:
-                is_stale = isinstance(exc, UpstreamStaleConnection)
-                if not is_stale:  # the connection's age, not the instance, failed that one
-                    decode.failed(exc.detail, is_slow=exc.is_slow)
-                if isinstance(exc, UpstreamTimeout):
-                    exc = call.timeout_cause(exc)
-                if call.out.started:
-                    raise exc from None
-                return DecodeFailed(exc, kv_unused=isinstance(exc, UpstreamConnectError), is_stale=is_stale)
+        decode.dispatch()
+        try:
+            if call.is_stream:
+                result = await self._decode_stream(step, payload, up)
+            else:
+                result = await self._decode_whole(step, payload, up)
+        except UpstreamError as exc:
+            is_stale = isinstance(exc, UpstreamStaleConnection)
+            if not is_stale:  # the connection's age, not the instance, failed that one
+                decode.failed(exc.detail, is_slow=exc.is_slow)
+            if isinstance(exc, UpstreamTimeout):
+                exc = call.timeout_cause(exc)
+            if call.out.started:
+                raise exc from None
+            return DecodeFailed(exc, kv_unused=isinstance(exc, UpstreamConnectError), is_stale=is_stale)
+        finally:
+            decode.undispatch()
         if isinstance(result, DecodeFailed):
             decode.failed(describe(result.failure))
         elif call.out.has_error_event:
@@ -99,12 +100,15 @@ class Decoder:
         # The first chunk's budget is what the status line left of first_token, not a fresh one.
         first_token = call.limit("decode", decode.url, self._t.first_token)
         first_chunk_deadline = time.monotonic() + first_token
-        with decode.awaiting_first_byte() as first_byte_came:
+        # Within this the instance owes the stream its first byte: how long the oldest such wait is tells
+        # a stalled engine from a busy one (``Instance.lag_s``).
+        decode.owe_first_byte(key := id(step))
+        try:
             async with up.open_stream(call.path, payload, call.headers, "decode", first_token) as resp:
                 status = resp.status
                 step.answered(status, None)
                 if status != 200:
-                    first_byte_came()
+                    decode.first_byte(key)
                     reply = Reply(status, resp.content_type, await resp.read_all(self._t.idle))
                     if status >= 500:
                         return DecodeFailed(reply)
@@ -112,10 +116,12 @@ class Decoder:
                     await relay_rejection("decode", decode.url, reply, call.out)
                     return Served(status)
                 first_timeout = max(0.0, first_chunk_deadline - time.monotonic())
-                return await self._relay(step, resp, first_timeout, first_byte_came)
+                return await self._relay(step, resp, first_timeout, key)
+        finally:
+            decode.first_byte(key)
 
     async def _relay(
-        self, step: DecodeStep, resp: Stream, first_timeout: float, first_byte_came: Callable[[], None]
+        self, step: DecodeStep, resp: Stream, first_timeout: float, key: int
     ) -> Served | DecodeFailed | LeaseSuspect:
         """Forward decode's SSE bytes untouched, watching only for vLLM's error event and [DONE].
 
@@ -129,7 +135,7 @@ class Decoder:
         async for chunk in resp.chunks(first_timeout, self._t.idle, self._t.first_token):
             is_error = watch.feed(chunk)
             if not out.started:
-                first_byte_came()
+                decode.first_byte(key)
                 now = time.perf_counter()
                 if is_error and not step.is_last:
                     step.answered(200, now)

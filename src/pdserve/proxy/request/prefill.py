@@ -25,10 +25,13 @@ class Prefiller:
         call, prefill = step.call, step.instance
         try:
             limit = call.limit("prefill", prefill.url, self._limit_s)
-            with prefill.dispatched():
+            prefill.dispatch()
+            try:
                 reply = await prefill.upstream.post(
                     call.path, step.payload, call.headers, "prefill", limit, is_repeatable=True
                 )
+            finally:
+                prefill.undispatch()
             if reply.status == 200:
                 try:
                     params = protocol.kv_params_from_prefill(reply.body)

@@ -29,12 +29,20 @@ class Admission:
         return len(self._waiters)
 
     def slot(self) -> _Slot:
-        """``async with admission.slot():`` holds one slot (a class, not a generator: once per request)."""
+        """``async with admission.slot():`` holds one slot. The proxy's own path calls ``try_acquire``,
+        ``acquire`` and ``release`` instead: once per request, no object and no frames called from C."""
         return _Slot(self)
 
-    async def _acquire(self) -> None:
+    def try_acquire(self) -> bool:
+        """A slot at once when one is free and nobody queues for one (no coroutine: the common case)."""
         if self.max_concurrent is None or (self.num_running < self.max_concurrent and not self._waiters):
             self.num_running += 1
+            return True
+        return False
+
+    async def acquire(self) -> None:
+        """A slot, after a bounded wait in the queue; ``Overloaded`` (429 or 503) when none comes."""
+        if self.try_acquire():
             return
         if len(self._waiters) >= self.max_queued:
             self.num_rejected += 1
@@ -47,7 +55,7 @@ class Admission:
         self._waiters.append(waiter)
         try:
             async with asyncio.timeout(self.queue_timeout_s):
-                await waiter  # _release hands its slot over: num_running is already counted for us
+                await waiter  # release() hands its slot over: num_running is already counted for us
         except TimeoutError:
             if waiter.done() and not waiter.cancelled():
                 return  # the slot was handed over just as the timeout fired: keep it
@@ -58,13 +66,13 @@ class Admission:
             ) from None  # fmt: skip
         except BaseException:
             if waiter.done() and not waiter.cancelled():
-                self._release()  # the slot was handed to us just as we were cancelled: pass it on
+                self.release()  # the slot was handed to us just as we were cancelled: pass it on
             raise
         finally:
             if waiter in self._waiters:
                 self._waiters.remove(waiter)
 
-    def _release(self) -> None:
+    def release(self) -> None:
         while self._waiters:
             waiter = self._waiters.popleft()
             if not waiter.done():
@@ -80,7 +88,7 @@ class _Slot:
         self._admission = admission
 
     def __aenter__(self) -> Coroutine[Any, Any, None]:
-        return self._admission._acquire()  # its coroutine itself: a frame fewer a request
+        return self._admission.acquire()  # its coroutine itself: a frame fewer
 
     async def __aexit__(self, *exc: object) -> None:
-        self._admission._release()
+        self._admission.release()

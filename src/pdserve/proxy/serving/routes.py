@@ -141,11 +141,16 @@ class GenerationEndpoint:
             return
         except ClientGone:
             return
+        admission = self._ctx.admission
         try:
-            async with self._ctx.admission.slot():
+            if not admission.try_acquire():
+                await admission.acquire()
+            try:
                 work = self._ctx.flow.serve(self._endpoint, raw, auth, out, arrived, arrived_ns, whole_on)
                 if await run_until_disconnect(work, receive, out, loop=self._ctx.state.loop):
                     log.info("request %s: client disconnected; upstream calls cancelled", request_id)
+            finally:
+                admission.release()
         except Overloaded as exc:
             retry_after = [(b"retry-after", str(exc.retry_after_s).encode())]
             await out.error(exc.status, exc.message, "overloaded", extra=retry_after)
