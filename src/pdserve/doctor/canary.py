@@ -394,12 +394,13 @@ def _counters(
             + (f" ({descriptors:g} descriptors)" if descriptors else ""),
         )
     else:  # nothing moved at all: not the canary's either
-        hint = (
-            "did decode register its blocks with this prefill? both must run NixlPushConnector"
+        why = (
+            "without the KV pushed (did decode register its blocks with this prefill? both must run "
+            "NixlPushConnector)"
             if is_push
-            else "is it a kv_consumer NixlConnector? did the params reach it?"
+            else "without pulling the KV (is it a kv_consumer NixlConnector? did the params reach it?)"
         )
-        pair.check(False, f"{counter}: decode answered without the KV moving ({hint})")
+        pair.check(False, f"{counter}: decode answered {why}")
         pair.add(
             "info",
             f"prefill keeps the canary's KV until its lease runs out (kv_lease_duration, {_DEFAULT_LEASE_S:g} s "
