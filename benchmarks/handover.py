@@ -17,7 +17,9 @@ thread of this process beside the load client, is not timed). Rounds rotate the 
 arm r mod 3); each round sends ``--requests`` streamed greedy completions per concurrency (at least as
 many as the concurrency), every prompt fresh (its own words and ``cache_salt``). TTFT is the client's
 time to the first chunk with text; ITL the gaps between text chunks. Answers are compared with decode's
-own (greedy, float32).
+own (greedy, float32). For each proxy arm, the medians of its requests' phases as its ``/requests``
+timeline has them: prefill's call, the proxy's own gap between the legs, decode's request to its first
+byte.
 
     PYTHONPATH=src .venv/bin/python benchmarks/handover.py [--rounds 2] [--requests 8] [--concurrency 1,8,32]
 """
@@ -49,16 +51,20 @@ def _prompt(num_words: int) -> str:
     return " ".join(uuid.uuid4().hex[:5] for _ in range(num_words))
 
 
-async def _one(
-    session: aiohttp.ClientSession, url: str, body: dict[str, Any]
-) -> tuple[float, list[float], str]:
-    """(TTFT, inter-token gaps, text) of one streamed completion."""
+Result = tuple[float, list[float], str, str]  # TTFT, inter-token gaps, text, the proxy's request id
+# The proxy's timeline of a request (/requests), as the table reports its phases.
+_PHASES = {"prefill": "prefill_ms", "gap": "handoff_gap_ms", "decode first byte": "decode_first_byte_ms"}
+
+
+async def _one(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> Result:
+    """(TTFT, inter-token gaps, text, request id) of one streamed completion."""
     start = time.perf_counter()
     stamps: list[float] = []
     parts: list[str] = []
     async with session.post(f"{url}/v1/completions", json=body) as resp:
         if resp.status != 200:
             raise RuntimeError(f"{url}: HTTP {resp.status}: {(await resp.text())[:300]}")
+        request_id = resp.headers.get("X-Request-Id", "")
         buffer = b""
         async for chunk in resp.content.iter_any():
             buffer += chunk
@@ -78,17 +84,28 @@ async def _one(
     if not stamps:
         raise RuntimeError(f"{url}: no text in the stream")
     gaps = [b - a for a, b in itertools.pairwise(stamps)]
-    return stamps[0] - start, gaps, "".join(parts)
+    return stamps[0] - start, gaps, "".join(parts), request_id
 
 
-async def _batch(
-    url: str, bodies: list[dict[str, Any]], concurrency: int
-) -> list[tuple[float, list[float], str]]:
+def _phases(proxy: str, request_ids: list[str]) -> dict[str, list[float]]:
+    """Each phase of these requests as the proxy's /requests timeline has it (ms)."""
+    with urllib.request.urlopen(f"{proxy}/requests", timeout=10) as r:
+        traces = {t["request_id"]: t for t in json.loads(r.read())["requests"]}
+    out: dict[str, list[float]] = {name: [] for name in _PHASES}
+    for rid in request_ids:
+        timeline = (traces.get(rid) or {}).get("timeline") or {}
+        for name, key in _PHASES.items():
+            if timeline.get(key) is not None:
+                out[name].append(timeline[key])
+    return out
+
+
+async def _batch(url: str, bodies: list[dict[str, Any]], concurrency: int) -> list[Result]:
     limit = asyncio.Semaphore(concurrency)
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout) as session:
 
-        async def run(body: dict[str, Any]) -> tuple[float, list[float], str]:
+        async def run(body: dict[str, Any]) -> Result:
             async with limit:
                 return await _one(session, url, body)
 
@@ -151,6 +168,7 @@ def run_pair(transfer: str, args: argparse.Namespace, base_port: int, run_dir: P
             names = list(arms)
             for concurrency in args.concurrency:
                 samples: dict[str, dict[str, list[float]]] = {n: {"ttft": [], "itl": []} for n in names}
+                phases: dict[str, dict[str, list[float]]] = {n: {p: [] for p in _PHASES} for n in names[:2]}
                 agree = total = 0
                 for r in range(args.rounds):
                     bodies = [{"model": model, "prompt": _prompt(args.prompt_words), "max_tokens": args.max_tokens,
@@ -159,9 +177,12 @@ def run_pair(transfer: str, args: argparse.Namespace, base_port: int, run_dir: P
                     texts: dict[str, list[str]] = {}
                     for name in names[r % 3 :] + names[: r % 3]:
                         results = asyncio.run(_batch(arms[name], bodies, concurrency))
-                        samples[name]["ttft"] += [t for t, _, _ in results]
-                        samples[name]["itl"] += [g for _, gaps, _ in results for g in gaps]
-                        texts[name] = [text for _, _, text in results]
+                        samples[name]["ttft"] += [r[0] for r in results]
+                        samples[name]["itl"] += [g for r in results for g in r[1]]
+                        texts[name] = [r[2] for r in results]
+                        if name in phases:  # a proxy: where its requests' time went
+                            for phase, values in _phases(arms[name], [r[3] for r in results]).items():
+                                phases[name][phase] += values
                     for name in names:
                         agree += sum(a == b for a, b in zip(texts[name], texts["alone"], strict=True))
                         total += len(texts[name])
@@ -172,6 +193,10 @@ def run_pair(transfer: str, args: argparse.Namespace, base_port: int, run_dir: P
                            "n": len(s["ttft"])}
                     for name, s in samples.items()
                 }  # fmt: skip
+                for name, by_phase in phases.items():
+                    figures[f"c={concurrency}"][name]["phases_p50_ms"] = {
+                        phase: round(statistics.median(v), 1) if v else None for phase, v in by_phase.items()
+                    }
                 figures[f"c={concurrency}"]["answers equal to alone"] = f"{agree}/{total}"
                 print(
                     json.dumps({transfer: {f"c={concurrency}": figures[f"c={concurrency}"]}}, indent=1),
