@@ -1,10 +1,23 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import pytest
 
 from pdserve.proxy.serving.admission import Admission, Overloaded
+
+
+@asynccontextmanager
+async def _slot(admission: Admission) -> AsyncIterator[None]:
+    """A slot held for the block, taken and given back as the proxy's generation route does."""
+    if not admission.try_acquire():
+        await admission.acquire()
+    try:
+        yield
+    finally:
+        admission.release()
 
 
 async def test_requests_beyond_the_limit_wait_in_order_and_run_when_a_slot_frees() -> None:
@@ -13,7 +26,7 @@ async def test_requests_beyond_the_limit_wait_in_order_and_run_when_a_slot_frees
     release_first = asyncio.Event()
 
     async def request(name: str, hold: asyncio.Event | None = None) -> None:
-        async with admission.slot():
+        async with _slot(admission):
             order.append(name)
             if hold:
                 await hold.wait()
@@ -32,9 +45,9 @@ async def test_requests_beyond_the_limit_wait_in_order_and_run_when_a_slot_frees
 async def _second_request_refused(admission: Admission) -> tuple[Overloaded, int]:
     """While a first request holds the only slot, a second one asks for a slot and is refused: the
     refusal, and how many requests were queued right after it (the first still running)."""
-    async with admission.slot():
+    async with _slot(admission):
         with pytest.raises(Overloaded) as info:
-            async with admission.slot():
+            async with _slot(admission):
                 pass
         num_queued = admission.num_queued
     return info.value, num_queued
@@ -59,7 +72,7 @@ async def test_a_cancelled_waiter_does_not_leak_a_slot() -> None:
     hold = asyncio.Event()
 
     async def holder() -> None:
-        async with admission.slot():
+        async with _slot(admission):
             await hold.wait()
 
     running = asyncio.create_task(holder())
@@ -75,5 +88,5 @@ async def test_a_cancelled_waiter_does_not_leak_a_slot() -> None:
 
 async def test_no_limit_means_no_queueing() -> None:
     admission = Admission(max_concurrent=None, max_queued=0, queue_timeout_s=1)
-    async with admission.slot(), admission.slot():
+    async with _slot(admission), _slot(admission):
         assert admission.num_running == 2

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import Coroutine
-from typing import Any
 
 from pdserve.errors import Overloaded
 
@@ -28,13 +26,11 @@ class Admission:
     def num_queued(self) -> int:
         return len(self._waiters)
 
-    def slot(self) -> _Slot:
-        """``async with admission.slot():`` holds one slot. The proxy's own path calls ``try_acquire``,
-        ``acquire`` and ``release`` instead: once per request, no object and no frames called from C."""
-        return _Slot(self)
-
     def try_acquire(self) -> bool:
-        """A slot at once when one is free and nobody queues for one (no coroutine: the common case)."""
+        """A slot at once when one is free and nobody queues for one (no coroutine: the common case).
+        Whoever holds a slot, from here or from ``acquire``, gives it back with ``release`` in a
+        ``finally``: plain calls rather than a context manager, whose frames called from C cost a
+        request more than the rest of its admission."""
         if self.max_concurrent is None or (self.num_running < self.max_concurrent and not self._waiters):
             self.num_running += 1
             return True
@@ -79,16 +75,3 @@ class Admission:
                 waiter.set_result(None)  # the slot moves to the waiter; num_running is unchanged
                 return
         self.num_running -= 1
-
-
-class _Slot:
-    __slots__ = ("_admission",)
-
-    def __init__(self, admission: Admission) -> None:
-        self._admission = admission
-
-    def __aenter__(self) -> Coroutine[Any, Any, None]:
-        return self._admission.acquire()  # its coroutine itself: a frame fewer
-
-    async def __aexit__(self, *exc: object) -> None:
-        self._admission.release()
