@@ -33,6 +33,12 @@ limits, and bench, e2e and restart run to their end:
   bench      `pdserve bench --compare` (when this checkout has it and time is left: it starts its own pair)
   restart    only with ``--steps restart``: who holds a SIGKILLed prefill's GPU memory when it shares the GPU
              with its decode, and whether prefill restarts next to it (benchmarks/gpu_restart.py)
+  handover   only with ``--steps handover``: benchmarks/handover.py on the model, every hand-over sequence
+             side by side (a pull pair, then a push pair; each with and without the first token at once,
+             and decode alone), ``--handover-concurrency``, prompts of ``--prompt-tokens``; not with
+             ``demo`` (its own pairs want the GPU's memory)
+  kvblock    only with ``--steps kvblock``: the pull pair again at each of ``--kv-block-sizes`` (vLLM's
+             --block-size), concurrency 1 and 8: the KV's rate, descriptors and NIXL's post time per block size
   e2e        the real-vLLM end-to-end tests that mean something on a GPU (``--e2e-tests``), with their pair
              on the GPU (PDSERVE_E2E_DEVICE=cuda; needs pytest among the bundle's wheels); not with
              ``demo`` (both would want the GPU's memory): run it with ``--steps e2e``
@@ -93,8 +99,11 @@ STEPS = (
     "calibrate",
     "bench",
     "restart",
+    "handover",
+    "kvblock",
     "e2e",
 )
+_ONLY_NAMED = ("tolerance", "restart", "handover", "kvblock", "e2e")
 # Not the saturated-cores test: in bf16 a batch of four is not computed as four batches of one (docs/gpu.md).
 E2E_TESTS = (
     "tests/e2e/test_pd.py,tests/e2e/test_vllm_faults.py,"
@@ -945,6 +954,39 @@ def step_restart(run: Run) -> dict[str, Any]:
     return {"exit": rc, **json.loads(path.read_text())}
 
 
+def _handover(run: Run, name: str, flags: list[str], timeout: float) -> dict[str, Any]:
+    """benchmarks/handover.py on the model (its own pairs, one after the other), its figures as JSON."""
+    out = run.out / f"{name}.json"
+    words = max(8, run.a.prompt_tokens // 5)  # a 5-hex word is about 5 tokens (the figures give the count)
+    argv = [PY, str(HERE / "handover.py"), "--device", run.a.device, "--model", run.model_dir or "tiny",
+            "--prompt-words", str(words), "--max-tokens", "32", "--out", str(out),
+            "--run-dir", str(run.work / name), *eager_args(run), *flags]  # fmt: skip
+    rc, text = call(run, name, argv, timeout)
+    run.say("\n".join(ln for ln in text.splitlines() if not ln.startswith((" ", "{", "}")))[-3000:])
+    if not out.exists():
+        raise RuntimeError(f"handover.py exit {rc}, no figures: {text[-800:]}")
+    figures: dict[str, Any] = json.loads(out.read_text())
+    if rc != 0:
+        figures["error"] = f"handover.py exit {rc}: {text[-800:]}"
+    return figures
+
+
+def step_handover(run: Run) -> dict[str, Any]:
+    flags = ["--concurrency", run.a.handover_concurrency, "--rounds", str(run.a.handover_rounds)]
+    return _handover(run, "handover", flags, run.left() - 10)
+
+
+def step_kvblock(run: Run) -> dict[str, Any]:
+    done: dict[str, Any] = {}
+    for size in run.a.kv_block_sizes.split(","):
+        flags = ["--transfers", "pull", "--concurrency", "1,8", "--rounds", "2", "--block-size", size]
+        try:
+            done[size] = _handover(run, f"kvblock-{size}", flags, run.left() - 10)
+        except Exception as exc:  # the next size may still fit
+            done[size] = {"error": f"{type(exc).__name__}: {exc}"}
+    return done
+
+
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
@@ -957,8 +999,8 @@ def main() -> int:
                    help="the whole run ends within this many seconds (default: no overall limit)")  # fmt: skip
     p.add_argument(
         "--steps",
-        default=",".join(s for s in STEPS if s not in ("tolerance", "restart", "e2e")),
-        help=f"comma-separated, of {','.join(STEPS)} (tolerance, restart and e2e only when named)",
+        default=",".join(s for s in STEPS if s not in _ONLY_NAMED),
+        help=f"comma-separated, of {','.join(STEPS)} ({', '.join(_ONLY_NAMED)} only when named)",
     )
     p.add_argument(
         "--model", default="8b", help="8b (built here), tiny (pdserve's embedded model) or a model dir"
@@ -983,6 +1025,9 @@ def main() -> int:
     p.add_argument("--nixl-mem", default="vram,dram", help="memory kinds for the nixl step")
     p.add_argument("--nixl-settings", default="", help="UCX settings for the nixl step (nixl_transfer.py's)")
     p.add_argument("--e2e-tests", default=E2E_TESTS, help="comma-separated test files for the e2e step")
+    p.add_argument("--handover-concurrency", default="1,8,32", help="the handover step's concurrencies")
+    p.add_argument("--handover-rounds", type=int, default=2, help="the handover step's rounds (arms rotated)")
+    p.add_argument("--kv-block-sizes", default="64,128", help="the kvblock step's block sizes")
     run = Run(p.parse_args())
     signal.signal(signal.SIGTERM, _interrupt)  # `timeout` ends us: still stop the pair and write results
     try:
@@ -1000,6 +1045,8 @@ def main() -> int:
         run.do("calibrate", step_calibrate, 80)
         run.do("bench", step_bench, 280)
         run.do("restart", step_restart, 300)
+        run.do("handover", step_handover, 240)
+        run.do("kvblock", step_kvblock, 150)
         run.do("e2e", step_e2e, 240)
     except KeyboardInterrupt:
         run.say("interrupted: stopping and writing what was measured")

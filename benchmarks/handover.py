@@ -21,7 +21,13 @@ own (greedy, float32). For each proxy arm, the medians of its requests' phases a
 timeline has them: prefill's call, the proxy's own gap between the legs, decode's request to its first
 byte.
 
+For each pair, the KV it moved while the arms ran, from the moving instance's ``/metrics`` (decode in
+pull mode, prefill in push mode): transfers, bytes, NIXL's transfer and post time, descriptors, and the
+rate per transfer. ``--block-size`` starts the pairs with that KV block size (fewer, larger descriptors).
+
     PYTHONPATH=src .venv/bin/python benchmarks/handover.py [--rounds 2] [--requests 8] [--concurrency 1,8,32]
+        [--transfers pull,push] [--device cpu|cuda] [--model tiny|DIR] [--vllm-arg=--enforce-eager ...]
+        [--block-size N] [--out FILE]
 """
 
 from __future__ import annotations
@@ -43,24 +49,31 @@ from typing import Any
 
 import aiohttp
 
+from pdserve.prometheus import BYTES_SUM, DESCRIPTORS_SUM, XFER_COUNT, XFER_TIME_SUM, scrape
 from pdserve.stack import Stack
 from pdserve.topology import Topology
+
+POST_TIME_SUM = "vllm:nixl_post_time_seconds_sum"
+_KV_SUMS = {"transfers": XFER_COUNT, "bytes": BYTES_SUM, "xfer_s": XFER_TIME_SUM, "post_s": POST_TIME_SUM,
+            "descriptors": DESCRIPTORS_SUM}  # fmt: skip
 
 
 def _prompt(num_words: int) -> str:
     return " ".join(uuid.uuid4().hex[:5] for _ in range(num_words))
 
 
-Result = tuple[float, list[float], str, str]  # TTFT, inter-token gaps, text, the proxy's request id
+# TTFT, inter-token gaps, text, the proxy's request id, prompt tokens (the usage chunk's)
+Result = tuple[float, list[float], str, str, int]
 # The proxy's timeline of a request (/requests), as the table reports its phases.
 _PHASES = {"prefill": "prefill_ms", "gap": "handoff_gap_ms", "decode first byte": "decode_first_byte_ms"}
 
 
 async def _one(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> Result:
-    """(TTFT, inter-token gaps, text, request id) of one streamed completion."""
+    """(TTFT, inter-token gaps, text, request id, prompt tokens) of one streamed completion."""
     start = time.perf_counter()
     stamps: list[float] = []
     parts: list[str] = []
+    prompt_tokens = 0
     async with session.post(f"{url}/v1/completions", json=body) as resp:
         if resp.status != 200:
             raise RuntimeError(f"{url}: HTTP {resp.status}: {(await resp.text())[:300]}")
@@ -77,6 +90,7 @@ async def _one(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -
                 data = json.loads(payload)
                 if "error" in data:
                     raise RuntimeError(f"{url}: error event {data['error']}")
+                prompt_tokens = (data.get("usage") or {}).get("prompt_tokens") or prompt_tokens
                 text = "".join(c.get("text") or "" for c in data.get("choices") or ())
                 if text:
                     stamps.append(now)
@@ -84,7 +98,26 @@ async def _one(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -
     if not stamps:
         raise RuntimeError(f"{url}: no text in the stream")
     gaps = [b - a for a, b in itertools.pairwise(stamps)]
-    return stamps[0] - start, gaps, "".join(parts), request_id
+    return stamps[0] - start, gaps, "".join(parts), request_id, prompt_tokens
+
+
+def _kv(url: str) -> dict[str, float]:
+    samples = scrape(url, 10)
+    return {name: samples.get(metric, 0.0) for name, metric in _KV_SUMS.items()}
+
+
+def _kv_moved(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    """What one pair moved between two scrapes, per transfer and as a rate (GiB/s of NIXL's own time)."""
+    d = {k: after[k] - before[k] for k in before}
+    n = d["transfers"] or 1.0
+    return {
+        "transfers": d["transfers"],
+        "mb_per_transfer": round(d["bytes"] / n / 1e6, 2),
+        "descriptors_per_transfer": round(d["descriptors"] / n, 1),
+        "xfer_ms_per_transfer": round(1e3 * d["xfer_s"] / n, 3),
+        "post_ms_per_transfer": round(1e3 * d["post_s"] / n, 3),
+        "gib_per_s": round(d["bytes"] / d["xfer_s"] / 2**30, 2) if d["xfer_s"] else None,
+    }
 
 
 def _phases(proxy: str, request_ids: list[str]) -> dict[str, list[float]]:
@@ -144,9 +177,10 @@ def _quantile(values: list[float], q: float) -> float:
 
 
 def run_pair(transfer: str, args: argparse.Namespace, base_port: int, run_dir: Path) -> dict[str, Any]:
+    vllm_args = tuple(args.vllm_arg) + ((f"--block-size={args.block_size}",) if args.block_size else ())
     topology = Topology(model=args.model, kv_transfer=transfer, proxy_port=base_port, first_port=base_port + 10,  # type: ignore[arg-type]
-                        first_side_channel_port=base_port + 50, on_instance_exit="stop",
-                        run_dir=str(run_dir / transfer))  # fmt: skip
+                        first_side_channel_port=base_port + 50, on_instance_exit="stop", device=args.device,
+                        vllm_args=vllm_args, run_dir=str(run_dir / transfer))  # fmt: skip
     figures: dict[str, Any] = {}
     with Stack(topology, say=lambda m: print(f"[{transfer}] {m}", flush=True)) as stack:
         assert stack.model is not None
@@ -166,13 +200,17 @@ def run_pair(transfer: str, args: argparse.Namespace, base_port: int, run_dir: P
                 }
                 asyncio.run(_batch(url, [body], 1))
             names = list(arms)
+            mover = stack.urls("prefill" if transfer == "push" else "decode")[0]
+            kv_before = _kv(mover)
+            prompt_tokens: list[int] = []
             for concurrency in args.concurrency:
                 samples: dict[str, dict[str, list[float]]] = {n: {"ttft": [], "itl": []} for n in names}
                 phases: dict[str, dict[str, list[float]]] = {n: {p: [] for p in _PHASES} for n in names[:2]}
                 agree = total = 0
                 for r in range(args.rounds):
                     bodies = [{"model": model, "prompt": _prompt(args.prompt_words), "max_tokens": args.max_tokens,
-                               "temperature": 0, "stream": True, "cache_salt": uuid.uuid4().hex}
+                               "temperature": 0, "stream": True, "cache_salt": uuid.uuid4().hex,
+                               "stream_options": {"include_usage": True}}
                               for _ in range(max(args.requests, concurrency))]  # fmt: skip
                     texts: dict[str, list[str]] = {}
                     for name in names[r % 3 :] + names[: r % 3]:
@@ -180,6 +218,7 @@ def run_pair(transfer: str, args: argparse.Namespace, base_port: int, run_dir: P
                         samples[name]["ttft"] += [r[0] for r in results]
                         samples[name]["itl"] += [g for r in results for g in r[1]]
                         texts[name] = [r[2] for r in results]
+                        prompt_tokens += [r[4] for r in results if r[4]]
                         if name in phases:  # a proxy: where its requests' time went
                             for phase, values in _phases(arms[name], [r[3] for r in results]).items():
                                 phases[name][phase] += values
@@ -202,6 +241,9 @@ def run_pair(transfer: str, args: argparse.Namespace, base_port: int, run_dir: P
                     json.dumps({transfer: {f"c={concurrency}": figures[f"c={concurrency}"]}}, indent=1),
                     flush=True,
                 )
+            figures["kv"] = _kv_moved(kv_before, _kv(mover))
+            figures["prompt_tokens_p50"] = statistics.median(prompt_tokens) if prompt_tokens else None
+            print(json.dumps({transfer: {"kv": figures["kv"]}}), flush=True)
     return figures
 
 
@@ -217,11 +259,19 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--first-port", type=int, default=27000)
     parser.add_argument("--run-dir", default="runs/handover")
+    parser.add_argument("--transfers", default="pull,push", help="the pairs to start, in turn")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--vllm-arg", action="append", default=[],
+                        help="an extra vLLM argument for every instance (repeat; --vllm-arg=--enforce-eager)")  # fmt: skip
+    parser.add_argument("--block-size", type=int, default=None, help="vLLM's --block-size for both pairs")
+    parser.add_argument("--out", type=Path, default=None, help="also write the figures here (JSON)")
     args = parser.parse_args()
     run_dir = Path(args.run_dir)
-    results = {
-        t: run_pair(t, args, args.first_port + 100 * i, run_dir) for i, t in enumerate(("pull", "push"))
-    }
+    results: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}}
+    for i, transfer in enumerate(args.transfers.split(",")):
+        results[transfer] = run_pair(transfer, args, args.first_port + 100 * i, run_dir)
+        if args.out:  # what is measured survives a later pair's failure
+            args.out.write_text(json.dumps(results, indent=1))
     print(json.dumps(results, indent=1))
 
 

@@ -1,5 +1,6 @@
 """The stack refuses, before it starts any instance, prefill and decode tensor-parallel sizes vLLM cannot
-pair for the model it serves, and says how a supported heterogeneous pair maps."""
+pair for the model it serves, and says how a supported heterogeneous pair maps; the proxy's prefix
+affinity hashes prompts in the block size the engines are started with."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.errors import ConfigError
-from pdserve.stack import Stack
+from pdserve.stack import Stack, prefix_block_size
 from pdserve.topology import RoleSpec, Topology
 
 
@@ -36,3 +37,11 @@ def test_a_supported_heterogeneous_pair_starts_and_is_described(
     said: list[str] = []
     Stack(_sim_topology(tmp_path, ("-tp", "8")), say=said.append).start()
     assert any(line.startswith("tensor parallel: prefill TP4 → decode TP8: 2 decode ranks") for line in said)
+
+
+def test_prefix_affinity_hashes_in_the_block_size_the_engines_use() -> None:
+    assert prefix_block_size(Topology(device="cuda")) == 16  # vLLM's defaults when nothing is set
+    assert prefix_block_size(Topology(device="cpu")) == 128
+    assert prefix_block_size(Topology(device="cuda", vllm_args=("--block-size", "64"))) == 64
+    prefill_own = Topology(device="cuda", prefill=RoleSpec(args=("--block-size=128",)))
+    assert prefix_block_size(prefill_own) == 128

@@ -36,11 +36,18 @@ from pdserve.proxy.serving.thread import ProxyThread, proxy_for
 from pdserve.proxy.serving.workers import ProxyWorkers
 from pdserve.sim.profile import load_profile
 from pdserve.topology import Topology
-from pdserve.tppairing import KVShape
+from pdserve.tppairing import KVShape, block_size
 
 _EMBEDDED_MAX_MODEL_LEN = 2048
 SIM_ENTRYPOINT = ("-m", "pdserve.sim")
 _VLLM_BLOCK_SIZE = {"cpu": 128, "cuda": 16}  # vLLM's default --block-size per device
+
+
+def prefix_block_size(topology: Topology) -> int:
+    """The block the proxy's prefix affinity hashes prompts in: the one prefill caches them in, its
+    ``--block-size`` if the topology sets one, else vLLM's default on the device."""
+    prefill_args = (*topology.vllm_args, *topology.role("prefill").args)
+    return block_size(prefill_args) or _VLLM_BLOCK_SIZE[topology.device]
 
 
 def new_run_dir(root: str | Path = "runs") -> Path:
@@ -151,7 +158,7 @@ class Stack:
         if tokenizer is None and os.path.isdir(self.model.path):
             tokenizer = self.model.path
         routing = dataclasses.replace(
-            settings.routing, tokenizer=tokenizer, prefix_block_size=_VLLM_BLOCK_SIZE[self.topology.device]
+            settings.routing, tokenizer=tokenizer, prefix_block_size=prefix_block_size(self.topology)
         )
         self._start(specs, DEFAULT_ENTRYPOINT, dataclasses.replace(settings, routing=routing))
 
