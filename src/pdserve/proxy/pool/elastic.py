@@ -202,25 +202,18 @@ class ElasticRouter:
                 self._planned_at = -math.inf  # its first factors: the next request re-plans with them
 
     def _stretch(self, placement: Placement[C], measured: Measured) -> float:
-        """What the prompts computed on a whole stream's instance in its lifetime added to each of its
-        steps, by the step costs: those placed there after it (FCFS: the ones before it were computed
-        before its first token) and computed by the time it ended. Predicted from the plan's traffic
-        instead, a stream placed before a wave of 2,500-token prompts measured three to six times "the
-        model" (the window's mean prompt lags the wave), and those ratios ruled colocation out for the
-        chat that came after: the ratio is to be the step costs' error, not the traffic's."""
-        costs, log = self._settings.costs, self._prompt_log.get(placement.decode.url)
+        """What the prompts its instance computed in a whole stream's lifetime added to each of its steps
+        (judging.stretch). Predicted from the plan's traffic instead, streams placed before a wave of
+        2,500-token prompts measured two to six times "the model" (the window's mean prompt lags the
+        wave), and those ratios ruled colocation out for the chat that came after: the ratio is to be
+        the step costs' error, not the traffic's."""
+        costs = self._settings.costs
+        if costs is None:
+            return 0.0
         now = self._clock()
         life = now - placement.placed_at - measured.ttft_s  # its first token to its last
-        if costs is None or not log or not life > 0 or not measured.tpot_s > 0:
-            return 0.0
-        tokens = 0
-        for placed_at, computed_by, num in reversed(log):
-            if placed_at <= placement.placed_at:
-                break
-            if computed_by <= now:
-                tokens += num
-        # Spread over its gaps between tokens: ``life / tpot`` of them.
-        return costs.prefill_per_token_s * tokens * measured.tpot_s / life
+        log = self._prompt_log.get(placement.decode.url, ())
+        return judging.stretch(costs, log, placement.placed_at, now, life, measured.tpot_s)
 
     def measured_alone(self, is_split: bool, prompt_tokens: int, output_len: int, measured: Measured) -> bool:
         """A lone request of ``prompt_tokens`` and ``output_len`` measured ``measured`` at start-up,
