@@ -290,3 +290,44 @@ def test_arrivals_that_outrun_the_plan_re_plan_before_the_interval_is_up() -> No
     planned = r.describe()["predicted_ttft_ms"]
     assert isinstance(alone, float) and isinstance(planned, float)
     assert planned > 1.5 * alone  # the prefill side's queue at 50 req/s, seen within the second
+
+
+def test_a_wave_of_long_prompts_in_a_whole_streams_lifetime_is_not_read_as_the_step_costs_error() -> None:
+    """A chat stream served whole while its instance computes a wave of 2,500-token prompts gets its tokens
+    at several times the step it joined, as the step costs say it should: the whole kind's factor stays at
+    the model's, where judged against the plan's chat traffic it read "twice the model" and ruled
+    colocation out for the chat that came after the wave. A stream that measures twice its step with no
+    prompt beside it still says the step costs are off."""
+    r, clock = router(slo=Slo(ttft_ms=300, tpot_ms=25))
+    members = pool(4)
+    drive(r, clock, members, 40, 3, 300, 200)
+    assert r.layout == "4 colocated"
+    planned_tpot_ms = r.describe()["predicted_tpot_ms"]
+    assert isinstance(planned_tpot_ms, float)
+    slow = []
+    for _ in range(10):
+        stream = r.place(members, 300, 200)
+        assert not stream.is_split and stream.predicted is not None
+        first_token = clock.t + 0.05
+        wave = 0
+        for _ in range(20):  # 50,000 prompt tokens on its instance, 1.2 s of prefill by the step costs
+            clock.t += 0.01
+            r.prefilled(r.place([stream.decode], 2500, 100), 2500)
+            wave += 2500
+        tpot = stream.predicted[1] + H200.prefill_per_token_s * wave / 199
+        clock.t = first_token + 199 * tpot
+        slow.append(tpot)
+        r.done(stream, Measured(0.05, tpot))
+    assert min(slow) * 1000 > 1.8 * planned_tpot_ms  # what the plan's traffic predicted
+    r.place(members, 300, 200)  # re-plans with the kind's factors
+    assert r.calibration.whole_tpot == pytest.approx(1.0, abs=0.05)
+
+    slower_gpu, clock = router(slo=Slo(ttft_ms=300, tpot_ms=25))
+    drive(slower_gpu, clock, members, 40, 3, 300, 200)
+    for _ in range(10):
+        stream = slower_gpu.place(members, 300, 200)
+        assert stream.predicted is not None
+        clock.t += 0.05 + 199 * 2 * stream.predicted[1]
+        slower_gpu.done(stream, Measured(0.05, 2 * stream.predicted[1]))
+    slower_gpu.place(members, 300, 200)
+    assert slower_gpu.calibration.whole_tpot == pytest.approx(2.0, rel=0.05)

@@ -59,6 +59,9 @@ _FAST_MIN_ARRIVALS = 10  # fewer in the fast window say nothing
 # rate is out of date (the first second of traffic, or a surge), and every request placed meanwhile
 # would be predicted, and judged when it measures, at a load that is not the one it meets.
 _OUTRUN = 2.0
+# The prompts each instance was given (placed at, computed by, tokens), for the streams there to count
+# those that landed in their lifetime; more than any stream there outlives.
+_PROMPT_LOG = 4096
 
 
 @dataclass(frozen=True)
@@ -69,8 +72,11 @@ class Placement(Generic[C]):
     decode: C
     layout: str  # the pool's layout when it was placed ("5P3D", "8 colocated")
     reason: str  # why, in words, for /requests and the trace
-    # The model's (TTFT, TPOT) for it before calibration, seconds; None: none to compare a measurement to
+    # The model's (TTFT, TPOT) for it before calibration, seconds; None: none to compare a measurement to.
+    # Served whole, the TPOT is the step it joins: the prompts that land there in its lifetime are
+    # added when it ends (``ElasticRouter.done``), when the router knows which did.
     predicted: tuple[float, float] | None = None
+    placed_at: float = 0.0  # the router's clock when it was placed
 
     @property
     def is_split(self) -> bool:
@@ -117,6 +123,7 @@ class ElasticRouter:
         # The same for the prompts a prefill-side instance was given to split, by the step costs: what the
         # in-flight count says is queued there, unless the costs say they are computed by now.
         self._prefills_until: dict[str, float] = {}
+        self._prompt_log: dict[str, deque[tuple[float, float, int]]] = {}
         self.decisions = {"whole": 0, "split": 0}
         self._calibrator = Calibrator(_CALIBRATION_SAMPLES, _CALIBRATION_QUANTILE)
         self._calibration = Calibration()
@@ -154,7 +161,8 @@ class ElasticRouter:
         self._assign_sides(members)
         placement = self._choose(members, prompt_tokens)
         if placement.predicted is not None:
-            placement = replace(placement, predicted=self._own(placement, prompt_tokens, arrival.output_len))
+            placement = replace(placement, predicted=self._own(placement, prompt_tokens, arrival.output_len),
+                                placed_at=now)  # fmt: skip
         self._begin(placement, prompt_tokens)
         return placement
 
@@ -187,9 +195,25 @@ class ElasticRouter:
         self._requests[url] = max(0, self._requests.get(url, 0) - 1)
         if measured is not None and placement.predicted is not None:
             ttft, tpot = placement.predicted
+            if not placement.is_split:
+                tpot += self._stretch(placement, measured)
             if self._calibrator.observe(placement.is_split, measured.ttft_s / ttft if ttft > 0 else math.nan,
                                         measured.tpot_s / tpot if tpot > 0 else math.nan):  # fmt: skip
                 self._planned_at = -math.inf  # its first factors: the next request re-plans with them
+
+    def _stretch(self, placement: Placement[C], measured: Measured) -> float:
+        """What the prompts its instance computed in a whole stream's lifetime added to each of its steps
+        (judging.stretch). Predicted from the plan's traffic instead, streams placed before a wave of
+        2,500-token prompts measured two to six times "the model" (the window's mean prompt lags the
+        wave), and those ratios ruled colocation out for the chat that came after: the ratio is to be
+        the step costs' error, not the traffic's."""
+        costs = self._settings.costs
+        if costs is None:
+            return 0.0
+        now = self._clock()
+        life = now - placement.placed_at - measured.ttft_s  # its first token to its last
+        log = self._prompt_log.get(placement.decode.url, ())
+        return judging.stretch(costs, log, placement.placed_at, now, life, measured.tpot_s)
 
     def measured_alone(self, is_split: bool, prompt_tokens: int, output_len: int, measured: Measured) -> bool:
         """A lone request of ``prompt_tokens`` and ``output_len`` measured ``measured`` at start-up,
@@ -210,7 +234,7 @@ class ElasticRouter:
     def forget(self, url: str) -> None:
         """The instance left the pool: its side and counts go with it."""
         for table in (self._sides, self._prefill_tokens, self._requests, self._prompts_until,
-                      self._prefills_until):  # fmt: skip
+                      self._prefills_until, self._prompt_log):  # fmt: skip
             table.pop(url, None)
 
     # --- what the routes read ---------------------------------------------------------------------
@@ -404,9 +428,10 @@ class ElasticRouter:
 
     def _own(self, placement: Placement[C], prompt_tokens: int, output_len: int) -> tuple[float, float]:
         """The model's (TTFT, TPOT) for this request, before calibration: its own prompt behind the prompts
-        queued where it goes, and a step of the streams there with it. Judged against the layout's
-        averages instead, a 5,000-token prompt among 300-token ones measures ten times "the model",
-        and the factors would say the step costs are off when only the lengths are mixed."""
+        queued where it goes, and a step of the streams there with it (served whole: that step alone,
+        the prompts that stretch its steps are counted as it ends, ``_stretch``). Judged against the
+        layout's averages instead, a 5,000-token prompt among 300-token ones measures ten times "the
+        model", and the factors would say the step costs are off when only the lengths are mixed."""
         costs, layout = self._settings.costs, placement.predicted
         assert costs is not None and layout is not None
         now, decode = self._clock(), placement.decode.url
@@ -417,12 +442,13 @@ class ElasticRouter:
         if placement.prefill is None:
             ahead = max(0.0, self._prompts_until.get(decode, now) - now)
             ttft = costs.lone_request_overhead_s + ahead + compute + step
+            return ttft, step
         else:
             ahead = max(0.0, self._prefills_until.get(placement.prefill.url, now) - now)
             blocks = -(-prompt_tokens // costs.block_size)
             ttft = 2 * costs.lone_request_overhead_s + ahead + compute + costs.pull_seconds(blocks) + 2 * step
-        # The layout's TPOT counts the traffic to come (the batch it grows to, the prompts that stretch
-        # colocated steps); the step now counts a batch the plan's rate estimate has not caught up with.
+        # The layout's TPOT counts the traffic to come (the batch it grows to); the step now counts a
+        # batch the plan's rate estimate has not caught up with.
         return ttft, max(layout[1], step)
 
     def _why_split(self, layout: str) -> str:
@@ -487,6 +513,8 @@ class ElasticRouter:
             now = self._clock()
             start = max(now, until.get(url, now))
             until[url] = start + steps * costs.step_base_s + costs.prefill_per_token_s * prompt_tokens
+            log = self._prompt_log.setdefault(url, deque(maxlen=_PROMPT_LOG))
+            log.append((now, until[url], prompt_tokens))
 
 
 def _describe_load(load: Load) -> dict[str, object]:

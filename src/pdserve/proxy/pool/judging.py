@@ -15,6 +15,10 @@ prompts (their TTFT pays the long ones' queue). So:
   every stream there by a token's whole allowance at once. Without a TPOT objective only the prompts
   cheaper than a decode step stay whole.
 
+- **what a whole stream's TPOT is judged against** (``stretch``): the step it joined, plus the prompts its
+  instance computed in its lifetime, counted when it ends: those placed there after it (FCFS: the ones
+  before it were computed before its first token) and computed, by the step costs, before it ended.
+
 Pure arithmetic on what the router counts; no clock, no I/O.
 """
 
@@ -71,3 +75,20 @@ def alone(costs: Costs, is_split: bool, prompt_tokens: int, output_len: int) -> 
         return costs.lone_request_overhead_s + compute + step, step
     blocks = -(-prompt_tokens // costs.block_size)
     return 2 * costs.lone_request_overhead_s + compute + costs.pull_seconds(blocks) + 2 * step, step
+
+
+def stretch(costs: Costs, prompts: Sequence[tuple[float, float, int]], placed_at: float, now: float,
+            life_s: float, tpot_s: float) -> float:  # fmt: skip
+    """What the prompts an instance computed in a whole stream's lifetime added to each of its steps, by
+    the step costs: ``prompts`` (placed at, computed by, tokens; in the order placed) placed after the
+    stream (``placed_at``) and computed by ``now``, their cost spread over its gaps between tokens
+    (``life_s``, its first token to its last, over ``tpot_s``, the mean gap it measured)."""
+    if not life_s > 0 or not tpot_s > 0:
+        return 0.0
+    tokens = 0
+    for at, computed_by, num in reversed(prompts):
+        if at <= placed_at:
+            break
+        if computed_by <= now:
+            tokens += num
+    return costs.prefill_per_token_s * tokens * tpot_s / life_s
