@@ -23,7 +23,8 @@
     │   ├── UpstreamUnavailable    the connection broke, or the instance answered 5xx
     │   │   ├── UpstreamConnectError   could not connect: the instance never saw the request
     │   │   ├── UpstreamStaleConnection a kept-alive connection closed before any answer byte
-    │   │   └── UpstreamSuspectAnswer  what was already streamed may rest on KV released too early
+    │   │   ├── UpstreamSuspectAnswer  what was already streamed may rest on KV released too early
+    │   │   └── UpstreamDiverged       decode's first token is not prefill's, which the client already has
     │   ├── UpstreamTimeout        a per-phase limit or the request's deadline ran out
     │   ├── UpstreamProtocolError  the instance answered, but not as the NixlConnector protocol says
     │   ├── NoInstanceAvailable    every instance of a role is unhealthy, draining or circuit-open
@@ -192,6 +193,12 @@ class UpstreamStaleConnection(UpstreamUnavailable):
 class UpstreamSuspectAnswer(UpstreamUnavailable):
     """Prefill's log discredited a stream already under way: its text may rest on released KV, so it
     ends with an error and is not continued elsewhere (proxy/request/migrate.py)."""
+
+
+class UpstreamDiverged(UpstreamUnavailable):
+    """Decode sampled another first token than prefill's, which the client already has (bf16 logits of
+    two instances differ): nothing is wrong with decode, and the stream goes on from prefill's token on
+    any instance, this one included (proxy/request/migrate.py)."""
 
 
 class UpstreamTimeout(UpstreamError):

@@ -98,11 +98,14 @@ def needs_local_prefill(body: dict[str, Any]) -> str | None:
     return None
 
 
-def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
-    """The prefill request: same prompt and sampling, one token, not streamed, KV kept for decode."""
+def prefill_body(body: dict[str, Any], keep_token_ids: bool = False) -> dict[str, Any]:
+    """The prefill request: same prompt and sampling, one token, not streamed, KV kept for decode.
+    ``keep_token_ids``: prefill's answer names its prompt's and its token's ids (``return_token_ids``),
+    for a stream that begins with prefill's token and may have to go on from it (firsttoken.py)."""
     out = dict(body)
     for key in _DECODE_ONLY_FIELDS:
-        out.pop(key, None)
+        if not (keep_token_ids and key == "return_token_ids"):
+            out.pop(key, None)
     out["max_tokens"] = 1
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1

@@ -129,6 +129,39 @@ def test_the_first_token_comes_at_once_and_the_stream_reads_as_one_instances(
         assert sum("role" in (e["choices"][0].get("delta") or {}) for e in events if e.get("choices")) == 1
 
 
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_a_client_asking_for_token_ids_gets_each_once_with_prefills_token_first(
+    push_stack: Stack, chat: bool
+) -> None:
+    # prefill names its ids, so that a decode drawing another first token (bf16) goes on from prefill's
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    body: dict[str, Any] = {"model": _model(push_stack), "max_tokens": 8, "stream": True, "temperature": 0,
+                            "return_token_ids": True}  # fmt: skip
+    body |= {"messages": [{"role": "user", "content": _prompt()}]} if chat else {"prompt": _prompt()}
+    _post(push_stack.proxy_url, path, {**body, "stream": False, "max_tokens": 1})  # the identity, learned
+
+    def ids(resp: requests.Response) -> tuple[list[int], list[int]]:
+        _, events = _streamed_text(resp, chat)
+        prompt = [i for e in events for i in (e.get("prompt_token_ids") or [])]
+        prompt += [
+            i for e in events for c in e.get("choices") or () for i in (c.get("prompt_token_ids") or [])
+        ]
+        return prompt, [i for e in events for c in e.get("choices") or () for i in (c.get("token_ids") or [])]
+
+    rid = uuid.uuid4().hex
+    resp = _post(push_stack.proxy_url, path, body, rid)
+    got, alone = ids(resp), ids(_post(push_stack.urls("decode")[0], path, body))
+    assert got == alone and len(got[1]) == 8
+    # the prompt's ids and the first token's came with prefill's token, before decode answered
+    head = [e for e in _streamed_text(resp, chat)[1] if e.get("choices")]
+    if chat:  # the role's event names the prompt's ids, the token's its own
+        assert head[0]["prompt_token_ids"] == got[0] and head[1]["choices"][0]["token_ids"] == got[1][:1]
+    else:
+        assert head[0]["choices"][0]["prompt_token_ids"] == got[0]
+        assert head[0]["choices"][0]["token_ids"] == got[1][:1]
+    assert _trace(push_stack, rid)["handover"] == "push concurrent + first token at once"
+
+
 def test_verify_proves_each_pushed_request_and_says_how_it_was_handed_over(push_stack: Stack) -> None:
     report = verify(push_stack.proxy_url, say=lambda _m: None, tolerance=kvproof.FLOAT32)
     assert report.ok, "\n".join(report.lines())

@@ -104,3 +104,31 @@ def test_an_error_event_before_the_token_passes_to_the_relay() -> None:
     cut = FirstTokenCut("completions", "Hello")
     error = sse.event(b'{"error": {"message": "KV load failed"}}')
     assert cut.feed(error) == error
+
+
+def test_prefills_ids_ride_in_the_early_events_where_vllm_streams_them() -> None:
+    completions = orjson.loads(_answer("Hi"))
+    completions["choices"][0] |= {"prompt_token_ids": [1, 2, 3], "token_ids": [9]}
+    early = early_token("completions", orjson.dumps(completions), with_ids=True)
+    assert early is not None and early.has_ids
+    [event] = [orjson.loads(p) for p in sse.payloads(early.events)]
+    assert event["choices"][0]["prompt_token_ids"] == [1, 2, 3] and event["choices"][0]["token_ids"] == [9]
+    chat = orjson.loads(_answer("Hi", chat=True)) | {"prompt_token_ids": [1, 2, 3]}
+    chat["choices"][0]["token_ids"] = [9]
+    early = early_token("chat", orjson.dumps(chat), with_ids=True)
+    assert early is not None and early.has_ids
+    role, token = (orjson.loads(p) for p in sse.payloads(early.events))
+    assert role["prompt_token_ids"] == [1, 2, 3] and token["choices"][0]["token_ids"] == [9]
+    # not asked for, or not in prefill's answer: the events are as before
+    assert not early_token("completions", orjson.dumps(completions)).has_ids  # type: ignore[union-attr]
+    assert not early_token("completions", _answer("Hi"), with_ids=True).has_ids  # type: ignore[union-attr]
+
+
+def test_with_ids_sent_early_decodes_first_event_loses_the_prompts_and_that_tokens() -> None:
+    cut = FirstTokenCut("completions", "Hello", has_ids=True)
+    out = cut.feed(
+        _event("Hello world", token_ids=[5, 6], prompt_token_ids=[1, 2]) + _event("!", token_ids=[7])
+    )
+    first, second = (orjson.loads(p)["choices"][0] for p in sse.payloads(out))
+    assert first["text"] == " world" and first["token_ids"] == [6] and first["prompt_token_ids"] is None
+    assert second["token_ids"] == [7]  # past the first token nothing is touched

@@ -192,3 +192,47 @@ async def test_the_first_token_goes_to_the_client_before_decode_answers() -> Non
     texts = [orjson.loads(p)["choices"][0]["text"] for p in sse.payloads(send.body) if p != sse.DONE_PAYLOAD]
     assert texts[0] == "He" and "".join(texts) == "Hello"
     assert system.state.traces[-1].handover == "push + first token at once"
+
+
+PULL_PARAMS = {k: v for k, v in PUSH_PARAMS.items() if k != "transfer_mode"}
+
+
+async def test_a_decode_that_draws_another_first_token_goes_on_from_the_one_the_client_has() -> None:
+    # bf16 logits of two instances differ: prefill sampled "He" (id 9), decode draws "Yo" (id 8)
+    def prefill_ids(body: dict[str, Any]) -> Answer:
+        choice: dict[str, Any] = {"index": 0, "text": "He", "finish_reason": "length"}
+        if body.get("return_token_ids"):
+            prompt = body["prompt"] if isinstance(body["prompt"], list) else [1, 2, 3]
+            choice |= {"prompt_token_ids": prompt, "token_ids": [9]}
+        answer = {
+            "id": "cmpl-r",
+            "created": 1,
+            "model": "m",
+            "choices": [choice],
+            "kv_transfer_params": PULL_PARAMS,
+        }
+        return Answer(body=orjson.dumps(answer))
+
+    def decode_ids(body: dict[str, Any]) -> Answer:
+        def event(text: str, ids: list[int], **extra: Any) -> bytes:
+            choice = {"index": 0, "text": text, "token_ids": ids, "finish_reason": None, **extra}
+            return sse.event(orjson.dumps({"id": "cmpl-r", "created": 1, "model": "m", "choices": [choice]}))
+
+        if isinstance(body["prompt"], list):  # the continuation: the prompt and prefill's token, as ids
+            chunks = [event("llo", [10], prompt_token_ids=body["prompt"]), event(" you", [11])]
+        else:
+            chunks = [event("Yo", [8], prompt_token_ids=[1, 2, 3]), event("!", [12])]
+        return Answer(chunks=[*chunks, sse.DONE], content_type="text/event-stream")
+
+    system = System([prefill_ids], [decode_ids], first_token_at_once=True)
+    send = await system.ask({**BODY, "stream": True})
+    assert b'"error"' not in send.body
+    assert _text(send) == "Hello you"  # never "He" followed by what decode wrote after its "Yo"
+    assert b"token_ids" not in send.body.replace(b'"token_ids":null', b"").replace(
+        b'"prompt_token_ids":null', b""
+    )
+    continuation = system.bodies("http://d0:1")[-1]
+    assert continuation["prompt"] == [1, 2, 3, 9] and continuation["max_tokens"] == BODY["max_tokens"] - 1
+    [migration] = system.state.traces[-1].migrations
+    assert migration["result"] == "ok"
+    assert system.state.find("http://d0:1").is_available(time.monotonic())  # nothing wrong with decode

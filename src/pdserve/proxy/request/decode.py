@@ -21,6 +21,7 @@ from pdserve import protocol, sse
 from pdserve.config import Timeouts
 from pdserve.errors import (
     UpstreamConnectError,
+    UpstreamDiverged,
     UpstreamError,
     UpstreamStaleConnection,
     UpstreamSuspectAnswer,
@@ -56,7 +57,8 @@ class Decoder:
                 result = await self._decode_whole(step, payload, up)
         except UpstreamError as exc:
             is_stale = isinstance(exc, UpstreamStaleConnection)
-            if not is_stale:  # the connection's age, not the instance, failed that one
+            # the connection's age, or a near tie in the logits, not the instance, failed that one
+            if not is_stale and not isinstance(exc, UpstreamDiverged):
                 decode.failed(exc.detail, is_slow=exc.is_slow)
             if isinstance(exc, UpstreamTimeout):
                 exc = call.timeout_cause(exc)

@@ -25,7 +25,7 @@ from typing import Any, Final
 import orjson
 
 from pdserve import protocol
-from pdserve.errors import UpstreamError, UpstreamSuspectAnswer
+from pdserve.errors import UpstreamError, UpstreamSuspectAnswer, UpstreamUnavailable
 from pdserve.proxy.pool.instance import Instance
 from pdserve.proxy.request.decode import Decoder
 from pdserve.proxy.request.firsttoken import EarlyToken, FirstTokenCut, early_token, may_send_early
@@ -88,7 +88,8 @@ class Handover:
         else:
             result = await self._beside(leg, step)
         self._learn(prefill, result)
-        early = self._send_early(call, result)
+        # a continuation's client has its tokens already: nothing to gain, and its token must be decode's
+        early = None if plan.is_continuation else self._send_early(call, result)
         nxt = plan.prefilled(result, prefill)
         if isinstance(result, Prefilled) and (leg is not None or early is not None):
             mode = "push concurrent" if leg is not None else str(result.params.get("transfer_mode", "pull"))
@@ -105,9 +106,12 @@ class Handover:
             return nxt
         if early is not None:
             await call.out.open_stream("text/event-stream")
-            await call.out.chunk(early.events)
+            events = early.events
+            if early.has_ids and call.progress is not None:  # what a continuation would go on from
+                events = call.progress.feed(events)
+            await call.out.chunk(events)
             plan.timeline.chunk(time.perf_counter())
-        cut = FirstTokenCut(call.endpoint, early.text) if early is not None else None
+        cut = FirstTokenCut(call.endpoint, early.text, early.has_ids) if early is not None else None
         upstream = Adopted(nxt.instance, leg, cut, self._lease_s, nxt)
         if early is None:
             return plan.decoded(await self._decoder.attempt(nxt, upstream))
@@ -116,9 +120,13 @@ class Handover:
         except UpstreamSuspectAnswer:
             raise
         except UpstreamError as exc:
+            if early.has_ids:
+                raise  # the stream goes on from prefill's token elsewhere (migrate.py)
             raise _no_continuation(nxt.instance, exc.detail) from None
         if not isinstance(decoded, Served):
             why = decoded.why if isinstance(decoded, LeaseSuspect) else describe(decoded.failure)
+            if early.has_ids and not isinstance(decoded, LeaseSuspect):
+                raise UpstreamUnavailable("decode", nxt.instance.url, why)
             raise _no_continuation(nxt.instance, why)
         return plan.decoded(decoded)
 
@@ -164,7 +172,7 @@ class Handover:
             return None
         if call.out.started or not may_send_early(call.body, call.is_stream):
             return None
-        return early_token(call.endpoint, result.body)
+        return early_token(call.endpoint, result.body, with_ids=call.progress is not None)
 
     def _left(self, leg: EarlyLeg, prefill: Instance, result: PrefillResult) -> None:
         """The plan did not send decode's step to the early leg's decode: close it. Had prefill not
@@ -179,7 +187,6 @@ class Handover:
 
 
 def _no_continuation(decode: Instance, why: str) -> UpstreamSuspectAnswer:
-    """Decode failed after the client had prefill's first token: another instance's continuation would
-    repeat that token (a migration resumes from decode's tokens, and decode sent none), so the stream
-    ends with an error event."""
+    """Decode failed after the client had prefill's first token, and prefill named no ids to go on from
+    (a stream no migration may continue): the stream ends with an error event."""
     return UpstreamSuspectAnswer("decode", decode.url, f"after the first token from prefill: {why}")

@@ -15,7 +15,13 @@ from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
 
-from pdserve.errors import UpstreamError, UpstreamSuspectAnswer, UpstreamTimeout, UpstreamUnavailable
+from pdserve.errors import (
+    UpstreamDiverged,
+    UpstreamError,
+    UpstreamSuspectAnswer,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
 from pdserve.proxy.pool.instance import Instance
 from pdserve.proxy.request.firsttoken import FirstTokenCut, FirstTokenMismatch
 from pdserve.proxy.request.plan import DecodeStep
@@ -191,7 +197,9 @@ class _CutStream:
             try:
                 out = self._cut.feed(chunk)
             except FirstTokenMismatch as exc:
-                # what the client has may not go on as decode goes on: end it, no continuation
-                raise UpstreamSuspectAnswer("decode", self._url, str(exc)) from None
+                # what the client has may not go on as decode goes on: from prefill's token, when its ids
+                # are known (a migration), else not at all
+                kind = UpstreamDiverged if self._cut.has_ids else UpstreamSuspectAnswer
+                raise kind("decode", self._url, str(exc)) from None
             if out:
                 yield out

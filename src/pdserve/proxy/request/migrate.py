@@ -32,7 +32,7 @@ import orjson
 
 from pdserve import sse
 from pdserve.configparts import Retries
-from pdserve.errors import UpstreamError, UpstreamSuspectAnswer, UpstreamUnavailable
+from pdserve.errors import UpstreamDiverged, UpstreamError, UpstreamSuspectAnswer, UpstreamUnavailable
 from pdserve.protocol import PATHS, Endpoint
 from pdserve.proxy.pool.instance import Instance
 from pdserve.proxy.pool.state import ProxyState
@@ -135,7 +135,8 @@ class Migrator:
         avoid: list[Instance] = []
         for n in range(1, self._max + 1):
             failed = self._state.find(failure.url)
-            if failed is not None and failed not in avoid:
+            # a decode that drew another first token is sound, and holds the prompt's KV in its cache
+            if failed is not None and failed not in avoid and not isinstance(failure, UpstreamDiverged):
                 avoid.append(failed)
             record: dict[str, Any] = {"from": failure.url, "after_tokens": len(progress.token_ids),
                                       "why": failure.detail}  # fmt: skip

@@ -81,7 +81,8 @@ _PICK, _PREFILL, _DECODE, _DONE = range(4)
 class Rules:
     """What every plan of one proxy consults: its state, config, chooser and lease guard (made once)."""
 
-    __slots__ = ("chooser", "config", "guard", "max_decode_attempts", "max_prefill_attempts", "state")
+    __slots__ = ("chooser", "config", "guard", "max_decode_attempts", "max_prefill_attempts", "prefill_ids",
+                 "state")  # fmt: skip
 
     def __init__(self, state: ProxyState, config: ProxyConfig, chooser: Chooser, guard: LeaseGuard) -> None:
         self.state = state
@@ -91,6 +92,8 @@ class Rules:
         # the pools' attempt limits, asked of every request
         self.max_prefill_attempts = config.pool("prefill").max_attempts
         self.max_decode_attempts = config.pool("decode").max_attempts
+        # a stream that gets prefill's token at once goes on from it if decode's differs: its ids
+        self.prefill_ids = config.first_token_at_once
 
 
 class _PrefillRound:
@@ -99,8 +102,10 @@ class _PrefillRound:
 
     __slots__ = ("avoid", "failure", "first", "num", "payload", "tried", "waited")
 
-    def __init__(self, call: Call, first: Instance | None, avoid: Instance | None) -> None:
-        self.payload = orjson.dumps(protocol.prefill_body(call.body))
+    def __init__(self, call: Call, first: Instance | None, avoid: Instance | None, keep_ids: bool) -> None:
+        # ids only for a stream a migration may continue (its Progress watches it)
+        keep_ids = keep_ids and call.progress is not None
+        self.payload = orjson.dumps(protocol.prefill_body(call.body, keep_token_ids=keep_ids))
         self.first = first
         self.avoid = avoid
         self.tried: list[Instance] = [] if avoid is None else [avoid]
@@ -117,8 +122,8 @@ class Plan:
     """One request (or a migrated stream's continuation) from its first step to its last."""
 
     __slots__ = ("_decode", "_delivered", "_handoff", "_local_reason", "_pending", "_phase", "_placed",
-                 "_round", "_rules", "_sent", "_ticket", "_tries", "_was_split", "_whole_on", "call", "timeline",
-                 "trace")  # fmt: skip
+                 "_round", "_rules", "_sent", "_ticket", "_tries", "_was_split", "_whole_on", "call",
+                 "is_continuation", "timeline", "trace")  # fmt: skip
 
     # Written before anything reads them: with each prefill round (``_round``: its attempts), with each
     # decode attempt (``_sent``: the handoff whose params went with it; ``_was_split``: a fixed pool's
@@ -153,6 +158,7 @@ class Plan:
         self._placed: Placed | None = None  # an elastic pool's placement
         self._pending: Step | None = None  # a step decided with the last result, to take next
         self._ticket = NO_TICKET  # its place ahead of others at its decode (backpressure.py)
+        self.is_continuation = False  # a migrated stream's (``continuation``)
         self._whole_on = whole_on
         if whole_on is not None:
             self._tries.again = whole_on
@@ -286,7 +292,9 @@ class Plan:
 
     def continuation(self, call: Call, avoid: Sequence[Instance]) -> Plan:
         """The plan of a migrated stream's continuation: its own handoff and attempts, this record."""
-        return Plan(self._rules, call, self.trace, Timeline(time.perf_counter()), avoid)
+        plan = Plan(self._rules, call, self.trace, Timeline(time.perf_counter()), avoid)
+        plan.is_continuation = True
+        return plan
 
     def finish(self, began: float) -> Outcome:
         """The request is over: the record's last fields, a handoff still open abandoned (it never
@@ -345,7 +353,9 @@ class Plan:
         self._decode = decode
         if self._local_reason is None and self._handoff is None:
             first = placed.placement.prefill if placed is not None and tries.is_first else None
-            self._round = _PrefillRound(call, first, decode if placed is not None else None)
+            self._round = _PrefillRound(
+                call, first, decode if placed is not None else None, rules.prefill_ids
+            )
             if self._ticket.is_held:
                 self._ticket.release()  # the round waits for room at its own decode
             self._phase = _PREFILL
