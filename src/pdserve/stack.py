@@ -46,8 +46,7 @@ _VLLM_BLOCK_SIZE = {"cpu": 128, "cuda": 16}  # vLLM's default --block-size per d
 def prefix_block_size(topology: Topology) -> int:
     """The block the proxy's prefix affinity hashes prompts in: the one prefill caches them in, its
     ``--block-size`` if the topology sets one, else vLLM's default on the device."""
-    prefill_args = (*topology.vllm_args, *topology.role("prefill").args)
-    return block_size(prefill_args) or _VLLM_BLOCK_SIZE[topology.device]
+    return block_size(topology.vllm_args_for("prefill")) or _VLLM_BLOCK_SIZE[topology.device]
 
 
 def new_run_dir(root: str | Path = "runs") -> Path:

@@ -171,6 +171,10 @@ class Topology:
         spec: RoleSpec | None = getattr(self, name)
         return spec if spec is not None else RoleSpec()
 
+    def vllm_args_for(self, name: Role) -> tuple[str, ...]:
+        """The extra vLLM arguments role ``name``'s instances get: ``vllm_args``, then the role's own."""
+        return (*self.vllm_args, *self.role(name).args)
+
     def tp_pairing(self, shape: KVShape = UNKNOWN_SHAPE, default_tp: int = 1) -> TPPairing | None:
         """How decode's tensor-parallel ranks read prefill's (tppairing.py), from the roles' vLLM arguments
         (``vllm_args``, then the role's own; ``default_tp`` where neither sets --tensor-parallel-size).
@@ -178,7 +182,7 @@ class Topology:
         elastic pool, whose instances share one set of arguments."""
         if self.elastic is not None:
             return None
-        p_args, d_args = ((*self.vllm_args, *self.role(r).args) for r in ROLES)
+        p_args, d_args = (self.vllm_args_for(r) for r in ROLES)
         try:
             return pair_tp(
                 tensor_parallel_size(p_args, default_tp),

@@ -156,7 +156,7 @@ def plan_instances(
             args += ["--max-model-len", str(max_model_len)]
         if topology.device == "cpu":
             args.append("--enforce-eager")  # CUDA-graph-style capture buys nothing on CPU and slows start-up
-        role_args = (*topology.vllm_args, *topology.role(role).args)
+        role_args = topology.vllm_args_for(role)
         if slots and slots[i].num_sharers > 1 and not _sets_flag(role_args, _GPU_MEMORY_FLAG):
             # vLLM's share is of the whole GPU's memory: sharers must split it or the second cannot start.
             args += [_GPU_MEMORY_FLAG, gpu_memory_share(slots[i].num_sharers)]
@@ -230,7 +230,7 @@ def plan_sim_instances(topology: Topology) -> tuple[InstanceSpec, ...]:
         )
         if topology.kv_lease_s is not None:
             args += ("--kv-lease-s", f"{topology.kv_lease_s:g}")
-        role_args = (*topology.vllm_args, *topology.role(role).args)
+        role_args = topology.vllm_args_for(role)
         if not _sets_flag(role_args, PROMPT_TOKENS_DETAILS_FLAG):
             args += (PROMPT_TOKENS_DETAILS_FLAG,)
         args += role_args
