@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ from live_proxy import proxy_for
 from pdserve import httpclient
 from pdserve.config import ProxyConfig
 from pdserve.errors import Unreachable
+from pdserve.prometheus import NUM_RUNNING, scrape
 from pdserve.sim.fleet import SimInstanceSpec, sim_in_thread
 from pdserve.sim.profile import load_profile
 
@@ -64,6 +66,11 @@ def heavy_traffic(pair: SlowPair) -> Iterator[list[int]]:
     for t in threads:
         t.start()
     try:
+        # Saturated before the body runs: with the clients just started, decode may not yet run two.
+        deadline = time.monotonic() + 30
+        while scrape(pair.decode).get(NUM_RUNNING, 0.0) < 2:
+            assert time.monotonic() < deadline, "the clients never saturated decode"
+            time.sleep(0.05)
         yield answered
     finally:
         stop.set()
