@@ -232,6 +232,10 @@ class HealthChecks:
     # A returning instance's NIXL handshake canaries with its peers (proxy/pool/warmup.py) may take this
     # long before it serves anyway; 0: no warm-up, it serves at once
     warmup_timeout_s: float = 30.0
+    # A push decode that may hold the blocks of this many pushes that never came (its prefill failed after
+    # it registered them; only a restart frees them) rests: it takes requests only when no other instance
+    # can, so that it goes idle and `pdserve up`'s supervisor restarts it. 0: never.
+    rest_after_stranded_pushes: int = 4
 
     def __post_init__(self) -> None:
         check_positive(
@@ -245,6 +249,10 @@ class HealthChecks:
             raise ConfigError(f"proxy.health.breaker_cooldown_s must be >= 0, got {self.breaker_cooldown_s}")
         if self.warmup_timeout_s < 0:
             raise ConfigError(f"proxy.health.warmup_timeout_s must be >= 0, got {self.warmup_timeout_s}")
+        if self.rest_after_stranded_pushes < 0:
+            raise ConfigError(
+                f"proxy.health.rest_after_stranded_pushes must be >= 0, got {self.rest_after_stranded_pushes}"
+            )
 
 
 @dataclass(frozen=True)

@@ -197,23 +197,21 @@ async def test_the_first_token_goes_to_the_client_before_decode_answers() -> Non
 PULL_PARAMS = {k: v for k, v in PUSH_PARAMS.items() if k != "transfer_mode"}
 
 
-async def test_a_decode_that_draws_another_first_token_goes_on_from_the_one_the_client_has() -> None:
-    # bf16 logits of two instances differ: prefill sampled "He" (id 9), decode draws "Yo" (id 8)
-    def prefill_ids(body: dict[str, Any]) -> Answer:
-        choice: dict[str, Any] = {"index": 0, "text": "He", "finish_reason": "length"}
-        if body.get("return_token_ids"):
-            prompt = body["prompt"] if isinstance(body["prompt"], list) else [1, 2, 3]
-            choice |= {"prompt_token_ids": prompt, "token_ids": [9]}
-        answer = {
-            "id": "cmpl-r",
-            "created": 1,
-            "model": "m",
-            "choices": [choice],
-            "kv_transfer_params": PULL_PARAMS,
-        }
-        return Answer(body=orjson.dumps(answer))
+def _prefill_ids(body: dict[str, Any], request_id: str = PULL_PARAMS["remote_request_id"]) -> Answer:
+    """Prefill samples "He" (id 9) for the prompt [1, 2, 3]."""
+    choice: dict[str, Any] = {"index": 0, "text": "He", "finish_reason": "length"}
+    if body.get("return_token_ids"):
+        prompt = body["prompt"] if isinstance(body["prompt"], list) else [1, 2, 3]
+        choice |= {"prompt_token_ids": prompt, "token_ids": [9]}
+    params = {**PULL_PARAMS, "remote_request_id": request_id}
+    answer = {"id": "cmpl-r", "created": 1, "model": "m", "choices": [choice], "kv_transfer_params": params}
+    return Answer(body=orjson.dumps(answer))
 
-    def decode_ids(body: dict[str, Any]) -> Answer:
+
+def _decode_ids(first: str, first_id: int) -> Script:
+    """Decode's stream: ``first`` (``first_id``) then "!"; a continuation from [1, 2, 3, 9]: "llo you"."""
+
+    def answer(body: dict[str, Any]) -> Answer:
         def event(text: str, ids: list[int], **extra: Any) -> bytes:
             choice = {"index": 0, "text": text, "token_ids": ids, "finish_reason": None, **extra}
             return sse.event(orjson.dumps({"id": "cmpl-r", "created": 1, "model": "m", "choices": [choice]}))
@@ -221,10 +219,15 @@ async def test_a_decode_that_draws_another_first_token_goes_on_from_the_one_the_
         if isinstance(body["prompt"], list):  # the continuation: the prompt and prefill's token, as ids
             chunks = [event("llo", [10], prompt_token_ids=body["prompt"]), event(" you", [11])]
         else:
-            chunks = [event("Yo", [8], prompt_token_ids=[1, 2, 3]), event("!", [12])]
+            chunks = [event(first, [first_id], prompt_token_ids=[1, 2, 3]), event("!", [12])]
         return Answer(chunks=[*chunks, sse.DONE], content_type="text/event-stream")
 
-    system = System([prefill_ids], [decode_ids], first_token_at_once=True)
+    return answer
+
+
+async def test_a_decode_that_draws_another_first_token_goes_on_from_the_one_the_client_has() -> None:
+    # bf16 logits of two instances differ: prefill sampled "He" (id 9), decode draws "Yo" (id 8)
+    system = System([_prefill_ids], [_decode_ids("Yo", 8)], first_token_at_once=True)
     send = await system.ask({**BODY, "stream": True})
     assert b'"error"' not in send.body
     assert _text(send) == "Hello you"  # never "He" followed by what decode wrote after its "Yo"
@@ -236,3 +239,42 @@ async def test_a_decode_that_draws_another_first_token_goes_on_from_the_one_the_
     [migration] = system.state.traces[-1].migrations
     assert migration["result"] == "ok"
     assert system.state.find("http://d0:1").is_available(time.monotonic())  # nothing wrong with decode
+
+
+async def test_a_decode_left_with_pushes_that_never_came_rests_while_another_decode_serves() -> None:
+    prefill_is_up = False
+
+    def flaky(body: dict[str, Any]) -> Answer:
+        if not prefill_is_up:
+            raise UpstreamConnectError("prefill", "http://p0:1", "connection refused")
+        return prefill()(body)
+
+    def waits_for_writes(body: dict[str, Any]) -> Answer:
+        # an early leg waits for a WRITE that never comes; a request of its own is served
+        params = body.get("kv_transfer_params") or {}
+        return decode(delay_s=30)(body) if params.get("remote_block_ids", 0) is None else decode()(body)
+
+    system = System([flaky], [waits_for_writes, decode()], kv_lease_s=20)
+    d0, d1 = system.state.pool("decode").instances
+    for _ in range(3):
+        system.state.check_failed(d1, "down")  # out of service while prefill fails
+    identity = {"remote_engine_id": "e0", "remote_host": "10.0.0.1", "remote_port": 5600, "tp_size": 1}
+    for _ in range(4):
+        system.flow._handover._identities["http://p0:1"] = dict(identity)  # as a prefill that came back
+        send = await system.ask(BODY)
+        assert send.status == 200 and b"Hello" in send.body  # d0 computed the prompt itself
+    assert d0.num_stranded == 4 and system.state.describe_instance(d0)["state"] == "resting"
+    # resting, but the only decode: it still serves
+    assert (await system.ask(BODY)).status == 200
+    system.state.check_passed(d1, None)
+    prefill_is_up = True
+    sent_to_d0 = len(system.bodies("http://d0:1"))
+    for _ in range(4):
+        system.flow._handover._identities["http://p0:1"] = dict(identity)
+        send = await system.ask({**BODY, "stream": True})
+        assert send.status == 200 and _text(send) == "Hello"
+    assert len(system.bodies("http://d0:1")) == sent_to_d0, "a resting decode got requests beside d1"
+    # its supervisor restarted it: its blocks are gone, it serves again
+    d0.restarting("exited: restarted to free KV blocks registered for a push that never came")
+    d0.restarted()
+    assert system.state.describe_instance(d0)["state"] == "serving"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from pdserve.config import ProxyConfig
@@ -120,3 +121,48 @@ def test_draining_or_circuit_open_instances_take_no_new_requests() -> None:
     assert pool.available() == []
     assert pool.available(exclude=[b]) == []
     assert b.lifecycle is Lifecycle.DRAINING
+
+
+def test_a_decode_holding_pushes_that_never_came_rests_while_another_serves_until_it_restarts() -> None:
+    a = Instance(StubUpstream("http://a:1"), CircuitBreaker(), rest_after_stranded=2)  # type: ignore[arg-type]
+    b = Instance(StubUpstream("http://b:1"), CircuitBreaker())  # type: ignore[arg-type]
+    pool = Pool("decode", [a, b])
+    a.push_stranded()
+    assert pool.available() == [a, b]  # one may be a false alarm: the registration may not have gone out
+    a.push_stranded()
+    assert a.lifecycle is Lifecycle.RESTING and a.describe()["stranded_pushes"] == 2
+    assert pool.available() == [b]
+    # resting never refuses a request: with no other decode in service it takes them
+    b.start_draining()
+    assert pool.available() == [a] and pool.has_available()
+    a.restarting("exited: restarted to free KV blocks")
+    a.restarted()
+    assert a.lifecycle is Lifecycle.SERVING and a.num_stranded == 0
+
+
+def test_a_rest_that_no_restart_ends_ends_once_the_decode_sat_idle_past_the_supervisors_time() -> None:
+    a = Instance(StubUpstream("http://a:1"), CircuitBreaker(), rest_after_stranded=1, rest_idle_limit_s=5.0)  # type: ignore[arg-type]
+    b = Instance(StubUpstream("http://b:1"), CircuitBreaker())  # type: ignore[arg-type]
+    pool = Pool("decode", [a, b])
+    a.dispatch()
+    a.push_stranded()
+    assert pool.available() == [b]
+    a.undispatch()
+    now = time.monotonic()
+    assert not a.is_available(now + 4.0)  # idle, but a supervisor may still be about to restart it
+    assert a.is_available(now + 6.0)  # nobody restarts it: it serves again rather than sit out forever
+    assert a.lifecycle is Lifecycle.SERVING and a.num_stranded == 0
+
+
+def test_a_resting_decode_whose_metrics_show_no_block_held_once_idle_serves_again_at_once() -> None:
+    a = Instance(StubUpstream("http://a:1"), CircuitBreaker(), rest_after_stranded=1)  # type: ignore[arg-type]
+    a.dispatch()
+    a.push_stranded()
+    a.check_passed(EngineLoad(num_running=1.0, kv_usage=0.2))
+    a.undispatch()
+    assert not a.is_available(time.monotonic())  # its last scrape is older than its idleness
+    a.check_passed(EngineLoad(kv_usage=0.001))  # idle, holding a block: the supervisor's to restart
+    assert not a.is_available(time.monotonic())
+    # the registration had failed (vLLM then frees the blocks): nothing held, nothing to rest for
+    a.check_passed(EngineLoad())
+    assert a.is_available(time.monotonic()) and a.num_stranded == 0

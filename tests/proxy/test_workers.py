@@ -173,6 +173,35 @@ async def test_what_the_launcher_learns_reaches_every_worker(
             assert states[d0] == "serving"
 
 
+async def test_a_push_that_never_came_to_a_decode_is_counted_by_every_worker(
+    fakes: tuple[FakeVLLM, FakeVLLM, list[str]],
+) -> None:
+    _, _, (p0, d0) = fakes
+    health = HealthChecks(breaker_threshold=10**6, rest_after_stranded_pushes=2)
+    with workers_proxy([p0], [d0], health=health) as proxy:
+        # a third worker's word, as the worker that saw the pushes fail would send it
+        count = len(proxy.sockets)
+        teller = Peers(os.path.dirname(proxy.sockets[0]), index=count, count=count + 1)
+        for _ in range(2):
+            teller.tell_stranded(d0)
+        for path in proxy.sockets:
+            for _ in range(50):
+                [seen] = [i for i in orjson.loads(await _own(path, "/instances")) if i["url"] == d0]
+                if seen["stranded_pushes"] == 2:
+                    break
+                await asyncio.sleep(0.1)
+            # the only decode: resting, and still serving what comes
+            assert (seen["state"], seen["stranded_pushes"]) == ("resting", 2)
+            await _own_completion(path, "still served")
+        async with aiohttp.ClientSession() as http, http.get(f"{proxy.url}/metrics") as resp:
+            merged = parse_samples((await resp.read()).decode())
+        # each worker counted both: the proxy's count is 2, not one sum of the workers' counts
+        [stranded] = [
+            s.value for s in merged if s.name == "pdserve_instance_stranded_pushes" and s.labels["url"] == d0
+        ]
+        assert stranded == 2
+
+
 async def test_prefix_aware_workers_send_a_shared_prefix_where_either_sent_it(tmp_path: Path) -> None:
     model_dir = _write_model_dir(tmp_path)
     prefills, decode = [FakeVLLM("prefill"), FakeVLLM("prefill")], FakeVLLM("decode")

@@ -287,12 +287,16 @@ def add_health(p: argparse.ArgumentParser) -> None:
     g.add_argument("--warmup-timeout", type=float, default=d.warmup_timeout_s, metavar="S",
                    help="seconds a returning instance may spend meeting its peers (a canary handoff per "
                         "pair warms the NIXL handshakes) before it takes requests; 0: no warm-up")  # fmt: skip
+    g.add_argument("--rest-after-stranded-pushes", type=int, default=d.rest_after_stranded_pushes, metavar="N",
+                   help="a push decode that may hold the KV blocks of N pushes that never came (only a "
+                        "restart frees them) takes requests only when no other can, until its supervisor "
+                        "restarts it; 0: never")  # fmt: skip
 
 
 def health_from_args(a: argparse.Namespace) -> HealthChecks:
     return _part(HealthChecks, a, interval_s="health_interval", timeout_s="health_timeout",
                  unhealthy_after_checks="", breaker_threshold="", breaker_cooldown_s="breaker_cooldown",
-                 warmup_timeout_s="warmup_timeout")  # fmt: skip
+                 warmup_timeout_s="warmup_timeout", rest_after_stranded_pushes="")  # fmt: skip
 
 
 def add_api_keys(p: argparse.ArgumentParser) -> None:

@@ -7,11 +7,15 @@ The lifecycle, and who moves it:
        ├── the launcher saw it exit ──▶ restarting ──the launcher has it back──▶ serving (breaker reset)
        │                                    └──the launcher gave up──▶ unhealthy
        ├── back (ready, or a passed check after unreachable) ──▶ warming ──its canaries done──▶ serving
+       ├── pushes that never came ≥ the limit ──▶ resting ──restarted──▶ serving
+       │   (a push decode: no new requests     ├──idle, and its /metrics show no block held──▶ serving
+       │    while another can take them)       └──idle past the supervisor's time, not restarted──▶ serving
        └── admin drain / remove ──▶ draining ──in-flight reaches 0 (remove)──▶ removed
 
 Health checks (health.py) report through ``check_passed``/``check_failed``; the launcher (through
 ``ProxyState.on_event``) through ``restarting``/``restarted``/``gave_up``; requests through
-``dispatch``/``undispatch``/``succeeded``/``failed``, which feed the circuit breaker; the admin API through
+``dispatch``/``undispatch``/``succeeded``/``failed``, which feed the circuit breaker, and ``push_stranded``
+(handover.py); the admin API through
 ``ProxyState`` (state.py), which owns membership; ``ProxyState`` also through ``warming``/``warmed``
 around a returning instance's handshake canaries (warmup.py). Nobody else writes these fields.
 """
@@ -38,6 +42,9 @@ class Lifecycle(enum.Enum):
     RESTARTING = "restarting"  # its process exited; the launcher is starting it again
     DRAINING = "draining"  # takes no new requests; in-flight ones finish
     WARMING = "warming"  # back, and meeting its peers (NIXL handshakes) before it takes requests
+    # A push decode holding the blocks of pushes that never came: it takes requests only when no other
+    # instance of its pool can, so that it goes idle and its supervisor restarts it (engines/stranded.py).
+    RESTING = "resting"
     REMOVED = "removed"
 
 
@@ -65,7 +72,14 @@ class EngineLoad(Load):
 
 
 class Instance:
-    def __init__(self, upstream: Upstream, breaker: CircuitBreaker, unhealthy_after_checks: int = 3) -> None:
+    def __init__(
+        self,
+        upstream: Upstream,
+        breaker: CircuitBreaker,
+        unhealthy_after_checks: int = 3,
+        rest_after_stranded: int = 0,
+        rest_idle_limit_s: float = 60.0,
+    ) -> None:
         self.upstream = upstream
         self.url = upstream.url  # read on every attempt: an attribute, not a property call
         self.breaker = breaker
@@ -87,6 +101,16 @@ class Instance:
         # The last sign that its engine steps while the proxy has requests there: its token counters
         # moved, or an answer (a stream's first byte, a whole answer) came.
         self._progress_at = time.monotonic()
+        # vLLM frees the blocks a push decode registered only when the push arrives (docs/handover.md):
+        # after ``rest_after_stranded`` pushes that never came (0: never) it rests, so that it goes idle
+        # and its supervisor restarts it. Idle for ``rest_idle_limit_s`` and not restarted, nobody will:
+        # it serves again, holding them.
+        self._rest_after = rest_after_stranded
+        self._rest_idle_limit_s = rest_idle_limit_s
+        self._num_stranded = 0  # pushes that may never have come, since its last restart or rest
+        self._is_resting = False
+        self._idle_since = time.monotonic()  # nothing of this proxy in flight there since
+        self._load_at = 0.0  # monotonic: the last scrape of its /metrics
 
     @property
     def role(self) -> Role:
@@ -102,13 +126,17 @@ class Instance:
             return Lifecycle.RESTARTING
         if not self._is_healthy:
             return Lifecycle.UNHEALTHY
+        if self._is_resting:
+            return Lifecycle.RESTING
         return Lifecycle.WARMING if self._is_warming else Lifecycle.SERVING
 
-    def is_available(self, now: float) -> bool:
+    def is_available(self, now: float, even_resting: bool = False) -> bool:
         # ``lifecycle is Lifecycle.SERVING``, without building it: asked of each instance per attempt.
+        # ``even_resting``: or resting, as a pool with no other instance in service takes it.
         return (
             self._is_healthy
             and not (self._is_removed or self._is_draining or self._is_restarting)
+            and (even_resting or not (self._is_resting and self._rests(now)))
             and self.breaker.allows(now)
         )
 
@@ -116,7 +144,12 @@ class Instance:
     def is_panic_candidate(self) -> bool:
         """Out of service by its health, its circuit or its warm-up, not by intent (draining, removed,
         restarting): a request no instance in service can take goes to one of these."""
-        return self.lifecycle in (Lifecycle.SERVING, Lifecycle.UNHEALTHY, Lifecycle.WARMING)
+        return self.lifecycle in (
+            Lifecycle.SERVING,
+            Lifecycle.UNHEALTHY,
+            Lifecycle.WARMING,
+            Lifecycle.RESTING,
+        )
 
     @property
     def failure_score(self) -> tuple[int, int]:
@@ -161,13 +194,15 @@ class Instance:
         if self._is_restarting:
             return False  # the old process's port may still answer a moment; the launcher says when
         recovered = not self._is_healthy
+        if recovered and self._was_unreachable:
+            self._forget_stranded()  # a new process: the old one's blocks went with it
         self._is_healthy, self._has_answered, self._num_failed_checks = True, True, 0
         self._was_unreachable = False
         self._last_error = None
         if load is not None:
             if not self._has_load or load.num_tokens != self._load.num_tokens:
                 self._progress_at = time.monotonic()
-            self._load, self._has_load = load, True
+            self._load, self._has_load, self._load_at = load, True, time.monotonic()
         return recovered
 
     def check_failed(self, error: str, unreachable: bool = False) -> None:
@@ -193,6 +228,7 @@ class Instance:
         self._last_error = None
         self._load, self._has_load = EngineLoad(), False
         self.breaker.reset()
+        self._forget_stranded()
 
     def warming(self) -> None:
         """Back, but out of service until its canaries have met its peers (``warmed``)."""
@@ -224,6 +260,8 @@ class Instance:
 
     def undispatch(self) -> None:
         self._num_in_flight -= 1
+        if not self._num_in_flight:
+            self._idle_since = time.monotonic()
 
     def owe_first_byte(self, key: int) -> None:
         """A streamed request here awaits its first byte until ``first_byte(key)`` (idempotent)."""
@@ -269,6 +307,49 @@ class Instance:
             log.warning("%s instance %s: circuit open after %d failures (%s)", self.role, self.url,
                         self.breaker.num_consecutive_failures, detail)  # fmt: skip
 
+    # --- pushes that never came -----------------------------------------------------------------
+
+    @property
+    def num_stranded(self) -> int:
+        """Pushes this decode may have registered blocks for that never came, since it last restarted
+        or ended a rest."""
+        return self._num_stranded
+
+    def push_stranded(self) -> None:
+        """A push this decode may have registered blocks for will never come (its prefill failed or was
+        left; had the registration itself failed, vLLM freed them): past the limit it rests."""
+        self._num_stranded += 1
+        if self._is_resting or not 0 < self._rest_after <= self._num_stranded:
+            return
+        self._is_resting = True
+        if not self._num_in_flight:
+            self._idle_since = time.monotonic()
+        log.warning("%s instance %s rests: it may hold the blocks of %d pushes that never came, which only "
+                    "a restart frees; it takes requests only when no other instance can, until it restarts",
+                    self.role, self.url, self._num_stranded)  # fmt: skip
+
+    def _rests(self, now: float) -> bool:
+        """Whether the rest goes on. Idle, it ends when its /metrics show it holds no block (the pushes'
+        registrations failed, which frees them) or, not restarted past the time a supervisor takes to
+        restart an idle decode that holds blocks, when nobody will: it serves again, holding them."""
+        if self._num_in_flight:
+            return True
+        load = self._load
+        if self._load_at > self._idle_since and not (load.kv_usage or load.num_running or load.num_waiting):
+            why = "it holds no KV block: the pushes' registrations must have failed, which frees them"
+        elif now - self._idle_since > self._rest_idle_limit_s:
+            why = (f"idle {now - self._idle_since:.0f} s and not restarted (no supervisor?): a restart would "
+                   f"free the blocks of the pushes that never came")  # fmt: skip
+        else:
+            return True
+        log.warning("%s instance %s serves again: %s", self.role, self.url, why)
+        self._forget_stranded()
+        return False
+
+    def _forget_stranded(self) -> None:
+        self._num_stranded = 0
+        self._is_resting = False
+
     # --- membership (called by ProxyState only) -------------------------------------------------
 
     @property
@@ -288,6 +369,7 @@ class Instance:
             "state": self.lifecycle.value,
             "healthy": self._is_healthy,
             "draining": self._is_draining,
+            "stranded_pushes": self._num_stranded,
             "circuit": self.breaker.state(time.monotonic()),
             "in_flight": self._num_in_flight,
             "running": self._load.num_running,

@@ -35,6 +35,7 @@ log = logging.getLogger("pdserve.proxy")
 
 _DRAIN_POLL_S = 0.1
 _DRAIN_LIMIT_S = 600.0
+_REST_GRACE_S = 30.0
 
 UpstreamFactory = Callable[[Role, str], Upstream]
 
@@ -75,14 +76,17 @@ class Pool:
         return tuple(self._instances)
 
     def available(self, exclude: Sequence[Instance] = ()) -> list[Instance]:
+        """The instances in service outside ``exclude``; when there are none, those resting (a resting
+        instance takes requests only when no other can)."""
         now = time.monotonic()
-        return [i for i in self._instances if i.is_available(now) and i not in exclude]
+        found = [i for i in self._instances if i.is_available(now) and i not in exclude]
+        return found or [i for i in self._instances if i.is_available(now, True) and i not in exclude]
 
     def has_available(self, exclude: Sequence[Instance] = (), also: Instance | None = None) -> bool:
         """Whether ``available`` would name one outside ``exclude`` and ``also`` (no list built)."""
         now = time.monotonic()
         for i in self._instances:  # noqa: SIM110 - a loop: cheaper than any() over a generator
-            if i is not also and i not in exclude and i.is_available(now):
+            if i is not also and i not in exclude and i.is_available(now, True):
                 return True
         return False
 
@@ -146,8 +150,11 @@ class ProxyState:
         policies: dict[Role, Policy],
         make_upstream: UpstreamFactory | None = None,
         num_traces: int = 256,
+        share_stranded: Callable[[str], None] | None = None,
     ) -> None:
         self._config = config
+        # Another proxy worker's decodes are this one's too: each stranded push is told to them all.
+        self._share_stranded = share_stranded
         self._policies = policies
         self._make_upstream = make_upstream or self._http_upstream
         # A pool per role the config fronts; ``pool(role)`` is the one that takes that role's part: an
@@ -235,7 +242,11 @@ class ProxyState:
         config = self._config
         breaker = CircuitBreaker(config.health.breaker_threshold, config.health.breaker_cooldown_s)
         upstream = self._make_upstream(self._pools[role].role, url)
-        return Instance(upstream, breaker, config.health.unhealthy_after_checks)
+        # A resting decode needs the supervisor's idle time: the registration watchdog (the lease), its
+        # checks' interval and a restart's first event.
+        rest_idle_limit_s = config.kv_lease_s + _REST_GRACE_S
+        return Instance(upstream, breaker, config.health.unhealthy_after_checks,
+                        config.health.rest_after_stranded_pushes, rest_idle_limit_s)  # fmt: skip
 
     async def open(self) -> None:
         self.loop = asyncio.get_running_loop()
@@ -263,6 +274,14 @@ class ProxyState:
             instance.url,
             instance.num_in_flight,
         )
+
+    def push_stranded(self, instance: Instance, from_peer: bool = False) -> None:
+        """A push ``instance`` may have registered blocks for will never come (handover.py); a proxy's
+        workers all count it (``from_peer``: another worker saw it), so that the decode rests in every
+        one of them."""
+        instance.push_stranded()
+        if self._share_stranded is not None and not from_peer:
+            self._share_stranded(instance.url)
 
     def remove(self, instance: Instance) -> None:
         """Drain, then drop the instance once nothing is in flight there (bounded) and close it."""

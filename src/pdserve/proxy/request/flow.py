@@ -76,7 +76,7 @@ class Flow:
         self._prefiller = Prefiller(config.timeouts)
         self._decoder = Decoder(config.timeouts)
         self._handover = Handover(
-            self._prefiller, self._decoder, config.kv_lease_s, config.first_token_at_once
+            self._prefiller, self._decoder, config.kv_lease_s, config.first_token_at_once, state.push_stranded
         )
         self._releaser = Releaser(state, config.kv_lease_s)
         self._migrator = Migrator(state, config.retries, config.timeouts.decode)

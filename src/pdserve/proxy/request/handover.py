@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import Any, Final
 
 import orjson
@@ -56,9 +57,15 @@ class Handover:
     """One per proxy worker: performs prefill steps in the sequence each instance allows."""
 
     def __init__(
-        self, prefiller: Prefiller, decoder: Decoder, lease_s: float, first_token: bool = False
+        self,
+        prefiller: Prefiller,
+        decoder: Decoder,
+        lease_s: float,
+        first_token: bool = False,
+        stranded: Callable[[Instance], None] = Instance.push_stranded,
     ) -> None:
         self._prefiller = prefiller
+        self._stranded = stranded  # a decode may hold blocks for a push that never comes (ProxyState's)
         self._decoder = decoder
         self._lease_s = lease_s
         self._first_token = first_token
@@ -153,6 +160,7 @@ class Handover:
             leg.close()
             self._background.add(task)
             task.add_done_callback(self._background.discard)
+            task.add_done_callback(lambda done: self._strands(leg, done))
             raise
 
     def _learn(self, prefill: Instance, result: PrefillResult) -> None:
@@ -177,13 +185,26 @@ class Handover:
     def _left(self, leg: EarlyLeg, prefill: Instance, result: PrefillResult) -> None:
         """The plan did not send decode's step to the early leg's decode: close it. Had prefill not
         answered, the blocks decode registered for it stay until decode restarts (vLLM 0.32; `pdserve up`'s
-        supervisor restarts a push decode that sits idle holding them: engines/stranded.py)."""
+        supervisor restarts a push decode that sits idle holding them: engines/stranded.py, and the
+        decode rests once it may hold several: instance.py)."""
         leg.close()
         if not isinstance(result, Prefilled):
             log.warning("request %s: decode %s may hold blocks registered for prefill %s until it restarts "
                         "(vLLM frees blocks registered for a push only when the push arrives; a supervised "
                         "decode is restarted once it sits idle holding them)",
                         leg.call.request_id, leg.decode.url, prefill.url)  # fmt: skip
+            self._stranded(leg.decode)
+
+    def _strands(self, leg: EarlyLeg, prefill: asyncio.Task[PrefillResult]) -> None:
+        """A prefill left to finish in the background (its client left) did not: its push never comes."""
+        if (
+            prefill.cancelled()
+            or prefill.exception() is not None
+            or not isinstance(prefill.result(), Prefilled)
+        ):
+            log.warning("decode %s may hold blocks registered for a push that never came (request %s, left "
+                        "by its client)", leg.decode.url, leg.call.request_id)  # fmt: skip
+            self._stranded(leg.decode)
 
 
 def _no_continuation(decode: Instance, why: str) -> UpstreamSuspectAnswer:

@@ -48,7 +48,7 @@ def create_app(
     options = PolicyOptions(config.routing.prefix_block_size, config.routing.prefix_load_cost_tokens)
     # A policy per part of a request, the policy of the pool that takes it (an elastic pool takes both).
     policies = {part: fanout.sharing(part, make_policy(config.pool(part).policy, options)) for part in ROLES}
-    state = ProxyState(config, policies, make_upstream)
+    state = ProxyState(config, policies, make_upstream, share_stranded=peers.tell_stranded if peers else None)
     tokenizer = PromptTokenizer.from_model_dir(config.routing.tokenizer) if config.routing.tokenizer else None
     if config.routing.tokenizer and tokenizer is None:
         log.warning(

@@ -95,6 +95,9 @@ def render(state: ProxyState, admission: Admission) -> str:
              per_instance(lambda i: i.is_available(now)))  # fmt: skip
     t.metric("pdserve_instance_in_flight", "gauge", "Requests the proxy has in flight at the instance.",
              per_instance(lambda i: i.num_in_flight))  # fmt: skip
+    t.metric("pdserve_instance_stranded_pushes", "gauge",
+             "Pushes a decode may hold KV blocks for that never came (only a restart frees them).",
+             per_instance(lambda i: i.num_stranded))  # fmt: skip
     for phase, help_text in PHASES.items():
         t.histogram(f"pdserve_{phase}_seconds", help_text, stats.timings.phases[phase])
     t.histogram("pdserve_itl_seconds", "Gaps between chunks relayed to streaming clients.", stats.timings.itl)

@@ -3,6 +3,7 @@
 GET  /_pdserve/ready    200 once the worker serves (workers.py waits for it at start)
 POST /_pdserve/event    what the launcher learnt (events.to_dict): the worker's state takes it
 POST /_pdserve/prefix   another worker's prompt-aware picks: [{"role", "url", "hashes"}, …]
+POST /_pdserve/stranded another worker's push that never came to a decode: {"url"}
 """
 
 from __future__ import annotations
@@ -55,8 +56,22 @@ async def prefix(request: Request) -> Response:
     return Response(b"", 204)
 
 
+async def stranded(request: Request) -> Response:
+    state = context(request).state
+    try:
+        url = orjson.loads(await request.body())["url"]
+    except (orjson.JSONDecodeError, TypeError, KeyError) as exc:
+        return error_response(400, f"not a stranded push: {exc}", "BadRequestError")
+    instance = state.find(url) if isinstance(url, str) else None
+    if instance is None:
+        return error_response(404, f"no instance {url!r}", "NotFoundError")
+    state.push_stranded(instance, from_peer=True)
+    return Response(b"", 204)
+
+
 PEER_ROUTES = [
     Route("/_pdserve/ready", peers_only(ready), methods=["GET"]),
     Route("/_pdserve/event", peers_only(event), methods=["POST"]),
     Route("/_pdserve/prefix", peers_only(prefix), methods=["POST"]),
+    Route("/_pdserve/stranded", peers_only(stranded), methods=["POST"]),
 ]

@@ -5,9 +5,10 @@ Every worker serves the same app on the shared TCP port and on a Unix socket of 
 directory. A request that comes in over a Unix socket is a peer's (``is_peer``): it is answered from
 that worker's own state and never passed on. So what a client reads of the proxy (/metrics, /instances,
 /requests, /admin/ledger) is the answering worker's state merged with its peers', and what the admin API
-changes, every worker changes. Two things travel between workers unasked: what the launcher tells the
-proxy (workers.py delivers it to each), and the prefix index's new entries, in batches, so that a
-prompt-aware policy in one worker knows where the others sent a prefix.
+changes, every worker changes. Three things travel between workers unasked: what the launcher tells the
+proxy (workers.py delivers it to each), the prefix index's new entries, in batches, so that a
+prompt-aware policy in one worker knows where the others sent a prefix, and each push a decode waits for
+in vain (so that the decode rests in every worker: instance.py).
 
 A handler hands its own answer to the app's ``Fanout`` and gets the proxy's back, in one line. A proxy
 of one process has ``Fanout`` itself, which hands the answer back and wraps no policy: nothing here runs
@@ -144,6 +145,7 @@ class Peers(Fanout):
         self._misses: Counter[int] = Counter({i: 0 for i in self._paths})  # by the worker asked
         self._picks: list[dict[str, Any]] = []
         self._is_sharing = False  # a prompt-aware policy tells its picks (``sharing``)
+        self._telling: set[asyncio.Task[None]] = set()
 
     # --- what handlers call ----------------------------------------------------------------------
 
@@ -189,6 +191,20 @@ class Peers(Fanout):
         self._log_refusals(asked, request.method, request.url.path)
         if missing := asked.missing(range(200, 300)):  # made here: the client must know where it was not
             response.headers[PARTIAL_HEADER] = "; ".join(missing)
+
+    def tell_stranded(self, url: str) -> None:
+        """This worker saw a push to decode ``url`` that never came: the others count it too, at once
+        (ProxyState.push_stranded)."""
+
+        async def tell() -> None:
+            body = orjson.dumps({"url": url})
+            self._log_refusals(
+                await self.ask("POST", "/_pdserve/stranded", body), "POST", "/_pdserve/stranded"
+            )
+
+        task = asyncio.create_task(tell())
+        self._telling.add(task)
+        task.add_done_callback(self._telling.discard)
 
     async def run(self) -> None:
         """Send the picks of each ``_GOSSIP_S`` to the peers, until cancelled."""
@@ -364,7 +380,8 @@ def merge_snapshots(snapshots: Sequence[dict[str, Any]], num_recent: int = _NUM_
 # Per-instance states, not counts: several workers' views merge to 1 only where every one says 1.
 _ALL_OF = frozenset({"pdserve_instance_healthy", "pdserve_instance_available"})
 # Estimates each worker makes of one instance: the most cautious one stands.
-_MOST_OF = frozenset({"pdserve_decode_expected_pull_seconds"})
+# (Every worker counts each stranded push: each has the whole count, and the most is the freshest.)
+_MOST_OF = frozenset({"pdserve_decode_expected_pull_seconds", "pdserve_instance_stranded_pushes"})
 
 
 def merge_metrics(texts: Sequence[str]) -> str:
