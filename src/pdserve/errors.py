@@ -24,7 +24,7 @@
     │   │   ├── UpstreamConnectError   could not connect: the instance never saw the request
     │   │   ├── UpstreamStaleConnection a kept-alive connection closed before any answer byte
     │   │   ├── UpstreamSuspectAnswer  what was already streamed may rest on KV released too early
-    │   │   └── UpstreamDiverged       decode's first token is not prefill's, which the client already has
+    │   │   └── UpstreamDiverged       decode's stream cannot follow prefill's first token, which the client has
     │   ├── UpstreamTimeout        a per-phase limit or the request's deadline ran out
     │   ├── UpstreamProtocolError  the instance answered, but not as the NixlConnector protocol says
     │   ├── NoInstanceAvailable    every instance of a role is unhealthy, draining or circuit-open
@@ -196,9 +196,10 @@ class UpstreamSuspectAnswer(UpstreamUnavailable):
 
 
 class UpstreamDiverged(UpstreamUnavailable):
-    """Decode sampled another first token than prefill's, which the client already has (bf16 logits of
-    two instances differ): nothing is wrong with decode, and the stream goes on from prefill's token on
-    any instance, this one included (proxy/request/migrate.py)."""
+    """Decode's stream cannot follow prefill's first token, which the client already has: decode sampled
+    another (bf16 logits of two instances differ), or the lease guard withheld its answer before any of
+    it went out. Nothing is wrong with decode, and the stream goes on from prefill's token on any
+    instance, this one included (proxy/request/migrate.py)."""
 
 
 class UpstreamTimeout(UpstreamError):

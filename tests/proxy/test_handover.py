@@ -13,6 +13,7 @@ from pdserve import sse
 from pdserve.config import ProxyConfig, Role, Timeouts
 from pdserve.configparts import Retries
 from pdserve.errors import UpstreamConnectError
+from pdserve.events import KVLogEvent
 from pdserve.proxy.pool.policies import make_policy
 from pdserve.proxy.pool.state import ProxyState
 from pdserve.proxy.record.responder import Responder
@@ -239,6 +240,28 @@ async def test_a_decode_that_draws_another_first_token_goes_on_from_the_one_the_
     [migration] = system.state.traces[-1].migrations
     assert migration["result"] == "ok"
     assert system.state.find("http://d0:1").is_available(time.monotonic())  # nothing wrong with decode
+
+
+async def test_an_answer_the_lease_guard_withholds_after_the_first_token_goes_on_from_that_token() -> None:
+    ids = iter(range(100))  # vLLM names every prefill anew
+    system = System(
+        [lambda body: _prefill_ids(body, f"cmpl-r-0-{next(ids):08x}")],
+        [_decode_ids("He", 9)],
+        first_token_at_once=True,
+    )
+    pulling = _decode_ids("He", 9)
+
+    def decode_after_release(body: dict[str, Any]) -> Answer:
+        if len(system.bodies("http://d0:1")) == 1:  # prefill's log said it released the KV mid-pull
+            system.state.on_event(KVLogEvent("http://p0:1", "expired", "cmpl-r-0-00000000", at=0.0))
+        return pulling(body)
+
+    system.upstreams["http://d0:1"].script = decode_after_release
+    send = await system.ask({**BODY, "stream": True})
+    assert b'"error"' not in send.body
+    assert _text(send) == "Hello you"  # decode's suspect "He!" never reached the client
+    assert system.bodies("http://d0:1")[-1]["prompt"] == [1, 2, 3, 9]
+    assert system.state.ledger.suspects["log"] == 1
 
 
 async def test_a_decode_left_with_pushes_that_never_came_rests_while_another_decode_serves() -> None:

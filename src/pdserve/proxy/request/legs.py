@@ -192,7 +192,10 @@ class _CutStream:
                 # The client's stream began with prefill's token: the guard's verdict and the ledger's
                 # "delivered" come with decode's first chunk instead.
                 if (suspect := await step.trusted(time.perf_counter())) is not None:
-                    raise UpstreamSuspectAnswer("decode", self._url, f"KV lease: {suspect.why}")
+                    # withheld, nothing of decode's answer went out: with the ids the client's tokens
+                    # have, a migration goes on from them (its prompt computed anew, no KV pulled)
+                    kind = UpstreamDiverged if self._cut.has_ids else UpstreamSuspectAnswer
+                    raise kind("decode", self._url, f"KV lease: {suspect.why}")
                 step.begins(200)
             try:
                 out = self._cut.feed(chunk)
