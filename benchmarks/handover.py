@@ -15,9 +15,12 @@ the decode instance alone:
 Both proxies of a pair are processes of their own, alike but for the flag (the stack's own proxy, on a
 thread of this process beside the load client, is not timed). Rounds rotate the arms (round r starts with
 arm r mod 3); each round sends ``--requests`` streamed greedy completions per concurrency (at least as
-many as the concurrency), every prompt fresh (its own words and ``cache_salt``). TTFT is the client's
-time to the first chunk with text; ITL the gaps between text chunks. Answers are compared with decode's
-own (greedy, float32). For each proxy arm, the medians of its requests' phases as its ``/requests``
+many as the concurrency), every prompt fresh (its own words), and each arm sends it under a ``cache_salt``
+of its own: the arms share instances, and an arm must not find the prompt in a prefix cache that the arm
+before it filled (the same salt everywhere made a later arm's prefill, or decode alone, a cache hit and
+its first token early). TTFT is the client's time to the first chunk with text; ITL the gaps between
+text chunks. Answers are compared with decode's own (greedy; float32 on CPU, bf16 on a GPU, where near
+ties flip between batches). For each proxy arm, the medians of its requests' phases as its ``/requests``
 timeline has them: prefill's call, the proxy's own gap between the legs, decode's request to its first
 byte.
 
@@ -148,7 +151,8 @@ async def _batch(url: str, bodies: list[dict[str, Any]], concurrency: int) -> li
 @contextmanager
 def _proxy(stack: Stack, port: int, *flags: str) -> Iterator[str]:
     """A second pdserve proxy in front of the stack's instances."""
-    args = [str(Path(sys.executable).parent / "pdserve"), "proxy", "--port", str(port), *flags]
+    # the module, not a console script: a host that runs pdserve from its source has none
+    args = [sys.executable, "-m", "pdserve.cli", "proxy", "--port", str(port), *flags]
     for url in stack.urls("prefill"):
         args += ["--prefill", url]
     for url in stack.urls("decode"):
@@ -214,7 +218,8 @@ def run_pair(transfer: str, args: argparse.Namespace, base_port: int, run_dir: P
                               for _ in range(max(args.requests, concurrency))]  # fmt: skip
                     texts: dict[str, list[str]] = {}
                     for name in names[r % 3 :] + names[: r % 3]:
-                        results = asyncio.run(_batch(arms[name], bodies, concurrency))
+                        own = [{**b, "cache_salt": f"{b['cache_salt']}-{names.index(name)}"} for b in bodies]
+                        results = asyncio.run(_batch(arms[name], own, concurrency))
                         samples[name]["ttft"] += [r[0] for r in results]
                         samples[name]["itl"] += [g for r in results for g in r[1]]
                         texts[name] = [r[2] for r in results]
