@@ -133,9 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     for seed in seeds:
         trace = generate(seed, n, a.phase_s)
-        offered = len(trace.arrivals(seed)) / trace.duration_s
+        num_requests = len(trace.arrivals(seed))
+        offered = num_requests / trace.duration_s
         print(f"\nSIMULATED: profile {profile.name}, {n} instances, virtual clock; seed {seed}, trace of "
-              f"{trace.duration_s:g} s, {len(trace.arrivals(seed))} requests:\n"
+              f"{trace.duration_s:g} s, {num_requests} requests:\n"
               + "\n".join(f"  {k + 1}. {ph.describe()}" for k, ph in enumerate(trace.phases)), flush=True)  # fmt: skip
         fixed = [replay(profile, trace, Fixed(x, n - x), seed) for x in range(1, n)]
         fixed.append(replay(profile, trace, Fixed(0, n), seed))

@@ -23,13 +23,11 @@ from typing import Any
 import orjson
 import pytest
 import requests
-from engineprocs import pgid, wait_until
+from engineprocs import complete, holdings, kv_usage, model_name, pgid, tagged_prompt, wait_until
 
 from pdserve.config import ProxyConfig, Timeouts
 from pdserve.configparts import ApiKeys, HealthChecks
-from pdserve.errors import MetricsUnreadable
 from pdserve.events import InstanceEvent
-from pdserve.prometheus import KV_USAGE, NUM_RUNNING, NUM_WAITING, scrape
 from pdserve.proxy.serving.thread import ProxyThread
 from pdserve.stack import Stack, wait_http_ok
 from pdserve.topology import Topology
@@ -77,47 +75,18 @@ def quick(pair: Stack) -> Iterator[str]:
     proxy.start()
     try:
         assert wait_http_ok(f"{proxy.url}/health", timeout=120)
-        _complete(proxy.url, _model(pair), _prompt("identity"))
+        complete(proxy.url, model_name(pair), tagged_prompt("identity"))
         yield proxy.url
     finally:
         proxy.stop()
-
-
-def _model(stack: Stack) -> str:
-    assert stack.model is not None
-    return stack.model.served_model_name or stack.model.path
-
-
-def _prompt(tag: str) -> str:
-    return f"{tag} {uuid.uuid4().hex[:6]}: " + "the harbour lights came on one by one " * 7
-
-
-def _complete(base: str, model: str, prompt: str, request_id: str | None = None) -> requests.Response:
-    body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0}
-    headers = {"X-Request-Id": request_id} if request_id else {}
-    return requests.post(f"{base}/v1/completions", json=body, headers=headers, timeout=120)
-
-
-def _held(url: str) -> tuple[float, float, float] | None:
-    """(KV usage, requests running, requests waiting) by the instance's own counters; None if it is down."""
-    try:
-        s = scrape(url)
-    except MetricsUnreadable:
-        return None
-    return (s.get(KV_USAGE, 0.0), s.get(NUM_RUNNING, 0.0), s.get(NUM_WAITING, 0.0))
-
-
-def _usage(url: str) -> float:
-    held = _held(url)
-    return 0.0 if held is None else held[0]
 
 
 def _holds_nothing(stack: Stack, timeout: float) -> None:
     """Every instance serving, holding no block and no request, within ``timeout`` (a decode the
     supervisor restarts to free stranded blocks is back first)."""
     urls = [*stack.urls("prefill"), *stack.urls("decode")]
-    assert wait_until(lambda: all(_held(u) == (0.0, 0.0, 0.0) for u in urls), timeout, interval=0.25), {
-        u: _held(u) for u in urls
+    assert wait_until(lambda: all(holdings(u) == (0.0, 0.0, 0.0) for u in urls), timeout, interval=0.25), {
+        u: holdings(u) for u in urls
     }
 
 
@@ -141,7 +110,7 @@ class _Held:
 
     def __init__(self, stack: Stack, base: str, stream: bool = False) -> None:
         self.stack, self.base = stack, base
-        self.prompt = _prompt("held")
+        self.prompt = tagged_prompt("held")
         self.request_id = f"held-{uuid.uuid4().hex[:8]}"
         self.prefill_pgid = pgid(stack, "prefill")
         self.outcome: dict[str, Any] = {}
@@ -149,16 +118,16 @@ class _Held:
         self._thread = threading.Thread(target=self._send, daemon=True)
 
     def _send(self) -> None:
-        resp = _complete(self.base, _model(self.stack), self.prompt, self.request_id)
+        resp = complete(self.base, model_name(self.stack), self.prompt, self.request_id)
         self.outcome.update(status=resp.status_code, body=resp.json(), at=time.monotonic())
 
     def __enter__(self) -> _Held:
         decode = self.stack.urls("decode")[0]
-        assert _held(decode) == (0.0, 0.0, 0.0)
+        assert holdings(decode) == (0.0, 0.0, 0.0)
         os.killpg(self.prefill_pgid, signal.SIGSTOP)
         self._thread.start()
         # decode admitted the request and allocated the blocks it registers with prefill
-        assert wait_until(lambda: _usage(decode) > 0.0, timeout=30, interval=0.25), (
+        assert wait_until(lambda: kv_usage(decode) > 0.0, timeout=30, interval=0.25), (
             "decode never allocated blocks"
         )
         time.sleep(0.5)  # its worker sends the registration on its next step
@@ -182,12 +151,12 @@ def _trace(base: str, request_id: str) -> dict[str, Any]:
 
 
 def _alone(stack: Stack, prompt: str) -> str:
-    return str(_complete(stack.urls("decode")[0], _model(stack), prompt).json()["choices"][0]["text"])
+    return str(complete(stack.urls("decode")[0], model_name(stack), prompt).json()["choices"][0]["text"])
 
 
 def test_a_client_that_leaves_a_push_request_leaves_no_block_held(pair: Stack, quick: str) -> None:
-    model = _model(pair)
-    body = orjson.dumps({"model": model, "prompt": _prompt("leaver"), "max_tokens": 8, "stream": True})
+    model = model_name(pair)
+    body = orjson.dumps({"model": model, "prompt": tagged_prompt("leaver"), "max_tokens": 8, "stream": True})
     host, port = quick.removeprefix("http://").split(":")
     prefill_pgid = pgid(pair, "prefill")
     os.killpg(prefill_pgid, signal.SIGSTOP)
@@ -198,7 +167,7 @@ def test_a_client_that_leaves_a_push_request_leaves_no_block_held(pair: Stack, q
                 f"Content-Length: {len(body)}\r\n\r\n".encode()
                 + body
             )
-            assert wait_until(lambda: _usage(pair.urls("decode")[0]) > 0.0, timeout=30, interval=0.25)
+            assert wait_until(lambda: kv_usage(pair.urls("decode")[0]) > 0.0, timeout=30, interval=0.25)
             time.sleep(0.5)
         # the client is gone while prefill computes: decode's leg is closed at once, prefill's finishes
     finally:

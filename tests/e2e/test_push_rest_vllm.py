@@ -19,12 +19,10 @@ from typing import Any
 
 import pytest
 import requests
-from engineprocs import pgid, wait_until
+from engineprocs import complete, kv_usage, model_name, pgid, tagged_prompt, wait_until
 
 from pdserve.config import ProxySettings, Timeouts
 from pdserve.configparts import ApiKeys, HealthChecks
-from pdserve.errors import MetricsUnreadable
-from pdserve.prometheus import KV_USAGE, scrape
 from pdserve.stack import Stack
 from pdserve.topology import RoleSpec, Topology
 
@@ -58,29 +56,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         yield s
 
 
-def _model(stack: Stack) -> str:
-    assert stack.model is not None
-    return stack.model.served_model_name or stack.model.path
-
-
-def _complete(base: str, model: str, prompt: str, request_id: str) -> requests.Response:
-    body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0}
-    return requests.post(
-        f"{base}/v1/completions", json=body, headers={"X-Request-Id": request_id}, timeout=120
-    )
-
-
-def _prompt(tag: str) -> str:
-    return f"{tag} {uuid.uuid4().hex[:6]}: " + "the harbour lights came on one by one " * 7
-
-
-def _usage(url: str) -> float:
-    try:
-        return scrape(url).get(KV_USAGE, 0.0)
-    except MetricsUnreadable:
-        return 0.0
-
-
 def _state(stack: Stack, url: str) -> str:
     listed = requests.get(f"{stack.proxy_url}/instances", timeout=10).json()
     return str(next(i for i in listed if i["url"] == url)["state"])
@@ -99,8 +74,9 @@ class _Traffic:
     def _run(self) -> None:
         base = self.stack.proxy_url
         while not self._stop.is_set():
-            request_id, sent, prompt = f"steady-{uuid.uuid4().hex[:8]}", time.monotonic(), _prompt("steady")
-            resp = _complete(base, _model(self.stack), prompt, request_id)
+            request_id, prompt = f"steady-{uuid.uuid4().hex[:8]}", tagged_prompt("steady")
+            sent = time.monotonic()
+            resp = complete(base, model_name(self.stack), prompt, request_id)
             done = time.monotonic()
             text = resp.json()["choices"][0]["text"] if resp.status_code == 200 else resp.text
             [trace] = requests.get(
@@ -121,23 +97,23 @@ class _Traffic:
 def test_a_decode_holding_a_dead_prefills_push_rests_under_traffic_until_its_restart_frees_it(
     stack: Stack,
 ) -> None:
-    model, base = _model(stack), stack.proxy_url
+    model, base = model_name(stack), stack.proxy_url
     # the first tells the proxy prefill's push identity; then each decode meets prefill (a registration
     # to a prefill it never met fails its handshake, and vLLM frees the blocks: nothing would be held)
     for i in range(4):
-        assert _complete(base, model, _prompt("meet"), f"meet-{i}").status_code == 200
+        assert complete(base, model, tagged_prompt("meet"), f"meet-{i}").status_code == 200
     prefill_pgid = pgid(stack, "prefill")
     outcome: dict[str, Any] = {}
     os.killpg(prefill_pgid, signal.SIGSTOP)
     sender = threading.Thread(
-        target=lambda: outcome.update(resp=_complete(base, model, _prompt("stranded"), "stranded")),
+        target=lambda: outcome.update(resp=complete(base, model, tagged_prompt("stranded"), "stranded")),
         daemon=True,
     )
     sender.start()
     decodes = stack.urls("decode")
     # a decode admitted the request and allocated the blocks it registers with prefill
-    assert wait_until(lambda: any(_usage(d) > 0.0 for d in decodes), timeout=30, interval=0.25)
-    [held] = [d for d in decodes if _usage(d) > 0.0]
+    assert wait_until(lambda: any(kv_usage(d) > 0.0 for d in decodes), timeout=30, interval=0.25)
+    [held] = [d for d in decodes if kv_usage(d) > 0.0]
     time.sleep(0.5)  # its worker sends the registration on its next step
     killed_at = time.monotonic()
     os.killpg(prefill_pgid, signal.SIGKILL)
@@ -163,12 +139,12 @@ def test_a_decode_holding_a_dead_prefills_push_rests_under_traffic_until_its_res
         assert wait_until(
             lambda: any(d == held and sent > ready_at for sent, *_, d in traffic.done[-4:]), 120
         )
-    assert _usage(held) == 0.0
+    assert kv_usage(held) == 0.0
     assert traffic.done and all(status == 200 for _, _, status, _, _, _ in traffic.done), traffic.done
     # while it rested, nothing was sent to it
     rested = [decode for _, done, _, _, _, decode in traffic.done if done < ready_at]
     assert rested and held not in rested
     # what the pair answered is what one decode alone answers
     for _, _, _, text, prompt, _ in traffic.done[:2] + traffic.done[-2:]:
-        alone = _complete(held, model, prompt, f"alone-{uuid.uuid4().hex[:8]}").json()["choices"][0]["text"]
+        alone = complete(held, model, prompt, f"alone-{uuid.uuid4().hex[:8]}").json()["choices"][0]["text"]
         assert text == alone
