@@ -972,7 +972,8 @@ def _handover(run: Run, name: str, flags: list[str], timeout: float) -> dict[str
 
 
 def step_handover(run: Run) -> dict[str, Any]:
-    flags = ["--concurrency", run.a.handover_concurrency, "--rounds", str(run.a.handover_rounds)]
+    flags = ["--concurrency", run.a.handover_concurrency, "--rounds", str(run.a.handover_rounds),
+             "--transfers", run.a.handover_transfers]  # fmt: skip
     return _handover(run, "handover", flags, run.left() - 10)
 
 
@@ -1027,6 +1028,7 @@ def main() -> int:
     p.add_argument("--e2e-tests", default=E2E_TESTS, help="comma-separated test files for the e2e step")
     p.add_argument("--handover-concurrency", default="1,8,32", help="the handover step's concurrencies")
     p.add_argument("--handover-rounds", type=int, default=2, help="the handover step's rounds (arms rotated)")
+    p.add_argument("--handover-transfers", default="pull,push", help="the handover step's pairs, in turn")
     p.add_argument("--kv-block-sizes", default="64,128", help="the kvblock step's block sizes")
     run = Run(p.parse_args())
     signal.signal(signal.SIGTERM, _interrupt)  # `timeout` ends us: still stop the pair and write results

@@ -45,8 +45,9 @@ import sys
 import time
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -180,7 +181,15 @@ def _quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def run_pair(transfer: str, args: argparse.Namespace, base_port: int, run_dir: Path) -> dict[str, Any]:
+def run_pair(
+    transfer: str,
+    args: argparse.Namespace,
+    base_port: int,
+    run_dir: Path,
+    keep: Callable[[dict[str, Any]], None],
+) -> dict[str, Any]:
+    """The pair's figures; ``keep`` has them after each concurrency, so a run cut short keeps what it
+    measured."""
     vllm_args = tuple(args.vllm_arg) + ((f"--block-size={args.block_size}",) if args.block_size else ())
     topology = Topology(model=args.model, kv_transfer=transfer, proxy_port=base_port, first_port=base_port + 10,  # type: ignore[arg-type]
                         first_side_channel_port=base_port + 50, on_instance_exit="stop", device=args.device,
@@ -227,7 +236,7 @@ def run_pair(transfer: str, args: argparse.Namespace, base_port: int, run_dir: P
                         if name in phases:  # a proxy: where its requests' time went
                             for phase, values in _phases(arms[name], [r[3] for r in results]).items():
                                 phases[name][phase] += values
-                    for name in names:
+                    for name in names[:2]:  # the two proxies' answers against decode alone's
                         agree += sum(a == b for a, b in zip(texts[name], texts["alone"], strict=True))
                         total += len(texts[name])
                 figures[f"c={concurrency}"] = {
@@ -242,6 +251,7 @@ def run_pair(transfer: str, args: argparse.Namespace, base_port: int, run_dir: P
                         phase: round(statistics.median(v), 1) if v else None for phase, v in by_phase.items()
                     }
                 figures[f"c={concurrency}"]["answers equal to alone"] = f"{agree}/{total}"
+                keep(figures)
                 print(
                     json.dumps({transfer: {f"c={concurrency}": figures[f"c={concurrency}"]}}, indent=1),
                     flush=True,
@@ -273,10 +283,14 @@ def main() -> None:
     args = parser.parse_args()
     run_dir = Path(args.run_dir)
     results: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}}
-    for i, transfer in enumerate(args.transfers.split(",")):
-        results[transfer] = run_pair(transfer, args, args.first_port + 100 * i, run_dir)
-        if args.out:  # what is measured survives a later pair's failure
+
+    def keep(transfer: str, figures: dict[str, Any]) -> None:
+        results[transfer] = figures
+        if args.out:  # what is measured survives a later failure, or the run's deadline
             args.out.write_text(json.dumps(results, indent=1))
+
+    for i, transfer in enumerate(args.transfers.split(",")):
+        keep(transfer, run_pair(transfer, args, args.first_port + 100 * i, run_dir, partial(keep, transfer)))
     print(json.dumps(results, indent=1))
 
 
