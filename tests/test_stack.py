@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import requests
 
 from pdserve.errors import ConfigError
 from pdserve.stack import Stack, prefix_block_size
@@ -45,3 +46,21 @@ def test_prefix_affinity_hashes_in_the_block_size_the_engines_use() -> None:
     assert prefix_block_size(Topology(device="cuda", vllm_args=("--block-size", "64"))) == 64
     prefill_own = Topology(device="cuda", prefill=RoleSpec(args=("--block-size=128",)))
     assert prefix_block_size(prefill_own) == 128
+
+
+def test_the_supervisor_hears_from_the_proxy_how_many_requests_it_has_at_an_instance(tmp_path: Path) -> None:
+    # what decides whether a push decode's deferred request is an orphan (engines/stranded.py)
+    # a profile whose steps take time: the zero-cost one streams a whole answer before the client reads
+    topology = Topology(engine="sim", sim_profile="llama3-8b-h200", run_dir=str(tmp_path), proxy_port=19890,
+                        first_port=19891, first_side_channel_port=19895)  # fmt: skip
+    with Stack(topology, say=lambda _: None) as stack:
+        [decode] = stack.urls("decode")
+        body = {"model": stack.model.served_model_name if stack.model else "", "prompt": "hi",
+                "max_tokens": 2000, "stream": True}  # fmt: skip
+        assert stack._in_flight_at(decode) == 0
+        with requests.post(f"{stack.proxy_url}/v1/completions", json=body, stream=True, timeout=30) as resp:
+            assert resp.status_code == 200
+            lines = resp.iter_lines()  # kept: a generator dropped would close the stream
+            next(lines)  # decode is streaming
+            assert stack._in_flight_at(decode) == 1
+        assert stack._in_flight_at("http://127.0.0.1:1") is None  # not an instance of this proxy

@@ -24,6 +24,8 @@ CACHE_CONFIG_INFO: Final = "vllm:cache_config_info"  # a gauge of 1 whose labels
 KV_USAGE: Final = "vllm:kv_cache_usage_perc"
 NUM_RUNNING: Final = "vllm:num_requests_running"
 NUM_WAITING: Final = "vllm:num_requests_waiting"
+# of those waiting, by reason="capacity" | "deferred" (deferred: a remote KV not yet come, among others)
+WAITING_BY_REASON: Final = "vllm:num_requests_waiting_by_reason"
 # arrival at the engine to its first token: for a decode, its queue and the KV pull included
 TTFT_SUM: Final = "vllm:time_to_first_token_seconds_sum"
 TTFT_COUNT: Final = "vllm:time_to_first_token_seconds_count"
@@ -138,6 +140,16 @@ def parse_samples(text: str) -> list[Sample]:
         Sample(name, {} if labels is None else _labels(labels), value)
         for name, labels, value in _sample_lines(text)
     ]
+
+
+def sum_labelled(text: str, name: str, **labels: str) -> float:
+    """The sum of ``name``'s samples whose labels include ``labels`` (0 when there is none)."""
+    wanted = labels.items()
+    return sum(
+        s.value
+        for s in parse_samples(text)
+        if s.name == name and wanted <= s.labels.items() and not math.isnan(s.value)
+    )
 
 
 def labels_of(text: str, name: str) -> dict[str, str] | None:

@@ -145,6 +145,12 @@ def with_fresh_cache_salt(body: dict[str, Any], tag: str) -> dict[str, Any]:
 
 def kv_params_from_prefill(payload: bytes) -> dict[str, Any]:
     """The ``kv_transfer_params`` of a 200 prefill response; ValueError says what is wrong."""
+    return prefill_answer(payload)["kv_transfer_params"]  # type: ignore[no-any-return]
+
+
+def prefill_answer(payload: bytes) -> dict[str, Any]:
+    """A 200 prefill response parsed, checked to hold the ``kv_transfer_params`` decode needs (parsed
+    once: a stream's first token at once comes from the same answer); ValueError says what is wrong."""
     try:
         data = orjson.loads(payload)
     except orjson.JSONDecodeError as exc:
@@ -158,7 +164,7 @@ def kv_params_from_prefill(payload: bytes) -> dict[str, Any]:
     if None in map(params.get, REQUIRED_DECODE_KEYS):  # the check in C; the names only when one lacks
         missing = [k for k in REQUIRED_DECODE_KEYS if params.get(k) is None]
         raise ValueError(f"kv_transfer_params lacks {', '.join(missing)}")
-    return params
+    return data  # type: ignore[no-any-return]
 
 
 def without_transfer_metadata(payload: bytes) -> bytes:

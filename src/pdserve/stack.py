@@ -13,6 +13,7 @@ the logs) and tells the proxy through ``deliver``.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
 import time
@@ -30,8 +31,9 @@ from pdserve.engines.placement import InstanceSpec, plan_instances, plan_sim_ins
 from pdserve.engines.rayplacement import placeholder_gpu_ids
 from pdserve.engines.supervisor import RestartPolicy
 from pdserve.engines.venv import engine_vllm_version, find_engine_python, version_warning
-from pdserve.errors import EngineError
+from pdserve.errors import EngineError, Unreachable
 from pdserve.events import InstanceEvent, KVLogEvent
+from pdserve.proxy.serving.peers import PARTIAL_HEADER
 from pdserve.proxy.serving.thread import ProxyThread, proxy_for
 from pdserve.proxy.serving.workers import ProxyWorkers
 from pdserve.sim.profile import load_profile
@@ -184,7 +186,7 @@ class Stack:
         self.proxy.start()
         for warning in lease_warnings(config):
             self._say(f"warning: {warning}")
-        self.engines.watch(self._on_event)
+        self.engines.watch(self._on_event, self._in_flight_at)
 
     def _backend(self, specs: tuple[InstanceSpec, ...], entrypoint: tuple[str, ...]) -> EngineBackend:
         topology = self.topology
@@ -209,6 +211,22 @@ class Stack:
         proxy = self.proxy
         if proxy is not None:
             proxy.deliver(event)
+
+    def _in_flight_at(self, url: str) -> int | None:
+        """The requests every proxy worker has in flight at instance ``url``; None when that is not
+        known for sure (no proxy, no answer, or an answer lacking a worker's part)."""
+        proxy = self.proxy
+        if proxy is None:
+            return None
+        try:
+            response = httpclient.get(f"{proxy.url}/instances", timeout=2.0)
+            described = json.loads(response.body) if response.status == 200 else None
+        except (Unreachable, ValueError):
+            return None
+        if not isinstance(described, list) or PARTIAL_HEADER.lower() in response.headers:
+            return None
+        counts = [d.get("in_flight") for d in described if isinstance(d, dict) and d.get("url") == url]
+        return counts[0] if len(counts) == 1 and isinstance(counts[0], int) else None
 
     def stop(self) -> None:
         proxy, self.proxy = self.proxy, None

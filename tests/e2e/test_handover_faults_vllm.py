@@ -25,10 +25,9 @@ import pytest
 import requests
 from engineprocs import complete, holdings, kv_usage, model_name, pgid, tagged_prompt, wait_until
 
-from pdserve.config import ProxyConfig, Timeouts
+from pdserve.config import ProxySettings, Timeouts
 from pdserve.configparts import ApiKeys, HealthChecks
 from pdserve.events import InstanceEvent
-from pdserve.proxy.serving.thread import ProxyThread
 from pdserve.stack import Stack, wait_http_ok
 from pdserve.topology import Topology
 
@@ -53,32 +52,26 @@ _TOPOLOGY = Topology(
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     run_dir = Path(os.environ.get("PDSERVE_E2E_RUN_DIR") or tmp_path_factory.mktemp("push-faults"))
     topology = Topology(**{**_TOPOLOGY.__dict__, "run_dir": str(run_dir)})
-    with Stack(topology, say=lambda m: print(f"[push-faults] {m}", flush=True)) as s:
+    # short timeouts on the stack's own proxy: its supervisor asks that proxy whether a request still
+    # awaits a push at decode before it restarts a decode holding blocks (engines/stranded.py)
+    settings = ProxySettings(
+        timeouts=QUICK, health=HealthChecks(warmup_timeout_s=0), api_keys=ApiKeys(admin="faults")
+    )
+    with Stack(topology, proxy=settings, say=lambda m: print(f"[push-faults] {m}", flush=True)) as s:
         yield s
 
 
 @pytest.fixture
-def quick(pair: Stack) -> Iterator[str]:
-    """A proxy with short timeouts in front of the pair; its URL. Its first request tells it prefill's
-    push identity, so that every later one sends decode's leg first."""
-    proxy = ProxyThread(
-        ProxyConfig.pd(
-            tuple(pair.urls("prefill")),
-            tuple(pair.urls("decode")),
-            port=19620,
-            timeouts=QUICK,
-            kv_lease_s=LEASE_S,
-            health=HealthChecks(warmup_timeout_s=0),
-            api_keys=ApiKeys(admin="faults"),
-        )
+def quick(pair: Stack) -> str:
+    """The proxy's URL, once it knows prefill's push identity (a prefill restarted by the test before
+    is another engine), so that every later request sends decode's leg first."""
+    assert wait_http_ok(f"{pair.proxy_url}/health", timeout=120)
+    assert wait_until(
+        lambda: complete(pair.proxy_url, model_name(pair), tagged_prompt("identity")).status_code == 200,
+        timeout=60,
+        interval=1.0,
     )
-    proxy.start()
-    try:
-        assert wait_http_ok(f"{proxy.url}/health", timeout=120)
-        complete(proxy.url, model_name(pair), tagged_prompt("identity"))
-        yield proxy.url
-    finally:
-        proxy.stop()
+    return pair.proxy_url
 
 
 def _holds_nothing(stack: Stack, timeout: float) -> None:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from test_launcher import fake_spec
 
 from pdserve.engines.placement import kv_transfer_config
-from pdserve.engines.stranded import StrandedWatch, push_registration_timeout
-from pdserve.prometheus import KV_USAGE, NUM_RUNNING, NUM_WAITING
+from pdserve.engines.stranded import DecodeLoad, StrandedWatch, push_registration_timeout
 
-IDLE_HOLDING = {NUM_RUNNING: 0.0, NUM_WAITING: 0.0, KV_USAGE: 0.01}
+IDLE_HOLDING = DecodeLoad(running=0, waiting=0, deferred=0, kv_usage=0.01)
 
 
 def test_only_a_push_decode_has_a_registration_watchdog_and_up_sets_it_to_the_lease() -> None:
@@ -27,10 +28,33 @@ def test_blocks_held_while_idle_are_stranded_only_after_the_watchdog_without_a_b
     assert not watch.sample(IDLE_HOLDING, now=9.0)
     assert watch.sample(IDLE_HOLDING, now=10.5)
     # a request running, nothing held, or no answer: the run starts over
-    for broken in ({**IDLE_HOLDING, NUM_RUNNING: 1.0}, {**IDLE_HOLDING, NUM_WAITING: 2.0},
-                   {**IDLE_HOLDING, KV_USAGE: 0.0}, None):  # fmt: skip
+    for broken in (replace(IDLE_HOLDING, running=1), replace(IDLE_HOLDING, waiting=2),
+                   replace(IDLE_HOLDING, kv_usage=0.0), None):  # fmt: skip
         watch = StrandedWatch(timeout_s=10)
         watch.sample(IDLE_HOLDING, now=0.0)
         assert not watch.sample(broken, now=5.0)
         assert not watch.sample(IDLE_HOLDING, now=12.0)
         assert watch.sample(IDLE_HOLDING, now=22.5)
+
+
+def test_a_deferred_request_is_idle_only_when_the_proxy_awaits_nothing_at_that_decode() -> None:
+    # vLLM keeps a push whose prefill died waiting (deferred), holding its blocks, for good
+    orphan = DecodeLoad(running=0, waiting=1, deferred=1, kv_usage=0.01)
+    assert orphan.is_idle_holding(lambda: 0)
+    assert not orphan.is_idle_holding(lambda: 1)  # maybe a push still on its way: a restart would fail it
+    assert not orphan.is_idle_holding(lambda: None)  # the proxy could not say
+    # one waiting for room in the batch is work to do, whatever the proxy says
+    assert not DecodeLoad(running=0, waiting=2, deferred=1, kv_usage=0.01).is_idle_holding(lambda: 0)
+
+
+def test_the_load_is_read_from_vllms_metrics_with_deferred_waiting_by_its_reason_label() -> None:
+    text = (
+        'vllm:num_requests_running{engine="0"} 0\n'
+        'vllm:num_requests_waiting{engine="0"} 3\n'
+        'vllm:num_requests_waiting_by_reason{engine="0",reason="capacity"} 2\n'
+        'vllm:num_requests_waiting_by_reason{engine="0",reason="deferred"} 1\n'
+        'vllm:kv_cache_usage_perc{engine="0"} 0.25\n'
+    )
+    assert DecodeLoad.parse(text) == DecodeLoad(running=0, waiting=3, deferred=1, kv_usage=0.25)
+    # an engine without the reasons: nothing is taken for deferred
+    assert DecodeLoad.parse('vllm:num_requests_waiting{engine="0"} 1\n').deferred == 0

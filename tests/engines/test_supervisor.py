@@ -17,6 +17,7 @@ from test_launcher import FAKE_ENGINE, fake_spec, group_is_running, health_statu
 
 from pdserve.engines.launcher import EngineGroup
 from pdserve.engines.placement import InstanceSpec
+from pdserve.engines.stranded import InFlight
 from pdserve.engines.supervisor import RestartPolicy, Supervisor, restart_hint
 from pdserve.errors import ConfigError
 from pdserve.events import InstanceEvent
@@ -56,10 +57,12 @@ def recorder() -> Recorder:
 def supervised(tmp_path: Path, recorder: Recorder) -> Iterator[Callable[..., tuple[EngineGroup, Supervisor]]]:
     made: list[tuple[EngineGroup, Supervisor]] = []
 
-    def make(*specs: InstanceSpec, policy: RestartPolicy = FAST) -> tuple[EngineGroup, Supervisor]:
+    def make(
+        *specs: InstanceSpec, policy: RestartPolicy = FAST, in_flight: InFlight | None = None
+    ) -> tuple[EngineGroup, Supervisor]:
         group = EngineGroup(specs, sys.executable, tmp_path, 10.0, entrypoint=(FAKE_ENGINE,))
         group.start()
-        supervisor = Supervisor(group, recorder.on_event, recorder.messages.append, policy)
+        supervisor = Supervisor(group, recorder.on_event, recorder.messages.append, policy, in_flight)
         supervisor.start()
         made.append((group, supervisor))
         return group, supervisor
@@ -307,9 +310,10 @@ def _push_decode(metrics: Path, registration_timeout_s: int) -> InstanceSpec:
     return fake_spec("decode", 0, "--metrics-file", str(metrics), "--kv-transfer-config", config)
 
 
-def _counters(running: int, waiting: int, usage: float) -> str:
+def _counters(running: int, waiting: int, usage: float, deferred: int = 0) -> str:
     return (f"vllm:num_requests_running{{engine=\"0\"}} {running}\n"
-            f"vllm:num_requests_waiting{{engine=\"0\"}} {waiting}\nvllm:kv_cache_usage_perc{{engine=\"0\"}} {usage}\n")  # fmt: skip
+            f"vllm:num_requests_waiting{{engine=\"0\"}} {waiting}\nvllm:kv_cache_usage_perc{{engine=\"0\"}} {usage}\n"
+            f"vllm:num_requests_waiting_by_reason{{engine=\"0\",reason=\"deferred\"}} {deferred}\n")  # fmt: skip
 
 
 def test_a_push_decode_idle_yet_holding_blocks_past_its_registration_watchdog_is_restarted_to_free_them(
@@ -347,3 +351,24 @@ def test_a_push_decode_that_is_busy_or_holds_nothing_is_left_alone(
     supervised(decode, policy=dataclasses.replace(FAST, stranded_check_s=0.2))
     time.sleep(2.5)
     assert recorder.kinds(decode.url) == []
+
+
+def test_a_push_left_waiting_deferred_is_restarted_away_only_once_the_proxy_awaits_nothing_there(
+    supervised: Callable[..., tuple[EngineGroup, Supervisor]], recorder: Recorder, tmp_path: Path
+) -> None:
+    metrics = tmp_path / "metrics"
+    # vLLM keeps a dead prefill's push waiting (deferred, "KV fetch in progress") with its blocks
+    metrics.write_text(_counters(running=0, waiting=1, usage=0.02, deferred=1))
+    decode = _push_decode(metrics, registration_timeout_s=1)
+    proxy_in_flight = {decode.url: 1}  # a push the proxy still awaits, within its prefill timeout
+    asked: list[str] = []
+
+    def in_flight(url: str) -> int | None:
+        asked.append(url)
+        return proxy_in_flight[url]
+
+    supervised(decode, policy=dataclasses.replace(FAST, stranded_check_s=0.2), in_flight=in_flight)
+    time.sleep(2.0)
+    assert recorder.kinds(decode.url) == [] and asked  # left alone while the proxy awaits it
+    proxy_in_flight[decode.url] = 0  # the proxy gave up on it: nothing will ever free those blocks
+    assert "KV blocks registered for a push that never came" in recorder.wait_for(decode.url, "exited").detail

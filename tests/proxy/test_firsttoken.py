@@ -12,10 +12,10 @@ from pdserve import sse
 from pdserve.proxy.request.firsttoken import FirstTokenCut, FirstTokenMismatch, early_token, may_send_early
 
 
-def _answer(text: str, finish: str = "length", chat: bool = False) -> bytes:
+def _answer(text: str, finish: str = "length", chat: bool = False) -> dict[str, Any]:
     choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
     choice |= {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
-    return orjson.dumps({"id": "cmpl-r1", "created": 7, "model": "m", "choices": [choice]})
+    return {"id": "cmpl-r1", "created": 7, "model": "m", "choices": [choice]}
 
 
 def _event(text: str | None, chat: bool = False, **extra: Any) -> bytes:
@@ -72,8 +72,10 @@ def test_a_chat_stream_begins_with_the_role_then_prefills_token() -> None:
     assert {e["object"] for e in events} == {"chat.completion.chunk"}
 
 
-@pytest.mark.parametrize("answer", [_answer("x", finish="stop"), _answer(""), _answer("\ufffd"), b"{}"])
-def test_a_token_that_ended_prefills_answer_or_prints_nothing_waits_for_decode(answer: bytes) -> None:
+@pytest.mark.parametrize("answer", [_answer("x", finish="stop"), _answer(""), _answer("\ufffd"), {}])
+def test_a_token_that_ended_prefills_answer_or_prints_nothing_waits_for_decode(
+    answer: dict[str, Any],
+) -> None:
     assert early_token("completions", answer) is None
 
 
@@ -107,20 +109,20 @@ def test_an_error_event_before_the_token_passes_to_the_relay() -> None:
 
 
 def test_prefills_ids_ride_in_the_early_events_where_vllm_streams_them() -> None:
-    completions = orjson.loads(_answer("Hi"))
+    completions = _answer("Hi")
     completions["choices"][0] |= {"prompt_token_ids": [1, 2, 3], "token_ids": [9]}
-    early = early_token("completions", orjson.dumps(completions), with_ids=True)
+    early = early_token("completions", completions, with_ids=True)
     assert early is not None and early.has_ids
     [event] = [orjson.loads(p) for p in sse.payloads(early.events)]
     assert event["choices"][0]["prompt_token_ids"] == [1, 2, 3] and event["choices"][0]["token_ids"] == [9]
-    chat = orjson.loads(_answer("Hi", chat=True)) | {"prompt_token_ids": [1, 2, 3]}
+    chat = _answer("Hi", chat=True) | {"prompt_token_ids": [1, 2, 3]}
     chat["choices"][0]["token_ids"] = [9]
-    early = early_token("chat", orjson.dumps(chat), with_ids=True)
+    early = early_token("chat", chat, with_ids=True)
     assert early is not None and early.has_ids
     role, token = (orjson.loads(p) for p in sse.payloads(early.events))
     assert role["prompt_token_ids"] == [1, 2, 3] and token["choices"][0]["token_ids"] == [9]
     # not asked for, or not in prefill's answer: the events are as before
-    assert not early_token("completions", orjson.dumps(completions)).has_ids  # type: ignore[union-attr]
+    assert not early_token("completions", completions).has_ids  # type: ignore[union-attr]
     assert not early_token("completions", _answer("Hi"), with_ids=True).has_ids  # type: ignore[union-attr]
 
 

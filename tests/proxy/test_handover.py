@@ -105,6 +105,22 @@ async def test_once_prefill_is_known_to_take_pushes_decode_gets_its_request_firs
     assert system.state.traces[-1].handover == "push concurrent"
 
 
+async def test_decodes_early_leg_counts_in_flight_there_from_the_start_and_once() -> None:
+    system = System([prefill(delay_s=0.3)], [decode(delay_s=0.7)])
+    system.flow._handover._identities["http://p0:1"] = {k: PUSH_PARAMS[k] for k in ("remote_engine_id",
+                                                         "remote_host", "remote_port", "tp_size")}  # fmt: skip
+    [d0] = [i for i in system.state.instances if i.url == "http://d0:1"]
+    task = asyncio.create_task(system.ask({**BODY, "stream": True}))
+    await asyncio.sleep(0.15)
+    # while prefill computes, decode holds the request (push: its blocks, registered): a supervisor
+    # asking whether that decode awaits a push must hear yes
+    assert d0.num_in_flight == 1
+    await asyncio.sleep(0.3)
+    assert d0.num_in_flight == 1  # the decode attempt took the leg over: still one request
+    assert (await task).status == 200
+    assert d0.num_in_flight == 0
+
+
 async def test_a_pull_prefill_keeps_the_legs_serial() -> None:
     pull = {**PUSH_PARAMS, "transfer_mode": "pull"}
     answer = orjson.dumps({"choices": [{"text": "x"}], "kv_transfer_params": pull})
@@ -138,6 +154,7 @@ async def test_a_client_that_leaves_closes_decodes_leg_and_lets_prefill_finish_i
     # decode's blocks are freed by prefill's WRITE only (vLLM 0.32): its leg ran to the end
     assert finished == ["prefill"]
     assert not system.flow._handover._background
+    assert all(i.num_in_flight == 0 for i in system.state.instances)  # decode's leg closed
 
 
 async def test_a_push_that_never_arrives_ends_within_the_lease_and_the_prompt_is_computed_again() -> None:
@@ -169,6 +186,7 @@ async def test_prefill_dead_after_decode_registered_lets_decode_compute_the_prom
     assert send.status == 200 and b"Hello" in send.body
     # decode's second request computes the prompt: no params that would have it wait for a push
     assert [("kv_transfer_params" in b) for b in system.bodies("http://d0:1")] == [True, False]
+    assert all(i.num_in_flight == 0 for i in system.state.instances)  # the early leg, closed, counts out
 
 
 async def test_decode_dead_before_its_registration_hands_the_unread_kv_to_another_decode() -> None:

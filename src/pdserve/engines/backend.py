@@ -6,7 +6,8 @@ and comes back and what its logs say of KV leases. Two backends exist: ``LocalEn
 this host, here) and ``RayEngines`` (Ray actors on a cluster, engines/ray_cluster.py).
 
     start()   every instance healthy, or EngineStartError after stopping what started
-    watch(on_event)   supervision and log following begin; events go to on_event
+    watch(on_event, in_flight)   supervision and log following begin; events go to on_event, and
+              in_flight tells how many requests the proxy has in flight at an instance
     stop()    watching first (nothing restarts an instance being stopped), then every instance
 """
 
@@ -18,6 +19,7 @@ from typing import Protocol
 from pdserve.engines.launcher import EngineGroup
 from pdserve.engines.logwatch import LogWatcher
 from pdserve.engines.placement import InstanceSpec
+from pdserve.engines.stranded import InFlight
 from pdserve.engines.supervisor import RestartPolicy, Supervisor
 from pdserve.events import InstanceEvent, KVLogEvent
 from pdserve.topology import OnInstanceExit
@@ -35,7 +37,7 @@ class EngineBackend(Protocol):
 
     def start(self) -> None: ...
 
-    def watch(self, on_event: OnEvent) -> None: ...
+    def watch(self, on_event: OnEvent, in_flight: InFlight | None = None) -> None: ...
 
     def stop(self) -> None: ...
 
@@ -72,9 +74,9 @@ class LocalEngines:
     def start(self) -> None:
         self.group.start()
 
-    def watch(self, on_event: OnEvent) -> None:
+    def watch(self, on_event: OnEvent, in_flight: InFlight | None = None) -> None:
         if self._on_exit == "restart":
-            supervisor = Supervisor(self.group, on_event, self._say, self._restart_policy)
+            supervisor = Supervisor(self.group, on_event, self._say, self._restart_policy, in_flight)
             supervisor.start()
             self._watchers.append(supervisor)
         # The simulator's logs are followed too: they cost nothing when they never hold the lines.

@@ -41,6 +41,7 @@ from pdserve.engines.rayplacement import (
     next_event,
     unplaceable,
 )
+from pdserve.engines.stranded import InFlight
 from pdserve.errors import ConfigError, EngineError, EngineStartError
 from pdserve.events import InstanceEvent, InstanceEventKind
 from pdserve.topology import Topology
@@ -297,7 +298,8 @@ class RayEngines:
     def start(self) -> None:
         self.group.start()
 
-    def watch(self, on_event: OnEvent) -> None:
+    def watch(self, on_event: OnEvent, in_flight: InFlight | None = None) -> None:
+        # in_flight serves the push decodes' stranded-block restart, which local supervision does alone
         self._watch = RayWatch(self.group, on_event)
         self._watch.start()
 

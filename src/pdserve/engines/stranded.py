@@ -9,16 +9,29 @@ So a push decode that sits idle (nothing running, nothing waiting) yet holds blo
 for longer than its registration watchdog (``push_registration_timeout``, which `pdserve up` sets to the
 lease: vLLM has then given up on the push too), holds blocks only a restart gets back. Prefix-cached
 blocks do not count: vLLM counts them free.
+
+A push whose prefill died may also stay *waiting* at decode for good (vLLM defers it, "KV fetch in
+progress", holding its blocks). Deferred requests count as idle only when the proxy has nothing in
+flight at that decode: while it has, a deferred request may be a push still on its way (within the
+proxy's prefill timeout), and a restart would fail it.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Final
 
 from pdserve.engines.placement import InstanceSpec
-from pdserve.prometheus import KV_USAGE, NUM_RUNNING, NUM_WAITING
+from pdserve.prometheus import (
+    KV_USAGE,
+    NUM_RUNNING,
+    NUM_WAITING,
+    WAITING_BY_REASON,
+    parse_prometheus,
+    sum_labelled,
+)
 
 _PUSH_CONNECTOR: Final = "NixlPushConnector"
 _VLLM_REGISTRATION_TIMEOUT_S: Final = 480.0  # vLLM's decoder_kv_blocks_ttl, push's watchdog by default
@@ -39,6 +52,36 @@ def push_registration_timeout(spec: InstanceSpec) -> float | None:
     return float(extra.get("push_registration_timeout", _VLLM_REGISTRATION_TIMEOUT_S))
 
 
+InFlight = Callable[[str], int | None]  # requests the proxy has in flight at an instance URL; None: unknown
+
+
+@dataclass(frozen=True)
+class DecodeLoad:
+    """What the watch reads of a push decode's ``/metrics``."""
+
+    running: float
+    waiting: float  # deferred ones included, as vLLM counts them
+    deferred: float  # 0 where vLLM does not say
+    kv_usage: float
+
+    @classmethod
+    def parse(cls, text: str) -> DecodeLoad:
+        totals = parse_prometheus(text)
+        deferred = sum_labelled(text, WAITING_BY_REASON, reason="deferred")
+        return cls(
+            totals.get(NUM_RUNNING, 0.0), totals.get(NUM_WAITING, 0.0), deferred, totals.get(KV_USAGE, 0.0)
+        )
+
+    def is_idle_holding(self, proxy_in_flight: Callable[[], int | None]) -> bool:
+        """Nothing to do, yet blocks held. ``proxy_in_flight`` is asked only when all that waits is
+        deferred: those are orphans only if the proxy awaits nothing there."""
+        if self.running or self.kv_usage <= 0.0:
+            return False
+        if not self.waiting:
+            return True
+        return self.waiting <= self.deferred and proxy_in_flight() == 0
+
+
 class StrandedWatch:
     """One push decode's counters, sampled now and then: since when it has sat idle holding blocks."""
 
@@ -48,10 +91,12 @@ class StrandedWatch:
         self.timeout_s = timeout_s
         self._since: float | None = None  # monotonic: the first of an unbroken run of idle, holding samples
 
-    def sample(self, counters: Mapping[str, float] | None, now: float) -> bool:
+    def sample(
+        self, load: DecodeLoad | None, now: float, proxy_in_flight: Callable[[], int | None] = lambda: None
+    ) -> bool:
         """Take one sample (None: the metrics did not answer); whether the decode holds blocks no push
         will free. A sample that breaks the run (work to do, nothing held, no answer) starts it over."""
-        if counters is None or not _is_idle_holding(counters):
+        if load is None or not load.is_idle_holding(proxy_in_flight):
             self._since = None
             return False
         if self._since is None:
@@ -61,8 +106,3 @@ class StrandedWatch:
     def reset(self) -> None:
         """The decode restarted: whatever it held is gone."""
         self._since = None
-
-
-def _is_idle_holding(counters: Mapping[str, float]) -> bool:
-    idle = counters.get(NUM_RUNNING, 0.0) == 0.0 and counters.get(NUM_WAITING, 0.0) == 0.0
-    return idle and counters.get(KV_USAGE, 0.0) > 0.0

@@ -21,7 +21,9 @@ freed all of it; UCX_CUDA_IPC_CACHE=n freed half, not enough). This is done once
 
 One rule for push decodes: one that sits idle yet holds KV blocks for longer than its registration
 watchdog holds blocks registered for a push that never came, which vLLM 0.32 frees only on a restart
-(stranded.py): it is restarted, as it is idle, nothing in flight is lost.
+(stranded.py): it is restarted, as it is idle, nothing in flight is lost. What waits there deferred
+(a push's KV not yet come) counts as idle only when ``in_flight`` (the proxy's count of its requests
+at that decode) says none is in flight: a restart would otherwise fail a push still on its way.
 """
 
 from __future__ import annotations
@@ -37,10 +39,10 @@ from typing import Literal
 
 from pdserve.engines.launcher import RUN_HEADER, EngineGroup
 from pdserve.engines.placement import InstanceSpec
-from pdserve.engines.stranded import StrandedWatch, push_registration_timeout
+from pdserve.engines.stranded import DecodeLoad, InFlight, StrandedWatch, push_registration_timeout
 from pdserve.errors import ConfigError, EngineStartError, MetricsUnreadable
 from pdserve.events import InstanceEvent, InstanceEventKind
-from pdserve.prometheus import scrape
+from pdserve.prometheus import scrape_text
 
 log = logging.getLogger(__name__)
 
@@ -121,11 +123,13 @@ class Supervisor:
         on_event: Callable[[InstanceEvent], None],
         say: Callable[[str], None] = print,
         policy: RestartPolicy | None = None,
+        in_flight: InFlight | None = None,
     ) -> None:
         self._group = group
         self._on_event = on_event
         self._say = say
         self.policy = policy or RestartPolicy()
+        self._in_flight = in_flight
         self._watched = [_Watched(spec, stranded=_stranded_watch(spec)) for spec in group.specs]
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pdserve-supervisor", daemon=True)
@@ -226,11 +230,12 @@ class Supervisor:
 
     def _check_stranded(self, watched: _Watched, stranded: StrandedWatch, now: float) -> None:
         """Restart the push decode if it has sat idle holding blocks past its registration watchdog."""
+        url, in_flight = watched.spec.url, self._in_flight
         try:
-            counters: dict[str, float] | None = scrape(watched.spec.url, timeout=1.0)
+            load: DecodeLoad | None = DecodeLoad.parse(scrape_text(url, timeout=1.0))
         except MetricsUnreadable:
-            counters = None
-        if not stranded.sample(counters, now):
+            load = None
+        if not stranded.sample(load, now, lambda: in_flight(url) if in_flight is not None else None):
             return
         stranded.reset()
         why = (

@@ -14,6 +14,7 @@ written.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Final
 
 import orjson
@@ -52,13 +53,12 @@ class EarlyToken:
         self.has_ids = has_ids
 
 
-def early_token(endpoint: Endpoint, prefill_answer: bytes, with_ids: bool = False) -> EarlyToken | None:
+def early_token(endpoint: Endpoint, answer: Mapping[str, Any], with_ids: bool = False) -> EarlyToken | None:
     """The events that give the client prefill's token, or None when it must wait for decode: the token
     ended prefill's answer (EOS, a stop: decode may go otherwise with ``min_tokens``), or its text is
     empty or an incomplete character. ``with_ids``: the events carry prefill's prompt and token ids
     where vLLM's stream puts them, when its answer has them (one token)."""
     try:
-        answer = orjson.loads(prefill_answer)
         choice = answer["choices"][0]
         if choice.get("finish_reason") != "length":
             return None
@@ -67,7 +67,7 @@ def early_token(endpoint: Endpoint, prefill_answer: bytes, with_ids: bool = Fals
         # completions name the prompt's ids in the choice, chat in the answer
         prompt_ids = (choice if endpoint == "completions" else answer).get("prompt_token_ids")
         token_ids = choice.get("token_ids")
-    except (orjson.JSONDecodeError, KeyError, IndexError, TypeError, AttributeError):
+    except (KeyError, IndexError, TypeError, AttributeError):
         return None
     if not isinstance(text, str) or not text or _REPLACEMENT in text:
         return None

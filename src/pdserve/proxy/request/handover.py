@@ -176,11 +176,11 @@ class Handover:
             self.forget(prefill.url)  # it may come back as another engine
 
     def _send_early(self, call: Call, result: PrefillResult) -> EarlyToken | None:
-        if not (self._first_token and isinstance(result, Prefilled) and result.body):
+        if not (self._first_token and isinstance(result, Prefilled) and result.answer):
             return None
         if call.out.started or not may_send_early(call.body, call.is_stream):
             return None
-        return early_token(call.endpoint, result.body, with_ids=call.progress is not None)
+        return early_token(call.endpoint, result.answer, with_ids=call.progress is not None)
 
     def _left(self, leg: EarlyLeg, prefill: Instance, result: PrefillResult) -> None:
         """The plan did not send decode's step to the early leg's decode: close it. Had prefill not

@@ -33,9 +33,11 @@ if TYPE_CHECKING:
 
 
 class EarlyLeg:
-    """Decode's request, in flight from the moment it is made."""
+    """Decode's request, in flight from the moment it is made. It counts as in flight at its decode
+    (routing's load, the supervisor's question whether a request there still waits for a push) until
+    the decode attempt adopts it, which counts it from then on, or until it ends."""
 
-    __slots__ = ("_answer", "_released", "_task", "call", "decode")
+    __slots__ = ("_answer", "_is_counted", "_released", "_task", "call", "decode")
 
     def __init__(self, call: Call, decode: Instance, payload: bytes) -> None:
         self.call = call
@@ -43,7 +45,15 @@ class EarlyLeg:
         loop = asyncio.get_running_loop()
         self._answer: asyncio.Future[Stream | Reply] = loop.create_future()
         self._released = asyncio.Event()
+        decode.dispatch()
+        self._is_counted = True
         self._task = asyncio.create_task(self._send(payload))
+
+    def uncount(self) -> None:
+        """No longer counted here: the decode attempt took the request over (it counts it itself), or it ended."""
+        if self._is_counted:
+            self._is_counted = False
+            self.decode.undispatch()
 
     async def _send(self, payload: bytes) -> None:
         call, decode, answer = self.call, self.decode, self._answer
@@ -67,6 +77,7 @@ class EarlyLeg:
         finally:
             if not answer.done():
                 answer.cancel()
+            self.uncount()  # over at decode: no longer in flight there
 
     async def answer(self, timeout: float) -> Stream | Reply:
         """The leg's status line (a stream) or whole answer, within ``timeout``."""
@@ -88,6 +99,7 @@ class EarlyLeg:
 
     def close(self) -> None:
         """Nobody will read decode's answer: close its request (vLLM aborts it)."""
+        self.uncount()  # the task may never have run: it would not count it out
         self._task.cancel()
         if self._answer.done() and not self._answer.cancelled():
             self._answer.exception()  # retrieved: a failure nobody reads is not logged as lost
@@ -110,6 +122,8 @@ class Adopted:
         self._cut = cut
         self._lease_s = lease_s
         self._step = step  # the DecodeStep: told when the answer begins, when the client had prefill's token
+        if leg is not None:
+            leg.uncount()  # the attempt that calls this counts the request in flight from now on
 
     @property
     def role(self) -> Role:

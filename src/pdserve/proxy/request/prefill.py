@@ -34,11 +34,11 @@ class Prefiller:
                 prefill.undispatch()
             if reply.status == 200:
                 try:
-                    params = protocol.kv_params_from_prefill(reply.body)
+                    answer = protocol.prefill_answer(reply.body)
                 except ValueError as exc:
                     raise UpstreamProtocolError("prefill", prefill.url, str(exc)) from None
                 prefill.succeeded()
-                return Prefilled(prefill.url, params, prefill.num_kv_expired, reply.body)
+                return Prefilled(prefill.url, answer["kv_transfer_params"], prefill.num_kv_expired, answer)
             if reply.status < 500:  # the client's own mistake: no other instance would differ
                 prefill.succeeded()
                 await relay_rejection("prefill", prefill.url, reply, call.out)

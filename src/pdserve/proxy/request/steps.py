@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -114,7 +115,8 @@ class Prefilled(NamedTuple):
     url: str  # the prefill instance that holds the KV
     params: dict[str, Any]  # its kv_transfer_params, verbatim
     num_kv_expired: float | None  # its count of leases run out unpulled, as last scraped (guard.py)
-    body: bytes = b""  # its whole answer: the first token a stream may send at once (firsttoken.py)
+    # its whole answer, parsed: the first token a stream may send at once (firsttoken.py)
+    answer: Mapping[str, Any] | None = None
 
 
 class Relayed(NamedTuple):
