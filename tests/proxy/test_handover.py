@@ -115,6 +115,9 @@ async def test_decodes_early_leg_counts_in_flight_there_from_the_start_and_once(
     # while prefill computes, decode holds the request (push: its blocks, registered): a supervisor
     # asking whether that decode awaits a push must hear yes
     assert d0.num_in_flight == 1
+    # but it owes no step yet: a slow prefill must not make its decode look stalled to routing and
+    # back-pressure
+    assert d0.lag_s(time.monotonic()) == 0.0 and d0.silence_s(time.monotonic()) == 0.0
     await asyncio.sleep(0.3)
     assert d0.num_in_flight == 1  # the decode attempt took the leg over: still one request
     assert (await task).status == 200

@@ -93,7 +93,8 @@ class Instance:
         self._is_restarting = False
         self._is_warming = False
         self._was_unreachable = False
-        self._num_in_flight = 0
+        self._num_in_flight = 0  # requests this engine owes steps to (the wait for progress: lag_s)
+        self._num_early = 0  # decode's requests of pushes sent before prefill answered (hold_early)
         self._load = EngineLoad()
         self._has_load = False  # a /metrics scrape has succeeded (since the last restart)
         self._last_error: str | None = None
@@ -247,7 +248,8 @@ class Instance:
 
     @property
     def num_in_flight(self) -> int:
-        return self._num_in_flight
+        """Requests of this proxy open here, decode's early requests of pushes included."""
+        return self._num_in_flight + self._num_early
 
     def dispatch(self) -> None:
         """One more request in flight here, until ``undispatch`` (in a ``finally``: plain calls, not a
@@ -260,7 +262,20 @@ class Instance:
 
     def undispatch(self) -> None:
         self._num_in_flight -= 1
-        if not self._num_in_flight:
+        if not self.num_in_flight:
+            self._idle_since = time.monotonic()
+
+    def hold_early(self) -> None:
+        """Decode's request of a push, sent while prefill computes (legs.py), until ``release_early``: it is
+        open here (load, draining, a supervisor asking whether a push may still come), but this engine owes
+        it no step until prefill's WRITE lands, so it starts no wait for progress (``lag_s``): a slow or
+        stalled prefill must not make its decode look stalled. The decode attempt that takes the request
+        over dispatches it as any other."""
+        self._num_early += 1
+
+    def release_early(self) -> None:
+        self._num_early -= 1
+        if not self.num_in_flight:
             self._idle_since = time.monotonic()
 
     def owe_first_byte(self, key: int) -> None:
@@ -322,7 +337,7 @@ class Instance:
         if self._is_resting or not 0 < self._rest_after <= self._num_stranded:
             return
         self._is_resting = True
-        if not self._num_in_flight:
+        if not self.num_in_flight:
             self._idle_since = time.monotonic()
         log.warning("%s instance %s rests: it may hold the blocks of %d pushes that never came, which only "
                     "a restart frees; it takes requests only when no other instance can, until it restarts",
@@ -332,7 +347,7 @@ class Instance:
         """Whether the rest goes on. Idle, it ends when its /metrics show it holds no block (the pushes'
         registrations failed, which frees them) or, not restarted past the time a supervisor takes to
         restart an idle decode that holds blocks, when nobody will: it serves again, holding them."""
-        if self._num_in_flight:
+        if self.num_in_flight:
             return True
         load = self._load
         if self._load_at > self._idle_since and not (load.kv_usage or load.num_running or load.num_waiting):
@@ -371,7 +386,7 @@ class Instance:
             "draining": self._is_draining,
             "stranded_pushes": self._num_stranded,
             "circuit": self.breaker.state(time.monotonic()),
-            "in_flight": self._num_in_flight,
+            "in_flight": self.num_in_flight,
             "running": self._load.num_running,
             "waiting": self._load.num_waiting,
             "kv_usage": self._load.kv_usage,

@@ -33,9 +33,10 @@ if TYPE_CHECKING:
 
 
 class EarlyLeg:
-    """Decode's request, in flight from the moment it is made. It counts as in flight at its decode
-    (routing's load, the supervisor's question whether a request there still waits for a push) until
-    the decode attempt adopts it, which counts it from then on, or until it ends."""
+    """Decode's request, in flight from the moment it is made. It counts as open at its decode (routing's
+    load, the supervisor's question whether a request there still waits for a push:
+    ``Instance.hold_early``) until the decode attempt adopts it, which dispatches it from then on, or
+    until it ends."""
 
     __slots__ = ("_answer", "_is_counted", "_released", "_task", "call", "decode")
 
@@ -45,7 +46,7 @@ class EarlyLeg:
         loop = asyncio.get_running_loop()
         self._answer: asyncio.Future[Stream | Reply] = loop.create_future()
         self._released = asyncio.Event()
-        decode.dispatch()
+        decode.hold_early()
         self._is_counted = True
         self._task = asyncio.create_task(self._send(payload))
 
@@ -53,7 +54,7 @@ class EarlyLeg:
         """No longer counted here: the decode attempt took the request over (it counts it itself), or it ended."""
         if self._is_counted:
             self._is_counted = False
-            self.decode.undispatch()
+            self.decode.release_early()
 
     async def _send(self, payload: bytes) -> None:
         call, decode, answer = self.call, self.decode, self._answer
