@@ -67,11 +67,18 @@ async def test_a_request_waits_for_room_and_is_placed_when_a_stream_ends() -> No
     assert placed.decode is ended.decode  # the room it left
 
 
+def still_arriving(router: ElasticRouter, clock: Clock, seconds: float, rate: float = 40) -> None:
+    """The traffic goes on: requests arrive at ``rate`` for ``seconds`` (their placement is not the point)."""
+    for _ in range(round(rate * seconds)):
+        clock.t += 1 / rate
+        router.arrive(300, 1000)
+
+
 async def test_room_goes_first_to_a_request_that_can_still_meet_its_ttft() -> None:
     hold, router, clock, _, running = full_pool()
     late = asyncio.ensure_future(hold.wait())
     await asyncio.sleep(0)
-    clock.t += 2.0  # past its TTFT objective of 1 s
+    still_arriving(router, clock, 2.0)  # past its TTFT objective of 1 s, the traffic going on
     fresh = asyncio.ensure_future(hold.wait())
     await asyncio.sleep(0)
     hold.done(running.pop())
@@ -92,7 +99,7 @@ async def test_a_fresh_request_takes_the_room_a_late_one_leaves() -> None:
     hold, router, clock, _, running = full_pool()
     late = asyncio.ensure_future(hold.wait())
     await asyncio.sleep(0)
-    clock.t += 2.0
+    still_arriving(router, clock, 2.0)
     for _ in range(3):
         hold.done(running.pop())  # room, but less than the next arrivals need: the late one waits
     await settle()
@@ -100,6 +107,17 @@ async def test_a_fresh_request_takes_the_room_a_late_one_leaves() -> None:
     assert await asyncio.wait_for(hold.wait(), 1) == 0.0  # a fresh one is let through at once
     assert not late.done()
     late.cancel()
+
+
+async def test_once_the_traffic_stops_a_late_request_takes_the_room_as_it_opens() -> None:
+    hold, router, clock, _, running = full_pool()
+    late = asyncio.ensure_future(hold.wait())
+    await asyncio.sleep(0)
+    clock.t += 2.0  # nothing arrived since: no fresh request to keep room for
+    assert router.expected_arrivals(0.8) == 0
+    hold.done(running.pop())
+    await settle()
+    assert late.done()
 
 
 async def test_a_client_that_leaves_while_waiting_gives_its_turn_to_the_next() -> None:

@@ -186,9 +186,12 @@ class ElasticRouter:
         return sum(max(0.0, self._max_batch - self._requests.get(url, 0)) for url in decodes)
 
     def expected_arrivals(self, seconds: float) -> float:
-        """The requests this router expects in the next ``seconds``, at the rate its last plan saw (its
-        share of the pool's, with several proxy workers)."""
-        return self._planned_rate * self._settings.traffic_share * seconds
+        """The requests this router expects in the next ``seconds``: at the rate its last plan saw (its
+        share of the pool's, with several proxy workers), and no more than came in the last ``seconds``,
+        so that the estimate ends with the traffic (a plan is made only as requests are placed, and
+        a held line may place none for a while)."""
+        planned = self._planned_rate * self._settings.traffic_share * seconds
+        return min(planned, float(len(self._recent(seconds))))
 
     def prefilled(self, placement: Placement[C], prompt_tokens: int) -> None:
         """The request's prefill ended (its KV is held for decode, or it failed)."""

@@ -42,8 +42,9 @@ from pdserve.proxy.pool.routing import C
 # computing its prompt.
 _LATE_SHARE = 0.8
 # The share of the requests expected within that span whose room a late request leaves to them. Half:
-# with all of them, at TTFT 1 s (0.8 s of arrivals kept free) the agent bursts that end seed 7's trace
-# served 22 req/s where they served 39 without a reserve; with half, 24 (benchmarks/elastic_mixed.py).
+# with all of them, the mixed traces' agent bursts lost most of what they served without a reserve (seed
+# 7 at TTFT 1 s: 22 req/s against 39), since a burst's rate kept room for arrivals its end never brought
+# (benchmarks/elastic_mixed.py; the expected arrivals now also end with the traffic).
 _FRESH_RESERVE = 0.5
 
 
