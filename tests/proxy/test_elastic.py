@@ -41,13 +41,14 @@ def pool(n: int = 8) -> list[Member]:
 
 def drive(router: ElasticRouter, clock: Clock, members: list[Member], rate: float, seconds: float,
           prompt: int, output: int, finish: bool = True,
-          measure: Callable[[Placement[Member]], Measured] | None = None) -> list[Placement[Member]]:  # fmt: skip
+          measure: Callable[[Placement[Member]], Measured] | None = None,
+          waiting: int = 0) -> list[Placement[Member]]:  # fmt: skip
     """``rate`` requests/s for ``seconds``, each ending at once (``finish``) or left in flight; each
-    measuring what ``measure`` says, if given."""
+    measuring what ``measure`` says, if given; ``waiting`` requests held behind each, as the hold says."""
     placements = []
     for _ in range(round(rate * seconds)):
         clock.t += 1 / rate
-        p = router.place(members, prompt, output)
+        p = router.place(members, prompt, output, waiting=waiting)
         if finish:
             router.prefilled(p, prompt)
             router.done(p, measure(p) if measure is not None else None)
@@ -143,6 +144,29 @@ def test_a_steady_load_does_not_flap_between_layouts() -> None:
         drive(r, clock, members, 60, 1, 2000, 128)
         layouts.add(r.layout)
     assert len(layouts) == 1
+
+
+def test_a_line_at_the_hold_blocks_a_layout_with_less_decode_room_but_causes_no_change() -> None:
+    """Requests waiting for decode room keep the pool off a layout whose decode side runs fewer streams
+    (the line would drain slower), and move it nowhere the traffic alone would not."""
+    free, clock = router()
+    drive(free, clock, pool(), 40, 12, 300, 1000)
+    drive(free, clock, pool(), 90, 6, 2000, 128)
+    assert free.layout == "5P3D"  # nobody waiting: the prefill-heavy traffic splits
+    held, clock = router()
+    members = pool()
+    drive(held, clock, members, 40, 12, 300, 1000)
+    drive(held, clock, members, 90, 6, 2000, 128, waiting=5)
+    assert held.layout == "8 colocated"  # three decode-side instances hold fewer streams than eight
+    drive(held, clock, members, 90, 2, 2000, 128)
+    assert held.layout == "5P3D"  # the line gone, the change it blocked comes at the next plan
+    # The other way round the colocated layout has more room: the line does not block it.
+    drive(held, clock, members, 40, 15, 300, 1000, waiting=5)
+    assert held.layout == "8 colocated"
+    # Nor does a line move a pool the traffic keeps where it is.
+    steady, clock = router()
+    drive(steady, clock, pool(), 40, 12, 300, 1000, waiting=50)
+    assert steady.layout == "8 colocated"
 
 
 def test_an_instance_that_leaves_is_forgotten_and_never_chosen() -> None:

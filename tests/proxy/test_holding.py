@@ -1,6 +1,7 @@
 """The elastic pool's hold (proxy/pool/holding.py): with a TPOT objective, requests wait at the proxy while
 every decode-side instance runs the most the objective allows; room goes first to requests that can
-still meet their TTFT, nothing waits past the hold's limit, and a client that leaves gives its turn on.
+still meet their TTFT, and a late one leaves the room the next arrivals need; nothing waits past the
+hold's limit, and a client that leaves gives its turn on.
 Driven with the router on a hand-moved clock (tests/proxy/test_elastic.py's), as the flow drives it."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from test_elastic import H200, SLO, Clock, Member, drive, pool
 from pdserve.configparts import ElasticPool
 from pdserve.errors import ConfigError
 from pdserve.proxy.pool.elastic import ElasticRouter, Placement
-from pdserve.proxy.pool.holding import Hold
+from pdserve.proxy.pool.holding import _FRESH_RESERVE, Hold
 
 
 def full_pool(
@@ -66,16 +67,54 @@ async def test_a_request_waits_for_room_and_is_placed_when_a_stream_ends() -> No
     assert placed.decode is ended.decode  # the room it left
 
 
+def still_arriving(router: ElasticRouter, clock: Clock, seconds: float, rate: float = 40) -> None:
+    """The traffic goes on: requests arrive at ``rate`` for ``seconds`` (their placement is not the point)."""
+    for _ in range(round(rate * seconds)):
+        clock.t += 1 / rate
+        router.arrive(300, 1000)
+
+
 async def test_room_goes_first_to_a_request_that_can_still_meet_its_ttft() -> None:
-    hold, _, clock, _, running = full_pool()
+    hold, router, clock, _, running = full_pool()
     late = asyncio.ensure_future(hold.wait())
     await asyncio.sleep(0)
-    clock.t += 2.0  # past its TTFT objective of 1 s
+    still_arriving(router, clock, 2.0)  # past its TTFT objective of 1 s, the traffic going on
     fresh = asyncio.ensure_future(hold.wait())
     await asyncio.sleep(0)
     hold.done(running.pop())
     await settle()
     assert fresh.done() and not late.done()
+    # The late one waits until the room left exceeds its share of what the next 0.8 s's arrivals need.
+    reserve = _FRESH_RESERVE * router.expected_arrivals(SLO.ttft_ms / 1000 * 0.8)
+    assert reserve >= 10
+    ended = 0
+    while not late.done():
+        hold.done(running.pop())
+        ended += 1
+        await settle()
+    assert reserve <= ended <= reserve + 2
+
+
+async def test_a_fresh_request_takes_the_room_a_late_one_leaves() -> None:
+    hold, router, clock, _, running = full_pool()
+    late = asyncio.ensure_future(hold.wait())
+    await asyncio.sleep(0)
+    still_arriving(router, clock, 2.0)
+    for _ in range(3):
+        hold.done(running.pop())  # room, but less than the next arrivals need: the late one waits
+    await settle()
+    assert not late.done() and router.room() >= 1
+    assert await asyncio.wait_for(hold.wait(), 1) == 0.0  # a fresh one is let through at once
+    assert not late.done()
+    late.cancel()
+
+
+async def test_once_the_traffic_stops_a_late_request_takes_the_room_as_it_opens() -> None:
+    hold, router, clock, _, running = full_pool()
+    late = asyncio.ensure_future(hold.wait())
+    await asyncio.sleep(0)
+    clock.t += 2.0  # nothing arrived since: no fresh request to keep room for
+    assert router.expected_arrivals(0.8) == 0
     hold.done(running.pop())
     await settle()
     assert late.done()

@@ -7,7 +7,9 @@ Every instance of an elastic pool can take any role (vLLM decides per request fr
   cost model (costmodel.py, the one `pdserve plan` uses), which ranks every layout of the pool's N
   instances: N colocated, 1P(N-1)D … (N-1)P1D. The best (the most capacity among those that meet the
   SLO, or the lowest latency without one) becomes the pool's layout; a close second does not displace
-  it (hysteresis), so the layout moves with the load, not with noise.
+  it (hysteresis), so the layout moves with the load, not with noise. While the hold keeps requests
+  waiting, a layout with less room on its decode side does not displace the current one either: the
+  line may block a change, never cause one.
 - the layout gives instances roles, softly: an instance leaving the decode side is the one decoding the
   least, one leaving the prefill side the one with the least prefill work waiting, and nothing restarts.
   Requests already running finish where they are.
@@ -147,17 +149,18 @@ class ElasticRouter:
         return arrival
 
     def place(self, members: Sequence[C], prompt_tokens: int, max_tokens: int | None,
-              arrival: Arrival | None = None) -> Placement[C]:  # fmt: skip
+              arrival: Arrival | None = None, waiting: int = 0) -> Placement[C]:  # fmt: skip
         """Where a request of ``prompt_tokens`` uncached tokens asking ``max_tokens`` goes, among the
         instances in service (``members``, at least one); ``arrival``: what ``arrive`` counted for it,
-        if it was called (else ``place`` counts it)."""
+        if it was called (else ``place`` counts it); ``waiting``: the requests the hold keeps back now
+        (holding.py), behind this one."""
         if not members:
             raise LookupError("no instance to place a request on")
         if arrival is None:
             arrival = self.arrive(prompt_tokens, max_tokens)
         now = self._clock()
         if now - self._planned_at >= self._settings.replan_s or self._is_outrun(now):
-            self._replan(len(members), now)
+            self._replan(len(members), now, waiting)
         self._assign_sides(members)
         placement = self._choose(members, prompt_tokens)
         if placement.predicted is not None:
@@ -181,6 +184,14 @@ class ElasticRouter:
         if not decodes:
             return math.inf
         return sum(max(0.0, self._max_batch - self._requests.get(url, 0)) for url in decodes)
+
+    def expected_arrivals(self, seconds: float) -> float:
+        """The requests this router expects in the next ``seconds``: at the rate its last plan saw (its
+        share of the pool's, with several proxy workers), and no more than came in the last ``seconds``,
+        so that the estimate ends with the traffic (a plan is made only as requests are placed, and
+        a held line may place none for a while)."""
+        planned = self._planned_rate * self._settings.traffic_share * seconds
+        return min(planned, float(len(self._recent(seconds))))
 
     def prefilled(self, placement: Placement[C], prompt_tokens: int) -> None:
         """The request's prefill ended (its KV is held for decode, or it failed)."""
@@ -312,7 +323,7 @@ class ElasticRouter:
         since = self._clock() - window_s
         return [a for a in self._arrivals if a.at >= since]
 
-    def _replan(self, num_instances: int, now: float) -> None:
+    def _replan(self, num_instances: int, now: float, waiting: int) -> None:
         self._planned_at = now
         costs, load = self._settings.costs, self._load()
         self._arrived_at_plan = self._num_arrived
@@ -330,27 +341,47 @@ class ElasticRouter:
         if pinned is None:
             ranked = self._sooner(ranked, num_instances, slo)
         best, current = ranked[0], next((lay for lay in ranked if lay.num_prefill == keep), None)
-        if current is not None and (pinned is not None or not _clearly_better(best, current)):
+        recent = self._recent(self._settings.window_s)
+        if current is not None and (
+            pinned is not None
+            or not _clearly_better(best, current)
+            or (waiting > 0 and self._room(best, load, slo, recent) < self._room(current, load, slo, recent))
+        ):
             best = current
         self._layout = best
         # Each of several proxy workers counts only the requests it placed, so it takes its share.
         model = Model(costs, load, slo, self._calibration)
         tpot_s = slo.tpot_ms / 1000 if slo is not None and slo.tpot_ms is not None else None
         self._whole_below = judging.cheap_below(costs)
-        recent = self._recent(self._settings.window_s)
         if best.is_split:
             span = self._span(self._settings.window_s, len(recent))
             self._whole_below = judging.whole_below(
                 costs, [a.input_len for a in recent], span * self._settings.traffic_share, best.num_decode,
                 model.decode_step_s(best.num_decode, load.rate), tpot_s,
             )  # fmt: skip
-        # The prompts a split layout's decode side computes itself stretch its steps as colocated ones
-        # do: its cap counts them, or a full batch takes them on top and misses the objective together.
-        whole_tokens = None
-        if best.is_split and recent:
-            whole_tokens = sum(a.input_len for a in recent if a.input_len <= self._whole_below) / len(recent)
-        batch = Model(costs, load, slo).max_batch(best.is_split, whole_tokens) * self._settings.traffic_share
+        batch = self._cap(best, load, slo, recent) * self._settings.traffic_share
         self._max_batch = max(1.0, math.floor(batch)) if batch < math.inf else math.inf
+
+    def _cap(self, layout: Layout, load: Load, slo: Slo | None, recent: Sequence[Arrival]) -> float:
+        """The most requests one of ``layout``'s decode-side instances runs within the TPOT objective, for
+        the whole pool (``Model.max_batch``; inf: no objective). The prompts a split layout's decode side
+        computes itself (those up to ``_whole_below``) stretch its steps as colocated ones do: its cap
+        counts them, or a full batch takes them on top and misses the objective together."""
+        costs = self._settings.costs
+        assert costs is not None
+        whole_tokens = None
+        if layout.is_split and recent:
+            whole_tokens = sum(a.input_len for a in recent if a.input_len <= self._whole_below) / len(recent)
+        return Model(costs, load, slo).max_batch(layout.is_split, whole_tokens)
+
+    def _room(self, layout: Layout, load: Load, slo: Slo | None, recent: Sequence[Arrival]) -> float:
+        """The requests ``layout``'s decode side runs at once within the TPOT objective: where the hold's
+        line drains. One rule for split and colocated layouts alike. While requests wait, a layout with
+        less room makes the line drain slower whatever its capacity promises, since a change moves no
+        running stream (seed 5 of the mixed traces, TTFT 300 ms / TPOT 10 ms: 2P2D went to 3P1D with 60
+        requests held, and the line grew to 390). The line only blocks a change: read into the ranking
+        it swings each second, and the verdict with it (BENCHMARKS.md)."""
+        return layout.num_decode * self._cap(layout, load, slo, recent)
 
     def _sooner(self, ranked: list[Layout], num_instances: int, slo: Slo | None) -> list[Layout]:
         """The layouts as the last seconds' arrivals rank them, where their first has more prefill-side
