@@ -130,19 +130,19 @@ class Hold:
     def wake(self) -> None:
         """Room may have opened (a request ended, an instance left or came): turns for those waiting."""
         now = self._now()
+        late_reserve: float | None = None  # the same for every late waiter: counted once, when one comes up
         while self._waiters:
             waiter = min(self._waiters, key=lambda w: (w.deadline < now, w))
-            if self.router.room() - self._woken < 1 + self._reserve(waiter, now):
+            reserve = 0.0  # one that can still meet its TTFT leaves nothing to requests yet to come
+            if waiter.deadline < now:
+                if late_reserve is None:
+                    late_reserve = _FRESH_RESERVE * self.router.expected_arrivals(self._late_s)
+                reserve = late_reserve
+            if self.router.room() - self._woken < 1 + reserve:
                 return
             self._waiters.remove(waiter)
             waiter.woken.set_result(None)
             self._woken += 1
-
-    def _reserve(self, waiter: _Waiter, now: float) -> float:
-        """The room ``waiter`` leaves to requests yet to come: none if it can still meet its TTFT."""
-        if waiter.deadline >= now:
-            return 0.0
-        return _FRESH_RESERVE * self.router.expected_arrivals(self._late_s)
 
     def _leave(self, waiter: _Waiter) -> bool:
         """Take ``waiter`` out of the line; whether it had been woken (its reserved room is released)."""
