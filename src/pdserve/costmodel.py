@@ -251,13 +251,30 @@ class Model:
         if whole_tokens is None:
             whole_tokens = 0.0 if is_split else self.req.input_len
         per_seq += self.p.prefill_per_token_s * whole_tokens / self.req.output_len
-        if not per_seq > 0:
-            return math.inf
-        most = (self.slo.tpot_ms / 1000 - self.p.step_base_s) / per_seq  # at the mean step
-        if most < 1:
-            return math.inf
-        root = (-self.z + math.sqrt(self.z**2 + 4 * most)) / 2  # B + z·√B = most
-        return max(1.0, root**2)
+        return batch_within(self.p, self.slo.tpot_ms / 1000, per_seq, self.z)
+
+
+def batch_within(costs: Costs, tpot_s: float, per_seq_s: float, z: float) -> float:
+    """The most sequences, each adding ``per_seq_s`` to a step, that one instance runs with its step
+    within ``tpot_s`` at the quantile ``z`` (``Model.max_batch``); inf: no bound (a lone one misses, or
+    they cost nothing)."""
+    if not per_seq_s > 0:
+        return math.inf
+    most = (tpot_s - costs.step_base_s) / per_seq_s  # at the mean step
+    if most < 1:
+        return math.inf
+    root = (-z + math.sqrt(z**2 + 4 * most)) / 2  # B + z·√B = most
+    return max(1.0, root**2)
+
+
+def step_share(costs: Costs, input_len: int, output_len: int, whole: bool) -> float:
+    """What one sequence adds to each step of the instance that decodes it, on average over its life:
+    its own share and its context (half its answer grown), and, computed there whole, its prompt spread
+    over its answer's steps."""
+    share = costs.decode_per_seq_s + costs.decode_per_ctx_token_s * (input_len + output_len / 2)
+    if whole:
+        share += costs.prefill_per_token_s * input_len / max(1, output_len)
+    return share
 
 
 def _wait_quantile(q: float, lam: float, service_s: float, phases: int) -> float:

@@ -169,6 +169,28 @@ def test_a_line_at_the_hold_blocks_a_layout_with_less_decode_room_but_causes_no_
     assert steady.layout == "8 colocated"
 
 
+def test_the_decode_side_takes_as_many_streams_as_their_own_lengths_allow_not_the_windows_mean() -> None:
+    """Within the TPOT objective a decode-side instance runs far more short chat streams than streams
+    holding 5,000-token contexts, whatever the recent traffic's mean length says; and each request goes
+    where the most room is left."""
+    admitted = {}
+    for prompt, output in ((300, 200), (5000, 100)):
+        r, clock = router()
+        members = pool()
+        drive(r, clock, members, 40, 12, 2000, 300)  # the window: a mean the two fills below share
+        placed = []
+        while r.room() >= 1:
+            placed.append(r.place(members, prompt, output))
+        admitted[prompt] = len(placed)
+        decodes = [m for m in members if r.side(m.url) == "decode"]
+        counts = [sum(1 for p in placed if p.decode is m) for m in decodes]
+        assert max(counts) - min(counts) <= 1  # the same streams everywhere: the room is even
+        shown = {m.url: r.batch(m.url) for m in members}  # what /instances shows of each
+        assert all((shown[m.url] is None) == (m not in decodes) for m in members)
+        assert all(b["running"] >= b["most"] for b in shown.values() if b is not None), shown
+    assert admitted[300] > 2.5 * admitted[5000]  # the same window: ~1.8x by its mean alone
+
+
 def test_an_instance_that_leaves_is_forgotten_and_never_chosen() -> None:
     r, clock = router()
     members = pool()

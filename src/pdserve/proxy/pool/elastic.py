@@ -19,8 +19,9 @@ Every instance of an elastic pool can take any role (vLLM decides per request fr
   except that a prompt cheaper to compute than a decode step stays whole on that decode (a split would
   cost more than it saves).
 - with a TPOT objective, each decode-side instance runs at most the requests whose steps keep within it
-  (``room``: the cost model's ``max_batch``, not calibrated); beyond that the proxy holds new requests back
-  (holding.py) rather than slow every stream on the instance past the objective.
+  (``room``: by the step costs, not calibrated, at what it runs and what arrives: batches.py); beyond
+  that the proxy holds new requests back (holding.py) rather than slow every stream there past the
+  objective. A request goes to the decode-side instance with the most room.
 - an instance out of service leaves both sides; with one instance left everything is whole there.
 - each stream that ended tells the router what it measured (``done``): measured over predicted, per
   kind of placement, calibrates the next plans (calibrator.py), so a profile of another GPU, or
@@ -42,6 +43,7 @@ from typing import Generic, Literal
 from pdserve.configparts import ElasticPool
 from pdserve.costmodel import Calibration, Layout, Load, Model, rank_layouts
 from pdserve.proxy.pool import judging
+from pdserve.proxy.pool.batches import DecodeBatches
 from pdserve.proxy.pool.calibrator import Calibrator
 from pdserve.proxy.pool.routing import C, load_score
 from pdserve.slo import Slo
@@ -79,6 +81,7 @@ class Placement(Generic[C]):
     # added when it ends (``ElasticRouter.done``), when the router knows which did.
     predicted: tuple[float, float] | None = None
     placed_at: float = 0.0  # the router's clock when it was placed
+    step_share_s: float = 0.0  # what it adds to each step of its decode (costmodel.step_share)
 
     @property
     def is_split(self) -> bool:
@@ -118,7 +121,7 @@ class ElasticRouter:
         self._planned_rate = 0.0  # the rate the last plan saw (requests/s)
         self._sides: dict[str, Side] = {}
         self._prefill_tokens: dict[str, int] = {}  # prompt tokens being prefilled there for a split
-        self._requests: dict[str, int] = {}  # requests decoding (or served whole) there
+        self._batches = DecodeBatches(settings.costs, settings.slo.tpot_ms, settings.window_s)
         # When the prompts sent there whole should be computed, by the step costs: a whole request's
         # first token is the flow's to see, not the router's, so its prefill is estimated instead.
         self._prompts_until: dict[str, float] = {}
@@ -130,6 +133,7 @@ class ElasticRouter:
         self._calibrator = Calibrator(_CALIBRATION_SAMPLES, _CALIBRATION_QUANTILE)
         self._calibration = Calibration()
         self._max_batch = math.inf  # requests a decode-side instance may run within the TPOT objective
+        self._z = 0.0  # the plan's quantile, in standard deviations
         self._whole_below = 0  # a split layout serves prompts this long or shorter whole on a decode
 
     # --- what the flow calls ----------------------------------------------------------------------
@@ -140,6 +144,7 @@ class ElasticRouter:
         now = self._clock()
         output_len = max(2, max_tokens if max_tokens is not None else _DEFAULT_OUTPUT_LEN)
         arrival = Arrival(now, prompt_tokens, output_len)
+        self._batches.arrived(now, prompt_tokens, output_len, self._whole_below)
         self._arrivals.append(arrival)
         self._num_arrived += 1
         if self._first_arrival is None:
@@ -163,6 +168,9 @@ class ElasticRouter:
             self._replan(len(members), now, waiting)
         self._assign_sides(members)
         placement = self._choose(members, prompt_tokens)
+        share = self._batches.share(prompt_tokens, arrival.output_len, whole=not placement.is_split)
+        if share > 0:
+            placement = replace(placement, step_share_s=share)
         if placement.predicted is not None:
             placement = replace(placement, predicted=self._own(placement, prompt_tokens, arrival.output_len),
                                 placed_at=now)  # fmt: skip
@@ -183,7 +191,7 @@ class ElasticRouter:
         decodes = [url for url, side in self._sides.items() if side == "decode"]
         if not decodes:
             return math.inf
-        return sum(max(0.0, self._max_batch - self._requests.get(url, 0)) for url in decodes)
+        return sum(max(0.0, self._cap_at(url) - self._batches.count(url)) for url in decodes)
 
     def expected_arrivals(self, seconds: float) -> float:
         """The requests this router expects in the next ``seconds``: at the rate its last plan saw (its
@@ -202,8 +210,7 @@ class ElasticRouter:
     def done(self, placement: Placement[C], measured: Measured | None = None) -> None:
         """The request ended, whatever the outcome; ``measured``: what it measured, when it streamed
         its answer as placed."""
-        url = placement.decode.url
-        self._requests[url] = max(0, self._requests.get(url, 0) - 1)
+        self._batches.end(placement.decode.url, placement.step_share_s)
         if measured is not None and placement.predicted is not None:
             ttft, tpot = placement.predicted
             if not placement.is_split:
@@ -244,9 +251,10 @@ class ElasticRouter:
 
     def forget(self, url: str) -> None:
         """The instance left the pool: its side and counts go with it."""
-        for table in (self._sides, self._prefill_tokens, self._requests, self._prompts_until,
-                      self._prefills_until, self._prompt_log):  # fmt: skip
+        for table in (self._sides, self._prefill_tokens, self._prompts_until, self._prefills_until,
+                      self._prompt_log):  # fmt: skip
             table.pop(url, None)
+        self._batches.forget(url)
 
     # --- what the routes read ---------------------------------------------------------------------
 
@@ -271,6 +279,14 @@ class ElasticRouter:
     def side(self, url: str) -> Side | None:
         return self._sides.get(url)
 
+    def batch(self, url: str) -> dict[str, int | None] | None:
+        """What the decode-side instance ``url`` runs for this router and the most it may run now (None:
+        no bound), by what it runs and what arrives; None for an instance on the prefill side."""
+        if self._sides.get(url) != "decode":
+            return None
+        most = self._cap_at(url)
+        return {"running": self._batches.count(url), "most": None if math.isinf(most) else int(most)}
+
     def describe(self) -> dict[str, object]:
         load = self._load()
         return {
@@ -286,6 +302,7 @@ class ElasticRouter:
                 "sources": self._calibrator.sources(),
             },
             "max_requests_per_decode": None if math.isinf(self._max_batch) else round(self._max_batch, 1),
+            "decode_batches": {url: self.batch(url) for url, side in self._sides.items() if side == "decode"},
             "whole_below_tokens": self._whole_below,
         }
 
@@ -351,6 +368,7 @@ class ElasticRouter:
         self._layout = best
         # Each of several proxy workers counts only the requests it placed, so it takes its share.
         model = Model(costs, load, slo, self._calibration)
+        self._z = model.z
         tpot_s = slo.tpot_ms / 1000 if slo is not None and slo.tpot_ms is not None else None
         self._whole_below = judging.cheap_below(costs)
         if best.is_split:
@@ -361,6 +379,12 @@ class ElasticRouter:
             )  # fmt: skip
         batch = self._cap(best, load, slo, recent) * self._settings.traffic_share
         self._max_batch = max(1.0, math.floor(batch)) if batch < math.inf else math.inf
+
+    def _cap_at(self, url: str) -> float:
+        """The most requests the decode-side instance ``url`` runs within the TPOT objective, by what it
+        runs and what arrives (batches.py); the plan's cap while it runs none."""
+        is_split = self._layout is not None and self._layout.is_split
+        return self._batches.cap(url, is_split, self._z, self._settings.traffic_share, self._max_batch)
 
     def _cap(self, layout: Layout, load: Load, slo: Slo | None, recent: Sequence[Arrival]) -> float:
         """The most requests one of ``layout``'s decode-side instances runs within the TPOT objective, for
@@ -408,7 +432,7 @@ class ElasticRouter:
         prefills = [u for u in urls if self._sides[u] == "prefill"]
         decodes = [u for u in urls if self._sides[u] == "decode"]
         while len(prefills) < want_prefill:
-            url = min(decodes, key=lambda u: self._requests.get(u, 0))
+            url = min(decodes, key=lambda u: self._batches.count(u))
             decodes.remove(url)
             prefills.append(url)
             self._sides[url] = "prefill"
@@ -437,7 +461,7 @@ class ElasticRouter:
             whole = self._least_prompt_backlog(self._with_room(members))
             return Placement(None, whole, layout, why, self._predicted(False))
         if self._is_cheap(prompt_tokens):
-            return Placement(None, self._least_requests(decode_side), layout, f"{layout}: {prompt_tokens} "
+            return Placement(None, self._most_room(decode_side), layout, f"{layout}: {prompt_tokens} "
                              "prompt tokens cost less than a decode step: whole on a decode")  # fmt: skip
         if prompt_tokens <= self._whole_below:
             # Short enough for the decode side's spare time: its TTFT is that instance's own prompts
@@ -445,7 +469,7 @@ class ElasticRouter:
             whole = self._least_prompt_backlog(self._with_room(decode_side))
             return Placement(None, whole, layout, f"{layout}: {prompt_tokens} prompt tokens <= "
                              f"{self._whole_below}, within the decode side's spare time: whole on a decode")  # fmt: skip
-        decode = self._least_requests(decode_side)
+        decode = self._most_room(decode_side)
         prefill = self._least_prefill(prefill_side)
         return Placement(prefill, decode, layout, self._why_split(layout), self._predicted(True))
 
@@ -468,7 +492,7 @@ class ElasticRouter:
         now, decode = self._clock(), placement.decode.url
         steps = -(-prompt_tokens // costs.max_num_batched_tokens)
         per_seq = costs.decode_per_seq_s + costs.decode_per_ctx_token_s * (prompt_tokens + output_len / 2)
-        step = costs.step_base_s + per_seq * (self._requests.get(decode, 0) + 1)
+        step = costs.step_base_s + per_seq * (self._batches.count(decode) + 1)
         compute = steps * costs.step_base_s + costs.prefill_per_token_s * prompt_tokens
         if placement.prefill is None:
             ahead = max(0.0, self._prompts_until.get(decode, now) - now)
@@ -504,11 +528,17 @@ class ElasticRouter:
 
     def _with_room(self, members: Sequence[C]) -> Sequence[C]:
         """Those of ``members`` below the most requests the TPOT objective allows (all, if none is)."""
-        below = [m for m in members if self._requests.get(m.url, 0) < self._max_batch]
+        below = [m for m in members if self._batches.count(m.url) < self._cap_at(m.url)]
         return below or members
 
+    def _most_room(self, members: Sequence[C]) -> C:
+        """The decode-side instance furthest below its cap (``_cap_at``), then with the fewest requests:
+        the caps differ by what each runs, so the fewest requests may be the one with no room left."""
+        return min(members, key=lambda m: (self._batches.count(m.url) - self._cap_at(m.url),
+                                           self._batches.count(m.url), load_score(m)))  # fmt: skip
+
     def _least_requests(self, members: Sequence[C]) -> C:
-        return min(members, key=lambda m: (self._requests.get(m.url, 0), load_score(m)))
+        return min(members, key=lambda m: (self._batches.count(m.url), load_score(m)))
 
     def _least_prompt_backlog(self, members: Sequence[C]) -> C:
         """Where a whole request's prompt is computed soonest. Its TTFT is the prompts queued ahead of it
@@ -519,14 +549,14 @@ class ElasticRouter:
             return self._least_requests(members)
         now = self._clock()
         return min(members, key=lambda m: (max(now, self._prompts_until.get(m.url, now)),
-                                           self._requests.get(m.url, 0), load_score(m)))  # fmt: skip
+                                           self._batches.count(m.url), load_score(m)))  # fmt: skip
 
     def _least_prefill(self, members: Sequence[C]) -> C:
         return min(members, key=lambda m: (self._prefill_tokens.get(m.url, 0), load_score(m)))
 
     def _begin(self, placement: Placement[C], prompt_tokens: int) -> None:
         decode = placement.decode.url
-        self._requests[decode] = self._requests.get(decode, 0) + 1
+        self._batches.begin(decode, placement.step_share_s)
         if placement.prefill is not None:
             url = placement.prefill.url
             self._prefill_tokens[url] = self._prefill_tokens.get(url, 0) + prompt_tokens

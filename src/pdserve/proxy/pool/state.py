@@ -220,11 +220,13 @@ class ProxyState:
 
     def describe_instance(self, instance: Instance) -> dict[str, object]:
         """``Instance.describe`` with what the pool knows of it: the KV it holds for decodes, whether a
-        drain is complete, and in an elastic pool the side it leans to."""
+        drain is complete, and in an elastic pool the side it leans to and, on the decode side, the
+        requests it runs and the most the hold lets it run now (``decode_batch``)."""
         about = {**instance.describe(), "kv_held": self.ledger.num_held_at(instance.url),
                  "drained": instance.is_draining and self.is_drained(instance)}  # fmt: skip
         if self.elastic is not None:
             about["side"] = self.elastic.side(instance.url)
+            about["decode_batch"] = self.elastic.batch(instance.url)
         return about
 
     @property
