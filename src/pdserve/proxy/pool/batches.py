@@ -6,21 +6,21 @@ Each request adds its step share to the instance that decodes it, from its place
 when that instance computes it). An instance's cap is the most requests whose steps stay within the
 objective at the plan's quantile (``costmodel.batch_within``), at the larger of two per-request shares:
 
-- the mean share of what it runs now: the plan's cap counts the window's mean lengths, which lag the
-  traffic by up to the window (10 s, longer than the mixed traces' phases) and ignore which requests
-  are where. A batch of chat streams has room that the window's long prompts of the phase before would
-  deny it (seed 4 of the mixed traces, TTFT 300 ms / TPOT 10 ms: 2P2D with the hold served 59 req/s of
-  its chat-heavy phase, at a TPOT p90 of 9.0 ms, where 2P2D without it served 80);
+- the mean share of what it runs now: the plan's cap counts the window's mean lengths, the same for
+  every instance, so one running short chat streams was held where it had room, and one holding
+  5,000-token contexts took more than it could keep within the objective;
 - the arrivals' mean share, each weighted by its answer's length (a stream stays as many steps as it
   has tokens, so this is the batch they make), forgotten over the plan's window (``memory_s``: each
   arrival's weight falls e-fold a window; of 2, 3.5, 5 and 10 s on the mixed traces, 2 let agent bursts'
   contexts in behind a cheap batch, and 10 did best by a run): a batch of short chat streams is no
   promise for the long answers arriving now, which stay far longer. With the first alone, the
   long-answer phase after a chat-heavy one admitted as many long answers as the chat allowed, and
-  their TPOT p90 rose to 12.9 ms.
+  their TPOT p90 rose to 12.9 ms (seed 5 of the mixed traces, TTFT 1 s / TPOT 10 ms).
 
-The arrivals count their prompts as computed where they decode by the layout they meet: all of them
-colocated, those up to the router's ``whole_below`` on a split layout. No clock but the one given.
+Over the mixed traces (seeds 0-7 x 4 SLO pairs) this put 23 runs within 5 % of the best fixed layout in
+every phase where the plan's cap put 19 (BENCHMARKS.md). The arrivals count their prompts as computed
+where they decode by the layout they meet: all of them colocated, those up to the router's
+``whole_below`` on a split layout. No clock but the one given.
 """
 
 from __future__ import annotations
