@@ -101,6 +101,9 @@ async def test_instances_show_their_side(pool: tuple[str, ...], proxy: str) -> N
     assert sorted(i["url"] for i in instances) == sorted(pool)  # each once, though it serves both roles
     assert {i["role"] for i in instances} == {"elastic"}
     assert all(i["side"] in ("prefill", "decode") for i in instances)
+    # A decode-side instance shows what it runs and the most the hold lets it run; a prefill-side, none.
+    assert all((i["decode_batch"] is None) == (i["side"] == "prefill") for i in instances)
+    assert all(set(i["decode_batch"]) == {"running", "most"} for i in instances if i["side"] == "decode")
 
 
 @pytest.mark.parametrize("attempts", [1, 2])
