@@ -15,7 +15,7 @@ objective at the plan's quantile (``costmodel.batch_within``), at the larger of 
   contexts in behind a cheap batch, and 10 did best by a run): a batch of short chat streams is no
   promise for the long answers arriving now, which stay far longer. With the first alone, the
   long-answer phase after a chat-heavy one admitted as many long answers as the chat allowed, and
-  their TPOT p90 rose to 12.9 ms (seed 5 of the mixed traces, TTFT 1 s / TPOT 10 ms).
+  their TPOT p90 rose to 11.5 ms (seed 5 of the mixed traces, TTFT 1 s / TPOT 10 ms).
 
 Over the mixed traces (seeds 0-7 x 4 SLO pairs) this put 23 runs within 5 % of the best fixed layout in
 every phase where the plan's cap put 19 (BENCHMARKS.md). The arrivals count their prompts as computed
