@@ -153,7 +153,7 @@ class Model:
         self.kv_bytes = float(n_in * p.kv_bytes_per_token)
         self.transfer_s = p.pull_seconds(blocks)
         # Decode's cost per sequence in a step: its own share plus reading its context (mean length).
-        self.per_seq_s = p.decode_per_seq_s + p.decode_per_ctx_token_s * (n_in + n_out / 2)
+        self.per_seq_s = step_share(p, n_in, n_out, whole=False)
 
     def decode_step_s(self, num_decode: int, rate: float) -> float:
         """The mean step of each of ``num_decode`` decode instances sharing ``rate`` requests/s, times the

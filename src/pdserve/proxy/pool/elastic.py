@@ -41,7 +41,7 @@ from dataclasses import dataclass, replace
 from typing import Generic, Literal
 
 from pdserve.configparts import ElasticPool
-from pdserve.costmodel import Calibration, Layout, Load, Model, rank_layouts
+from pdserve.costmodel import Calibration, Layout, Load, Model, rank_layouts, step_share
 from pdserve.proxy.pool import judging
 from pdserve.proxy.pool.batches import DecodeBatches
 from pdserve.proxy.pool.calibrator import Calibrator
@@ -491,7 +491,7 @@ class ElasticRouter:
         assert costs is not None and layout is not None
         now, decode = self._clock(), placement.decode.url
         steps = -(-prompt_tokens // costs.max_num_batched_tokens)
-        per_seq = costs.decode_per_seq_s + costs.decode_per_ctx_token_s * (prompt_tokens + output_len / 2)
+        per_seq = step_share(costs, prompt_tokens, output_len, whole=False)
         step = costs.step_base_s + per_seq * (self._batches.count(decode) + 1)
         compute = steps * costs.step_base_s + costs.prefill_per_token_s * prompt_tokens
         if placement.prefill is None:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from pdserve.costmodel import Costs
+from pdserve.costmodel import Costs, step_share
 
 # The share of a decode-side instance's spare time (within its TPOT objective) that whole prompts may
 # take: the rest absorbs the load estimate's error and the batches' Poisson swings.
@@ -68,8 +68,7 @@ def alone(costs: Costs, is_split: bool, prompt_tokens: int, output_len: int) -> 
     """The model's (TTFT, TPOT) of a lone request on an idle pool: nothing queued ahead, a batch of one
     (what a start-up measurement is compared to)."""
     steps = -(-prompt_tokens // costs.max_num_batched_tokens)
-    per_seq = costs.decode_per_seq_s + costs.decode_per_ctx_token_s * (prompt_tokens + output_len / 2)
-    step = costs.step_base_s + per_seq
+    step = costs.step_base_s + step_share(costs, prompt_tokens, output_len, whole=False)
     compute = steps * costs.step_base_s + costs.prefill_per_token_s * prompt_tokens
     if not is_split:
         return costs.lone_request_overhead_s + compute + step, step
