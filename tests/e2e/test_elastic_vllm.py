@@ -42,6 +42,7 @@ pytestmark = pytest.mark.vllm
 
 LONG_PROMPT = " ".join(["the harbour lights came on one by one"] * 90)  # ~800 tokens: split
 SHORT_PROMPT = "the harbour lights came on"  # a few tokens: whole
+_ATTEMPTS = 3
 
 
 @pytest.fixture(scope="module")
@@ -89,17 +90,24 @@ def test_the_router_splits_long_prompts_and_keeps_short_ones_whole_each_answer_a
 ) -> None:
     alone = pool.urls("elastic")[0]
     decisions = []
-    for prompt in (LONG_PROMPT, SHORT_PROMPT):
-        prompt = f"{uuid.uuid4().hex[:8]} {prompt}"  # no prefix cached from another test
-        request_id = f"elastic-{kind}-{uuid.uuid4().hex[:12]}"
-        # Summed over every instance (vllm:nixl_xfer_time_seconds_count): whichever decoded counts it.
-        before = transfer_counts(pool.urls("elastic"))
-        text = _ask(pool.proxy_url, model, kind, prompt, stream, request_id)
-        record = _record(pool, request_id)
-        placement = record["placement"]
-        moved = wait_for_transfers(pool.urls("elastic"), before, expected=1 if placement["split"] else 0)
+    for base in (LONG_PROMPT, SHORT_PROMPT):
+        for _ in range(_ATTEMPTS):
+            prompt = f"{uuid.uuid4().hex[:8]} {base}"  # no prefix cached from another test
+            request_id = f"elastic-{kind}-{uuid.uuid4().hex[:12]}"
+            # Summed over every instance (vllm:nixl_xfer_time_seconds_count): whichever decoded counts it.
+            before = transfer_counts(pool.urls("elastic"))
+            text = _ask(pool.proxy_url, model, kind, prompt, stream, request_id)
+            record = _record(pool, request_id)
+            placement = record["placement"]
+            moved = wait_for_transfers(pool.urls("elastic"), before, expected=1 if placement["split"] else 0)
+            assert text and text == _ask(alone, model, kind, prompt, stream)  # right, even when served again
+            if not record["retries"]:
+                break
+            # The proxy served it again (a decode stalled past the KV lease on a busy 2-core host, and the
+            # lease guard would not relay its answer): right, but not the placement this test is about.
+            print(f"[elastic] {request_id} was served again: {record['retries']}", flush=True)
+        assert not record["retries"], record
         assert moved.failed == 0, record
-        assert text and text == _ask(alone, model, kind, prompt, stream)
         assert placement["decode_url"] == record["decode_url"] and placement["reason"], record
         if placement["split"]:
             assert placement["prefill_url"] == record["prefill_url"] != placement["decode_url"], record

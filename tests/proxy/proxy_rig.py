@@ -3,6 +3,7 @@ would be), on sockets bound before they start so callers may connect at once."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -64,3 +65,35 @@ def running_proxy(
     proxy_config = ProxyConfig(port=sock.getsockname()[1], timeouts=TIMEOUTS, **config)
     with serve_in_thread(make_server(proxy_config, log_level="warning"), sock) as url:
         yield url
+
+
+class DiesAfterItsFirstCheck:
+    """An instance that passes the proxy's first health check (the proxy checks at once when it starts),
+    then is gone: its port refuses connections. A member that died between two checks, as the requests
+    that meet it first find it (the port refuses them from ``died()`` on)."""
+
+    def __init__(self) -> None:
+        self._sock = listening_socket()
+        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+        self._answered = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return  # closed: died
+            with conn:
+                request = conn.recv(65536)
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+            if request.startswith(b"GET /health"):
+                self._answered.set()
+
+    def died(self, timeout_s: float = CLIENT_TIMEOUT) -> str:
+        """Once a health check passed: close the port, and the URL that now refuses connections."""
+        assert self._answered.wait(timeout_s), "the proxy never checked it"
+        self._sock.close()
+        self._thread.join(timeout_s)
+        return self.url

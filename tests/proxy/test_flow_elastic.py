@@ -11,7 +11,7 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
-from proxy_rig import elastic_pool, running_proxy
+from proxy_rig import DiesAfterItsFirstCheck, elastic_pool, running_proxy
 from sim_matrix import PROFILE, all_stats
 
 from pdserve.configparts import ElasticPool
@@ -113,9 +113,10 @@ async def test_a_dead_prefill_leaves_the_request_to_another_or_to_its_decode(
     """Survivors take every role: the router's prefill refuses connections; a second attempt prefills
     elsewhere (never on the decode itself), and with none left the decode computes the prompt. The
     client never hears of it."""
-    dead = "http://127.0.0.1:9"
-    members = (pool[0], dead, pool[1])  # the router's ties go in order: decode pool[0], prefill dead
+    dying = DiesAfterItsFirstCheck()
+    members = (pool[0], dying.url, pool[1])  # the router's ties go in order: decode pool[0], prefill dead
     with running_proxy(pools=elastic_pool(members, max_attempts=attempts)) as proxy:
+        dead = dying.died()
         async with aiohttp.ClientSession() as http:
             answer = await _complete(http, proxy, LONG, f"elastic-dead-{attempts}")
             async with http.get(f"{proxy}/requests") as resp:
@@ -136,8 +137,9 @@ async def test_a_dead_prefill_leaves_the_request_to_another_or_to_its_decode(
 async def test_a_dead_decode_hands_the_kv_to_another_instance(pool: tuple[str, ...]) -> None:
     """The router's decode refuses connections: it never read prefill's params, so the retry takes
     them to another instance than the one holding the KV, which pulls it: nothing is left held."""
-    dead = "http://127.0.0.1:9"
-    with running_proxy(pools=elastic_pool((dead, *pool))) as proxy:
+    dying = DiesAfterItsFirstCheck()
+    with running_proxy(pools=elastic_pool((dying.url, *pool))) as proxy:
+        dead = dying.died()
         async with aiohttp.ClientSession() as http:
             before = await _pulls(http, pool)
             answer = await _complete(http, proxy, LONG, "elastic-dead-decode")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 
@@ -91,6 +92,21 @@ async def test_health_checks_refresh_load_and_an_instance_that_recovers_is_forgo
     await checker.check(instance)
     assert policy.pick([instance], [1, 2, 3]).num_cached_tokens > 0  # reported once, not at every check
     assert state.pool("decode").available() == [instance]
+
+
+async def test_the_checks_begin_when_the_proxy_starts_so_its_first_requests_find_each_engines_load() -> None:
+    # prefill's lease counter among that load: without it the lease guard suspects any late answer
+    upstream = StubUpstream()
+    state, instance = one_instance(upstream)
+    checker = asyncio.create_task(HealthChecker(state, interval_s=3600, timeout_s=1).run())
+    try:
+        for _ in range(100):
+            if instance.load.num_running:
+                break
+            await asyncio.sleep(0.01)
+    finally:
+        checker.cancel()
+    assert instance.load == EngineLoad(num_running=3.0, num_waiting=2.0)
 
 
 async def test_one_slow_health_check_does_not_take_a_working_instance_out_of_service() -> None:

@@ -42,7 +42,9 @@ class HealthChecker:
         await asyncio.gather(*(self.check(i) for i in self._state.instances))
 
     async def run(self) -> None:
-        """Check every instance every ``interval_s`` until cancelled."""
+        """Check every instance at once, then every ``interval_s`` until cancelled: the first requests
+        already find each engine's load, and prefill's lease counter that the lease guard compares
+        against (kv/guard.py: without it, any answer past the lease is suspect)."""
         while True:
-            await asyncio.sleep(self._interval_s)
             await self.check_all()
+            await asyncio.sleep(self._interval_s)
