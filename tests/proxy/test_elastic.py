@@ -148,17 +148,18 @@ def test_a_steady_load_does_not_flap_between_layouts() -> None:
 
 def test_a_line_at_the_hold_blocks_a_layout_with_less_decode_room_but_causes_no_change() -> None:
     """Requests waiting for decode room keep the pool off a layout whose decode side runs fewer streams
-    (the line would drain slower), and move it nowhere the traffic alone would not."""
+    (the line would drain slower) while the one it has meets the objectives, and move it nowhere the
+    traffic alone would not."""
     free, clock = router()
     drive(free, clock, pool(), 40, 12, 300, 1000)
-    drive(free, clock, pool(), 90, 6, 2000, 128)
+    drive(free, clock, pool(), 90, 6, 1000, 128)
     assert free.layout == "5P3D"  # nobody waiting: the prefill-heavy traffic splits
     held, clock = router()
     members = pool()
     drive(held, clock, members, 40, 12, 300, 1000)
-    drive(held, clock, members, 90, 6, 2000, 128, waiting=5)
+    drive(held, clock, members, 90, 6, 1000, 128, waiting=5)
     assert held.layout == "8 colocated"  # three decode-side instances hold fewer streams than eight
-    drive(held, clock, members, 90, 2, 2000, 128)
+    drive(held, clock, members, 90, 2, 1000, 128)
     assert held.layout == "5P3D"  # the line gone, the change it blocked comes at the next plan
     # The other way round the colocated layout has more room: the line does not block it.
     drive(held, clock, members, 40, 15, 300, 1000, waiting=5)
@@ -167,6 +168,20 @@ def test_a_line_at_the_hold_blocks_a_layout_with_less_decode_room_but_causes_no_
     steady, clock = router()
     drive(steady, clock, pool(), 40, 12, 300, 1000, waiting=50)
     assert steady.layout == "8 colocated"
+
+
+def test_a_line_at_the_hold_keeps_no_layout_that_misses_the_objectives_where_another_meets_them() -> None:
+    """Requests wait for decode room, but the layout with more of it has one prefill-side instance for a
+    wave of 2,000-token prompts: it misses the TTFT objective for every request, the line included, and
+    the layout that meets both objectives takes over though its decode side runs fewer streams."""
+    held, clock = router()
+    members = pool(4)
+    drive(held, clock, members, 45, 12, 2000, 1000)
+    assert held.layout == "1P3D"  # long answers: the decode side's room
+    drive(held, clock, members, 30, 6, 2000, 200, waiting=5)
+    assert held.layout == "2P2D"
+    plan = held.describe()
+    assert plan["predicted_ttft_ms"] <= SLO.ttft_ms and plan["predicted_tpot_ms"] <= SLO.tpot_ms, plan
 
 
 def test_the_decode_side_takes_as_many_streams_as_their_own_lengths_allow_not_the_windows_mean() -> None:
