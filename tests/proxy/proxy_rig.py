@@ -3,6 +3,7 @@ would be), on sockets bound before they start so callers may connect at once."""
 
 from __future__ import annotations
 
+import socket
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -94,6 +95,9 @@ class DiesAfterItsFirstCheck:
     def died(self, timeout_s: float = CLIENT_TIMEOUT) -> str:
         """Once a health check passed: close the port, and the URL that now refuses connections."""
         assert self._answered.wait(timeout_s), "the proxy never checked it"
+        # A close alone would leave the thread in accept() holding the socket open: the port would go on
+        # answering. A shutdown wakes it and stops the listening.
+        self._sock.shutdown(socket.SHUT_RDWR)
         self._sock.close()
         self._thread.join(timeout_s)
         return self.url
